@@ -1,0 +1,175 @@
+"""FlatConfig: every knob of megatron-flat, validated once.
+
+All four techniques are off by default, so ``FlatConfig()`` changes nothing. A config is
+built from code (``FlatConfig(dispatch=True, ...)``) or from Megatron-LM's parsed
+arguments (``FlatConfig.from_args(args)`` after ``add_flat_args`` was the
+``extra_args_provider``). ``validate()`` runs in ``__post_init__``: a bad knob fails at
+construction with a message that names the knob and the flag, before any process group
+or collective is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+GIB = 1 << 30
+
+DISPATCH_MEMBERSHIPS = ("strided", "contiguous")
+VOCAB_MODES = ("auto", "weights", "activations")
+
+
+def _flag(name: str) -> str:
+    return "--flat-" + name.replace("_", "-")
+
+
+@dataclass
+class FlatConfig:
+    """Knobs of the four techniques (DESIGN.md §2). Field metadata carries the flag help."""
+
+    # PipelinedLLEP: the expert-dispatch peak.
+    dispatch: bool = field(default=False, metadata={"help": "Use PipelinedLLEP for MoE dispatch."})
+    dispatch_chunk_tokens: int = field(
+        default=4096, metadata={"help": "Per-source token cap per chunk (c)."}
+    )
+    dispatch_max_chunks: int = field(
+        default=10, metadata={"help": "Most chunks per layer per step (K_max)."}
+    )
+    dispatch_membership: str = field(
+        default="strided",
+        metadata={"help": "Chunk membership: strided (token t -> chunk t mod K) or contiguous.",
+                  "choices": DISPATCH_MEMBERSHIPS},
+    )
+    llep_alpha: float = field(
+        default=1.0, metadata={"help": "LLEP capacity factor alpha (cap = alpha * mean load)."}
+    )
+    llep_min_tokens_per_gemm: int = field(
+        default=1024, metadata={"help": "LLEP skips spill pieces smaller than this (m)."}
+    )
+    llep_imbalance_threshold: float = field(
+        default=1.3,
+        metadata={"help": "Use plain EP when max/mean rank load is below this (lambda); "
+                          "0 always plans LLEP."},
+    )
+
+    # Ring-DTP: the vocabulary-projection peak.
+    vocab: bool = field(
+        default=False, metadata={"help": "Use Ring-DTP for the output layer and loss."}
+    )
+    vocab_mode: str = field(
+        default="auto",
+        metadata={"help": "Ring schedule: move weights, move activations, or auto.",
+                  "choices": VOCAB_MODES},
+    )
+    vocab_block_size: int = field(
+        default=8192, metadata={"help": "Vocabulary strip width when the ring has one rank."}
+    )
+
+    # SCO: the checkpoint-boundary peak.
+    sco: bool = field(
+        default=False, metadata={"help": "Offload checkpoint boundaries to pinned host memory."}
+    )
+    sco_host_budget_gib: float = field(
+        default=0.0, metadata={"help": "Host budget for boundaries, GiB (0: nothing offloaded)."}
+    )
+    sco_prefetch: int = field(
+        default=1, metadata={"help": "Boundaries restored ahead of the recompute."}
+    )
+
+    # OffloadStreamAdamW: the optimizer-state peak.
+    optimizer_offload: bool = field(
+        default=False, metadata={"help": "Keep AdamW state in pinned host memory, streamed."}
+    )
+    optimizer_bucket_numel: int = field(
+        default=100_000_000, metadata={"help": "Parameters per optimizer bucket."}
+    )
+    optimizer_num_slots: int = field(
+        default=2, metadata={"help": "Device staging slots for the optimizer pipeline."}
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid knob (and its flag)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                self._bad(f.name, value, "must be True or False")
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
+                self._bad(f.name, value, "must be an integer")
+            if f.type in ("float", float) and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                self._bad(f.name, value, "must be a number")
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                self._bad(f.name, value, f"must be one of {', '.join(choices)}")
+        for name in ("dispatch_chunk_tokens", "dispatch_max_chunks", "llep_min_tokens_per_gemm",
+                     "vocab_block_size", "optimizer_bucket_numel", "optimizer_num_slots"):
+            if getattr(self, name) < 1:
+                self._bad(name, getattr(self, name), "must be >= 1")
+        if not self.llep_alpha > 0:
+            self._bad("llep_alpha", self.llep_alpha, "must be > 0")
+        if self.llep_imbalance_threshold < 0:
+            self._bad("llep_imbalance_threshold", self.llep_imbalance_threshold, "must be >= 0")
+        if self.sco_host_budget_gib < 0:
+            self._bad("sco_host_budget_gib", self.sco_host_budget_gib, "must be >= 0")
+        if self.sco_prefetch < 0:
+            self._bad("sco_prefetch", self.sco_prefetch, "must be >= 0")
+
+    @staticmethod
+    def _bad(name: str, value: Any, why: str) -> None:
+        raise ValueError(f"FlatConfig.{name} ({_flag(name)}) {why}; got {value!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def sco_host_budget_bytes(self) -> int:
+        return int(self.sco_host_budget_gib * GIB)
+
+    @property
+    def any_enabled(self) -> bool:
+        return self.dispatch or self.vocab or self.sco or self.optimizer_offload
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "FlatConfig":
+        """Build from parsed ``--flat-*`` flags; attributes missing from ``args`` keep defaults."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            attr = "flat_" + f.name
+            if hasattr(args, attr):
+                values[f.name] = getattr(args, attr)
+        return cls(**values)
+
+
+def add_flat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every ``--flat-*`` flag to ``parser`` and return it.
+
+    Has the shape of Megatron-LM's ``extra_args_provider`` (takes and returns the parser),
+    so ``pretrain(..., extra_args_provider=add_flat_args)`` works; calling it on a parser
+    that already has the flags is a no-op, so it composes with other providers.
+    """
+    if any(a.dest == "flat_dispatch" for a in parser._actions):
+        return parser
+    group = parser.add_argument_group("megatron-flat", "Flatten the four memory peaks.")
+    defaults = FlatConfig()
+    for f in dataclasses.fields(FlatConfig):
+        default = getattr(defaults, f.name)
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        dest = "flat_" + f.name
+        if f.type in ("bool", bool):
+            group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction,
+                               default=default, help=help_text)
+            continue
+        kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str)
+                                                           else f.type.__name__, str)
+        group.add_argument(_flag(f.name), dest=dest, type=kind, default=default,
+                           choices=f.metadata.get("choices"), help=help_text)
+    return parser

@@ -1,0 +1,544 @@
+"""Run Megatron-Core on a CPU-only torch with the gloo backend.
+
+``enable_cpu_backend()`` applies a small set of narrow patches so that the parts of
+Megatron-Core that megatron-flat builds on (GPTModel with MoE layers, the alltoall and
+allgather dispatchers, TP with sequence parallelism, PP with the 1F1B schedule, the
+DistributedOptimizer, full recompute) run on CPU tensors. It exists for tests, the
+demo and benchmarks on machines without a GPU; production runs never call it.
+
+Contract:
+- Every patch is a no-op when CUDA is available (``enable_cpu_backend`` returns without
+  touching anything), so calling it on a GPU machine is harmless.
+- Every patch names the megatron-core versions it applies to and why it is needed.
+- Patches are applied once (idempotent) and can be listed with ``applied_patches()``.
+
+The main mechanism is a *CPU view of torch.cuda* confined to named Megatron modules:
+their module-global ``torch`` is replaced by a proxy that is the real ``torch`` except
+for ``torch.cuda``, which maps devices to ``cpu``, streams and events to inline
+objects, and the CUDA RNG to the CPU generator. User code and torch itself are never
+changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import logging
+import types
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from megatron_flat.megatron import compat
+
+log = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
+
+
+class _InlineStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU: work is complete when it returns."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = CPU
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _InlineEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        # One inline stream is as good as another: there is no concurrency on CPU.
+        return isinstance(other, _InlineStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _InlineEvent:
+    """Stand-in for ``torch.cuda.Event`` on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """The subset of ``torch.cuda`` Megatron-Core touches, answered for the CPU.
+
+    Attributes not defined here fall through to the real ``torch.cuda`` (so a missed
+    CUDA-only call still fails loudly, as it would have without the patch).
+    """
+
+    Stream = _InlineStream
+    Event = _InlineEvent
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def current_device():
+        return CPU
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
+
+    @staticmethod
+    def current_stream(device=None):
+        return _InlineStream()
+
+    @staticmethod
+    def default_stream(device=None):
+        return _InlineStream()
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def set_device(device) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def nvtx_range_push(msg) -> None:
+        pass
+
+    # The "device" RNG is the CPU default generator: the RNG tracker then forks the
+    # generator CPU ops (dropout) really use, so TP-region dropout differs per rank as
+    # Megatron intends and recompute restores it.
+    get_rng_state = staticmethod(torch.get_rng_state)
+    set_rng_state = staticmethod(torch.set_rng_state)
+    manual_seed = staticmethod(torch.manual_seed)
+    manual_seed_all = staticmethod(torch.manual_seed)
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        return 0
+
+    max_memory_allocated = memory_allocated
+    memory_reserved = memory_allocated
+    max_memory_reserved = memory_allocated
+
+
+# Tensor factories whose ``device="cuda"`` literal (e.g. the causal mask, DDP buffers)
+# must become the CPU inside proxied modules.
+_FACTORIES = frozenset(
+    "empty zeros ones full arange tensor as_tensor rand randn randint randperm linspace "
+    "empty_like zeros_like ones_like full_like".split()
+)
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return CPU
+    return device
+
+
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def call(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return call
+
+
+class _TorchWithCpuCuda(types.ModuleType):
+    """The real ``torch`` module, except that ``.cuda`` is ``_CudaOnCpu`` and tensor
+    factories place ``device="cuda"`` tensors on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_TORCH_PROXY: Optional[_TorchWithCpuCuda] = None
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One CPU patch: what it changes, for which megatron-core versions, and why."""
+
+    name: str
+    reason: str
+    apply: Callable[[], None]
+    versions: Tuple[Tuple[int, int], Tuple[int, int]] = ((0, 16), (0, 99))
+
+    def applies_to(self, version: Tuple[int, int]) -> bool:
+        return self.versions[0] <= version <= self.versions[1]
+
+
+_APPLIED: List[str] = []
+
+
+def _torch_proxy() -> _TorchWithCpuCuda:
+    global _TORCH_PROXY
+    if _TORCH_PROXY is None:
+        _TORCH_PROXY = _TorchWithCpuCuda()
+    return _TORCH_PROXY
+
+
+def _proxy_torch_in(*module_names: str) -> Callable[[], None]:
+    """Give the named Megatron modules the CPU view of ``torch.cuda``.
+
+    Modules missing from the installed release are skipped (their twin elsewhere is listed
+    separately for the release that has it).
+    """
+
+    def apply() -> None:
+        for name in module_names:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if getattr(module, "torch", None) is torch:
+                module.torch = _torch_proxy()
+
+    return apply
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's tracker over the CPU generator.
+
+        Same bookkeeping as the CUDA tracker; ``fork`` omits the "CPU RNG state changed"
+        check, which on CPU always fires because the forked generator *is* the CPU one.
+        """
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            outer_name = self._current_state_name
+            if outer_name != "default-rng":
+                self.states_[outer_name] = outer
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if outer_name != "default-rng":
+                    outer = self.states_[outer_name]
+                torch.set_rng_state(outer)
+                self._current_state_name = outer_name
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.torch = _torch_proxy()  # torch.cuda.manual_seed / get_rng_state in add()
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_split_sizes() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        # Megatron converts split sizes to host numbers only for CUDA tensors; on CPU they
+        # stayed tensors, which all_to_all_single rejects as split sizes.
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _define_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _allow_sequence_parallel_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original, "_megatron_flat", False):
+        return
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        # The torch norm itself is sequence-parallel-agnostic (it normalises each token);
+        # what SP needs is that its weight grads, partial over each rank's sequence shard,
+        # are all-reduced over TP. Marking the params ``sequence_parallel`` makes
+        # finalize_model_grads do exactly that, as it does for TE norms.
+        plain = copy.copy(config)
+        object.__setattr__(plain, "sequence_parallel", False)
+        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    __new__._megatron_flat = True
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    """Run ``fn`` while ``Tensor.type()`` names CPU tensors like CUDA ones.
+
+    Megatron's optimizers classify params by ``param.type() == 'torch.cuda.FloatTensor'``
+    (and Half/BFloat16) and reject anything else; on CPU the same classification is right
+    once the name is read as the CUDA name. Scoped to the wrapped call only.
+    """
+    if getattr(fn, "_megatron_flat", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        original = torch.Tensor.type
+        if getattr(original, "_megatron_flat", False):  # already inside a wrapped call
+            return fn(*args, **kwargs)
+
+        def type_(self, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw and self.device.type == "cpu":
+                return original(self).replace("torch.", "torch.cuda.", 1)
+            return original(self, dtype, non_blocking, **kw)
+
+        type_._megatron_flat = True
+        torch.Tensor.type = type_
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    call._megatron_flat = True
+    return call
+
+
+def _optimizer_type_checks() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    build = dist_opt.__dict__["_build_model_and_main_param_groups"]
+    if isinstance(build, staticmethod):
+        build = staticmethod(_with_cuda_type_names(build.__func__))
+    elif isinstance(build, classmethod):
+        build = classmethod(_with_cuda_type_names(build.__func__))
+    else:
+        build = _with_cuda_type_names(build)
+    dist_opt._build_model_and_main_param_groups = build
+    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
+    f16 = optimizer.Float16OptimizerWithFloat16Params
+    f16.__init__ = _with_cuda_type_names(f16.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip
+
+
+def _uneven_first_dim_collectives() -> None:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "_megatron_flat", False):
+        return
+
+    # gloo rejects the list forms of all_gather / reduce_scatter when sizes differ, which
+    # Megatron uses for uneven splits (expert-tensor-parallel dispatch). Padding every
+    # split to the largest and using the tensor forms moves the same bytes to the same
+    # places; the padded rows are zeros and are dropped.
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or input_.device.type != "cpu" or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        width = max(output_split_sizes)
+        padded = input_.new_zeros((width,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((width * group.size(),) + tuple(input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[r * width : r * width + n] for r, n in enumerate(output_split_sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
+                                        use_global_buffer=False):
+        if input_split_sizes is None or input_.device.type != "cpu" or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        width = max(input_split_sizes)
+        padded = input_.new_zeros((width * group.size(),) + tuple(input_.shape[1:]))
+        for r, piece in enumerate(torch.split(input_, list(input_split_sizes), dim=0)):
+            padded[r * width : r * width + piece.shape[0]] = piece
+        out = input_.new_empty((width,) + tuple(input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out[: input_split_sizes[group.rank()]].contiguous()
+
+    _gather_along_first_dim._megatron_flat = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+def _checkpoint_without_output_no_fp8() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CheckpointWithoutOutput
+    original = cls.__init__
+    if getattr(original, "_megatron_flat", False) or hasattr(mrandom, "FP8GlobalStateManager"):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # ``fp8 is not None`` turns the default ``fp8=False`` into fp8 mode, which then
+        # reads transformer-engine's FP8GlobalStateManager; without TE fp8 cannot be on.
+        self.fp8 = False
+
+    __init__._megatron_flat = True
+    cls.__init__ = __init__
+
+
+PATCHES: List[Patch] = [
+    Patch(
+        "torch.cuda view",
+        "MoE dispatchers, p2p communication, schedules, DDP buffers and the optimizer call "
+        "torch.cuda.current_device()/Stream()/current_stream() unconditionally.",
+        _proxy_torch_in(
+            "megatron.core.transformer.moe.token_dispatcher",
+            "megatron.core.transformer.moe.moe_utils",
+            "megatron.core.transformer.moe.router",
+            "megatron.core.transformer.moe.experts",
+            "megatron.core.transformer.moe.moe_layer",
+            "megatron.core.tensor_parallel.layers",
+            "megatron.core.tensor_parallel.mappings",
+            "megatron.core.utils",
+            "megatron.core.pipeline_parallel.p2p_communication",
+            "megatron.core.pipeline_parallel.schedules",
+            "megatron.core.models.common.embeddings.rotary_pos_embedding",
+            "megatron.core.transformer.utils",
+            "megatron.core.distributed.param_and_grad_buffer",
+            "megatron.core.distributed.distributed_data_parallel",
+            "megatron.core.distributed.finalize_model_grads",
+            "megatron.core.optimizer",
+            "megatron.core.optimizer.optimizer",
+            "megatron.core.optimizer.distrib_optimizer",
+            "megatron.core.optimizer.clip_grads",
+            "megatron.core.optimizer.grad_scaler",
+        ),
+    ),
+    Patch(
+        "CPU RNG tracker",
+        "model_parallel_cuda_manual_seed and the checkpoint RNG fork read and set the CUDA "
+        "generator; on CPU the tracker forks the CPU generator instead.",
+        _patch_rng,
+    ),
+    Patch(
+        "a2a split sizes on host",
+        "maybe_move_tensor_to_cpu only converts CUDA tensors, leaving CPU split-size "
+        "tensors that all_to_all_single cannot take.",
+        _patch_split_sizes,
+    ),
+    Patch(
+        "te_general_gemm global",
+        "0.16.x only binds moe_utils.te_general_gemm when transformer-engine imports, but the "
+        "router's gating linear reads it unconditionally (NameError without TE).",
+        _define_te_general_gemm,
+        versions=((0, 16), (0, 16)),
+    ),
+    Patch(
+        "torch norm under sequence parallelism",
+        "WrappedTorchNorm asserts sequence_parallel is off (TE norms are the GPU path), yet MoE "
+        "with TP>1 requires SP; the norm is built as usual and its params marked for the "
+        "TP all-reduce of SP grads.",
+        _allow_sequence_parallel_torch_norm,
+    ),
+    Patch(
+        "optimizer param type names",
+        "DistributedOptimizer, Float16OptimizerWithFloat16Params and grad clipping accept "
+        "only 'torch.cuda.*Tensor' type names; CPU params are classified by the same rule.",
+        _optimizer_type_checks,
+    ),
+    Patch(
+        "uneven first-dim gather/reduce-scatter",
+        "Expert-tensor-parallel dispatch gathers and reduce-scatters uneven splits with the "
+        "list collectives, which gloo refuses when sizes differ.",
+        _uneven_first_dim_collectives,
+    ),
+    Patch(
+        "CheckpointWithoutOutput without fp8",
+        "Selective recompute (layernorm, mla_up_proj, ...) builds CheckpointWithoutOutput, whose "
+        "default turns fp8 mode on and then needs transformer-engine's FP8GlobalStateManager.",
+        _checkpoint_without_output_no_fp8,
+    ),
+]
+
+
+def cuda_present() -> bool:
+    return torch.cuda.is_available()
+
+
+def enable_cpu_backend() -> List[str]:
+    """Make the installed megatron-core run on CPU with gloo; returns the patches applied.
+
+    A no-op (returns ``[]``) when CUDA is available. Idempotent.
+    """
+    if cuda_present():
+        return []
+    compat.check_supported()
+    mm = compat.minor()
+    for patch in PATCHES:
+        if patch.name in _APPLIED or not patch.applies_to(mm):
+            continue
+        patch.apply()
+        _APPLIED.append(patch.name)
+        log.debug("megatron-flat CPU patch applied: %s (%s)", patch.name, patch.reason)
+    return list(_APPLIED)
+
+
+def applied_patches() -> List[str]:
+    return list(_APPLIED)

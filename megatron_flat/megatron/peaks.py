@@ -1,0 +1,139 @@
+"""Attribute a Megatron GPT step's memory to the four peaks, with the memory meter.
+
+``attach_peak_sections(model, meter)`` hooks a ``GPTModel`` so that the meter records
+one section per component (peaks relative to the live bytes when the section starts):
+
+- ``expert dispatch``: each MoE layer, forward (routing, dispatch, experts, combine) and
+  backward (from the layer's output grad to its input grad); recompute included.
+- ``vocabulary projection + loss``: output layer and cross-entropy, forward and backward.
+- ``checkpoint boundaries``: what the decoder keeps alive from its forward to its
+  backward (with full recompute, the saved layer inputs), measured as live bytes at the
+  decoder's exit minus at its entry. Recorded as a held amount, not a transient.
+
+Forward sections use module hooks; backward sections use tensor hooks on the layer's
+output (fires first in backward) and input (fires once the layer's input grad exists).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+
+from megatron_flat.runtime.memory import SectionStats
+
+DISPATCH = "expert dispatch"
+VOCAB = "vocabulary projection + loss"
+BOUNDARIES = "checkpoint boundaries"
+OPTIMIZER = "optimizer step"
+COMPONENTS = (DISPATCH, VOCAB, BOUNDARIES, OPTIMIZER)
+
+
+class _Switch:
+    """A meter section opened and closed from two different hooks."""
+
+    def __init__(self, meter, name: str):
+        self.meter, self.name, self.cm = meter, name, None
+
+    def on(self, *_: Any) -> None:
+        if self.cm is None:
+            self.cm = self.meter.section(self.name)
+            self.cm.__enter__()
+
+    def off(self, *_: Any) -> None:
+        if self.cm is not None:
+            cm, self.cm = self.cm, None
+            cm.__exit__(None, None, None)
+
+
+def _first_tensor(value: Any):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _grad_hook(tensor, fn: Callable[[], None]) -> None:
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor.register_hook(lambda grad: (fn(), None)[1])
+
+
+def _forward_and_backward(module, switch: _Switch) -> List[Any]:
+    """Section around ``module``'s forward and its backward (see module docstring)."""
+    inputs: List[Any] = []
+
+    def pre(mod, args):
+        switch.on()
+        inputs.append(_first_tensor(args))
+
+    def post(mod, args, output):
+        switch.off()
+        _grad_hook(_first_tensor(output), switch.on)
+        _grad_hook(inputs.pop() if inputs else None, switch.off)
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+class PeakSections:
+    """Handle returned by ``attach_peak_sections``; ``remove()`` detaches every hook."""
+
+    def __init__(self, handles):
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def attach_peak_sections(model: torch.nn.Module, meter) -> PeakSections:
+    """Hook ``model`` (a GPTModel, possibly wrapped) so ``meter`` gets per-peak sections."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    while hasattr(model, "module"):
+        model = model.module
+    handles = []
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            handles += _forward_and_backward(module, _Switch(meter, DISPATCH))
+
+    if getattr(model, "post_process", False):
+        # The loss is computed inside GPTModel.forward after the output layer, so the
+        # section opens at the output layer and closes when the model's forward returns;
+        # in backward it opens at the loss grad and closes at the output layer's input grad.
+        vocab = _Switch(meter, VOCAB)
+        hidden: List[Any] = []
+
+        def out_pre(mod, args):
+            vocab.on()
+            hidden.append(_first_tensor(args))
+
+        def model_post(mod, args, output):
+            if not hidden:
+                return
+            vocab.off()
+            _grad_hook(_first_tensor(output), vocab.on)
+            _grad_hook(hidden.pop(), vocab.off)
+
+        handles.append(model.output_layer.register_forward_pre_hook(out_pre))
+        handles.append(model.register_forward_hook(model_post))
+
+    decoder = model.decoder
+    held = meter.sections.setdefault(BOUNDARIES, SectionStats(BOUNDARIES))
+    entry: List[int] = []
+
+    def dec_pre(mod, args):
+        entry.append(meter.current_device_bytes())
+
+    def dec_post(mod, args, output):
+        if entry:
+            kept = meter.current_device_bytes() - entry.pop()
+            held.peak_device_bytes = max(held.peak_device_bytes, kept)
+            held.entries += 1
+
+    handles.append(decoder.register_forward_pre_hook(dec_pre))
+    handles.append(decoder.register_forward_hook(dec_post))
+    return PeakSections(handles)

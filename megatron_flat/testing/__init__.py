@@ -1,0 +1,1 @@
+"""Test and demo support: process groups, the tiny MoE GPT, the equivalence harness."""

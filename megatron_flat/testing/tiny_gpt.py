@@ -1,0 +1,166 @@
+"""The tiny MoE GPT every test, the demo and the CPU benchmarks build.
+
+2 layers, hidden 64, 4 experts, top-2, SwiGLU, built from Megatron-Core's local layer
+spec (no transformer-engine needed). ``TinyMoE`` holds the model shape; ``Layout`` (in
+``equivalence``) holds how it is split over ranks. The data is synthetic tokens drawn
+from a seed, so every rank and every layout sees the same global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TinyMoE:
+    """Model shape and the step's batch geometry."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 128
+    num_experts: int = 4
+    topk: int = 2
+    moe_ffn_hidden_size: int = 64
+    vocab_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    seed: int = 1234
+    # "random": uniform tokens (nothing to learn; the loss stays near log V).
+    # "zipf": token k drawn with probability proportional to 1/(k+1), a skew a model
+    # learns within a few steps, so the loss visibly falls.
+    data: str = "random"
+
+    def with_(self, **changes) -> "TinyMoE":
+        return replace(self, **changes)
+
+
+def transformer_config(
+    tiny: TinyMoE,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    dispatcher: str = "alltoall",
+    recompute: Optional[str] = None,
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    recompute_modules: tuple = (),
+    **overrides,
+):
+    """A Megatron ``TransformerConfig`` for ``tiny`` under one layout.
+
+    Fusions that need CUDA kernels are off; the MoE is dropless with no auxiliary loss
+    (an aux loss over local tokens depends on how tokens are split across ranks, so it
+    would make layouts differ by design, not by error).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=tiny.num_layers,
+        hidden_size=tiny.hidden_size,
+        num_attention_heads=tiny.num_attention_heads,
+        ffn_hidden_size=tiny.ffn_hidden_size,
+        num_moe_experts=tiny.num_experts,
+        moe_router_topk=tiny.topk,
+        moe_ffn_hidden_size=tiny.moe_ffn_hidden_size,
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=tiny.hidden_dropout,
+        attention_dropout=tiny.attention_dropout,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=tp > 1,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method=recompute_method,
+                      recompute_num_layers=recompute_num_layers)
+    elif recompute == "selective":
+        kwargs.update(recompute_granularity="selective",
+                      recompute_modules=list(recompute_modules or ("core_attn",)))
+    elif recompute is not None:
+        raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
+    """Build this rank's pipeline stage of the tiny MoE GPT (call inside a layout)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=tiny.vocab_size,
+        max_sequence_length=tiny.seq_length,
+        position_embedding_type="rope",
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # [b, s]
+    labels: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor = field(default=None)
+
+    def __post_init__(self):
+        if self.position_ids is None:
+            b, s = self.tokens.shape
+            self.position_ids = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+
+
+def global_batch(tiny: TinyMoE, step: int = 0) -> List[MicroBatch]:
+    """The step's global batch as ``global_batch_size / micro_batch_size`` microbatches.
+
+    Deterministic in (seed, step) and independent of the layout: a layout takes its data-
+    parallel share with ``dp_share``.
+    """
+    gen = torch.Generator().manual_seed(tiny.seed * 1000 + step)
+    n_micro = tiny.global_batch_size // tiny.micro_batch_size
+    shape = (n_micro, tiny.micro_batch_size, tiny.seq_length + 1)
+    if tiny.data == "random":
+        data = torch.randint(0, tiny.vocab_size, shape, generator=gen)
+    elif tiny.data == "zipf":
+        weights = 1.0 / torch.arange(1, tiny.vocab_size + 1, dtype=torch.float64)
+        flat = torch.multinomial(weights, shape[0] * shape[1] * shape[2], replacement=True,
+                                 generator=gen)
+        data = flat.view(shape)
+    else:
+        raise ValueError(f"unknown synthetic data {tiny.data!r}: use 'random' or 'zipf'")
+    return [MicroBatch(tokens=d[:, :-1].contiguous(), labels=d[:, 1:].contiguous()) for d in data]
+
+
+def dp_share(batch: List[MicroBatch], dp_rank: int, dp_size: int) -> List[MicroBatch]:
+    """Rank ``dp_rank``'s microbatches: a contiguous 1/dp_size of the global batch."""
+    if len(batch) % dp_size:
+        raise ValueError(f"{len(batch)} microbatches do not split over data-parallel size {dp_size}")
+    per = len(batch) // dp_size
+    return batch[dp_rank * per : (dp_rank + 1) * per]

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create and fill the virtual environment for one megatron-core version; fast when done.
+#   scripts/bootstrap.sh            -> .venv            (megatron-core 0.16.1)
+#   MCORE=0.19.2 scripts/bootstrap.sh -> .venv-mcore0.19
+# Prints the venv path on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MCORE="${MCORE:-0.16.1}"
+PYTHON="${PYTHON:-python3.11}"
+TORCH_PIN="torch==2.13.0"   # the CPU wheel on local disk; never let pip pick a CUDA build
+case "$MCORE" in
+  0.16.*) VENV=.venv ;;
+  *) VENV=".venv-mcore$(echo "$MCORE" | cut -d. -f1-2)" ;;
+esac
+STAMP="$VENV/.megatron-flat-installed"
+WANT="mcore=$MCORE torch=$TORCH_PIN setup=$(cksum setup.py | cut -d' ' -f1)"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  echo "$VENV"
+  exit 0
+fi
+
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+"${PIP[@]}" "$TORCH_PIN"
+case "$MCORE" in
+  0.16.*)
+    "${PIP[@]}" "megatron-core==$MCORE" ;;
+  *)
+    # 0.17+ declare Python >= 3.12 and 0.19 imports triton without declaring it
+    # (DESIGN.md §4): install its runtime deps ourselves, then the package without deps.
+    "${PIP[@]}" numpy packaging triton
+    "${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" ;;
+esac
+# The project itself; torch is already satisfied so nothing heavier is pulled.
+"${PIP[@]}" --no-build-isolation -e ".[test]"
+"$VENV/bin/python" - <<PY
+import torch, megatron.core
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert megatron.core.__version__ == "$MCORE", megatron.core.__version__
+PY
+echo "$WANT" > "$STAMP"
+echo "$VENV"

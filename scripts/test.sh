@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The test command (`make test`): single-process tests with pytest, then the multi-rank
+# tests under torchrun (gloo) with 2 and 4 ranks. Fails if any run fails or runs no test.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="$(scripts/bootstrap.sh | tail -n 1)" || { echo "bootstrap failed"; exit 1; }
+PY="$VENV/bin/python"
+export TORCHDYNAMO_DISABLE=1 FLAT_DIST_TIMEOUT_S="${FLAT_DIST_TIMEOUT_S:-180}"
+export PYTHONWARNINGS="ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning"
+JUNIT="$(mktemp -d)"
+export FLAT_JUNIT_DIR="$JUNIT"
+status=0
+
+check() {  # check NAME RC
+  if [ "$2" -eq 5 ]; then echo "FAILED: $1 ran no test"; status=1;
+  elif [ "$2" -ne 0 ]; then echo "FAILED: $1 (exit $2)"; status=1; fi
+}
+
+echo "== single-process tests ($("$PY" -c 'import megatron.core as m; print("megatron-core", m.__version__)'))"
+"$PY" -m pytest -q -p no:cacheprovider "$@" tests
+check "single-process tests" $?
+
+for n in 2 4; do
+  echo "== multi-rank tests, world size $n (torchrun, gloo)"
+  logs="$JUNIT/logs$n"
+  "$VENV/bin/torchrun" --nproc-per-node "$n" --log-dir "$logs" --redirects 3 --tee 3 \
+    --local-ranks-filter 0 -m pytest -q -p no:cacheprovider "$@" tests
+  rc=$?
+  if [ $rc -ne 0 ]; then  # show what the silent ranks said
+    for f in "$logs"/*/attempt_0/*/stdout.log; do
+      case "$f" in */0/stdout.log) continue ;; esac
+      echo "---- $f"; tail -n 40 "$f"
+    done
+  fi
+  check "world-$n tests" $rc
+done
+
+"$PY" - "$JUNIT" <<'PY'
+import glob, sys, xml.etree.ElementTree as ET
+tot = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for path in glob.glob(sys.argv[1] + "/junit-*.xml"):
+    if "-rank" in path and not path.endswith("-rank0.xml"):
+        continue  # every rank runs the same tests; count them once
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for k in tot:
+            tot[k] += int(suite.get(k, 0))
+failed = tot["failures"] + tot["errors"]
+passed = tot["tests"] - failed - tot["skipped"]
+print(f"make test: {passed} passed, {failed} failed, {tot['skipped']} skipped")
+PY
+rm -rf "$JUNIT"
+exit $status

@@ -1,0 +1,29 @@
+"""megatron-flat: a Megatron-Core plugin that flattens the memory peaks of long-context MoE training."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-flat",
+    version="0.1.0",
+    description=(
+        "Flatten the four memory peaks of long-context MoE training in Megatron-Core "
+        "(expert dispatch, vocabulary projection, checkpoint boundaries, optimizer state) "
+        "without changing the math."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_flat", "megatron_flat.*"]),
+    install_requires=[
+        # torch is required but never pinned here: pin it in the environment first
+        # (an unpinned resolve on a CPU machine would pull a multi-GB CUDA build).
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+    ],
+    extras_require={
+        "test": ["pytest>=7"],
+        # GPU-only accelerations, picked up when importable.
+        "gpu": ["transformer-engine", "triton"],
+        "apex": [],  # NVIDIA apex is built from source; listed for discoverability.
+    },
+)

@@ -1,0 +1,50 @@
+"""Test selection by world size.
+
+Plain ``pytest`` runs the single-process tests. Under ``torchrun --nproc-per-node N -m
+pytest`` every rank runs the tests marked ``@pytest.mark.world(N)`` in the same order
+(they contain collectives) and nothing else. Tests for another world size are
+deselected, not skipped, so a run reports only what it really executed.
+"""
+
+import os
+
+import pytest
+
+
+def launched_world():
+    """World size when started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    junit_dir = os.environ.get("FLAT_JUNIT_DIR")
+    if junit_dir:
+        world = launched_world()
+        name = "single" if world is None else f"world{world}-rank{os.environ['RANK']}"
+        config.option.xmlpath = os.path.join(junit_dir, f"junit-{name}.xml")
+
+
+def pytest_collection_modifyitems(config, items):
+    world = launched_world()
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("world")
+        wanted = None if marker is None else int(marker.args[0])
+        (keep if wanted == world else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def megatron_cpu():
+    """Megatron-Core importable and runnable here: process group up, CPU patches on."""
+    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.testing.distributed import init_distributed
+
+    init_distributed()
+    enable_cpu_backend()
+    return True

@@ -1,0 +1,76 @@
+"""The CPU backend: patches are listed with reasons, gated, idempotent, and confined."""
+
+import pytest
+import torch
+
+from megatron_flat.megatron import compat, cpu
+
+
+def test_every_patch_documents_why_and_for_which_versions(megatron_cpu):
+    assert cpu.PATCHES
+    for patch in cpu.PATCHES:
+        assert len(patch.reason) > 40, patch.name
+        lo, hi = patch.versions
+        assert lo <= hi
+    applied = cpu.applied_patches()
+    expected = [p.name for p in cpu.PATCHES if p.applies_to(compat.minor())]
+    assert applied == expected
+
+
+def test_version_gating():
+    only_016 = next(p for p in cpu.PATCHES if p.name == "te_general_gemm global")
+    assert only_016.applies_to((0, 16)) and not only_016.applies_to((0, 19))
+
+
+def test_idempotent(megatron_cpu):
+    before = cpu.applied_patches()
+    assert cpu.enable_cpu_backend() == before
+
+
+def test_noop_when_cuda_is_present(monkeypatch, megatron_cpu):
+    monkeypatch.setattr(cpu, "cuda_present", lambda: True)
+    assert cpu.enable_cpu_backend() == []
+
+
+def test_confined_to_megatron_modules(megatron_cpu):
+    from megatron.core.transformer.moe import token_dispatcher
+
+    # Inside a patched Megatron module torch.cuda answers for the CPU ...
+    assert token_dispatcher.torch.cuda.current_device() == torch.device("cpu")
+    assert token_dispatcher.torch.zeros(2, device="cuda").device.type == "cpu"
+    assert token_dispatcher.torch.Tensor is torch.Tensor
+    # ... while torch itself is untouched.
+    assert not torch.cuda.is_available()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+    assert torch.Tensor.type(torch.zeros(1)) == "torch.FloatTensor"
+
+
+def test_rng_tracker_forks_the_cpu_generator(megatron_cpu):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_flat.testing.distributed import megatron_layout
+
+    with megatron_layout(seed=7):
+        tracker = get_cuda_rng_tracker()
+        outside = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(4)
+        assert torch.equal(torch.get_rng_state(), outside)  # restored on exit
+        with tracker.fork():
+            b = torch.rand(4)
+        assert not torch.equal(a, b)  # the forked stream advanced
+
+
+def test_tiny_moe_forward_backward_single_rank(megatron_cpu):
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE, build_tiny_gpt, global_batch, transformer_config
+
+    tiny = TinyMoE()
+    with megatron_layout():
+        model = build_tiny_gpt(tiny, transformer_config(tiny, recompute="full"))
+        mb = global_batch(tiny)[0]
+        loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels).mean()
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
