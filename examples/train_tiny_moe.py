@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-
-import torch
 import torch.distributed as dist
 
 from megatron_flat.megatron.cpu import enable_cpu_backend
+from megatron_flat.runtime.memory import format_bytes
 from megatron_flat.testing.distributed import init_distributed, megatron_layout
 from megatron_flat.testing.tiny_gpt import TinyMoE
-from megatron_flat.testing.training import Layout, Trainer
+from megatron_flat.testing.training import Layout, Trainer, measure_peaks
 
 DEMO_MODEL = TinyMoE(
     num_layers=4,
@@ -50,19 +48,11 @@ def parse_args():
     return p.parse_args()
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def main() -> None:
     args = parse_args()
     init_distributed()
     enable_cpu_backend()
-    from megatron_flat.megatron.peaks import BOUNDARIES, COMPONENTS, OPTIMIZER, attach_peak_sections
-    from megatron_flat.runtime.memory import MemoryMeter
+    from megatron_flat.megatron.peaks import BOUNDARIES, COMPONENTS
 
     tiny = DEMO_MODEL.with_(seq_length=args.seq_length)
     layout = Layout(ep=2, distributed_optimizer=True, recompute="full")
@@ -71,34 +61,23 @@ def main() -> None:
         print(f"megatron-flat demo: MoE GPT {tiny.num_layers} layers, hidden {tiny.hidden_size}, "
               f"{tiny.num_experts} experts top-{tiny.topk}, vocab {tiny.vocab_size}, "
               f"seq {tiny.seq_length}, {dist.get_world_size()} ranks ({layout.name})", flush=True)
+
+    def report(step: int, loss: float, seconds: float) -> None:
+        if rank == 0:
+            print(f"step {step + 1:3d} | loss {loss:.4f} | step time {seconds * 1e3:7.1f} ms",
+                  flush=True)
+
     with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed):
         trainer = Trainer(tiny, layout, lr=args.lr)
-        with MemoryMeter() as meter:
-            sections = attach_peak_sections(trainer.model, meter)
-            for step in range(args.steps):
-                start = time.perf_counter()
-                with meter.section("step"):
-                    loss = trainer.forward_backward(step)
-                    with meter.section(OPTIMIZER):
-                        trainer.optimizer_step()
-                elapsed = time.perf_counter() - start
-                if rank == 0:
-                    print(f"step {step + 1:3d} | loss {loss:.4f} | step time {elapsed * 1e3:7.1f} ms",
-                          flush=True)
-            sections.remove()
-        names = list(COMPONENTS) + ["step"]
-        local = torch.tensor([meter.sections[n].peak_device_bytes if n in meter.sections else 0
-                              for n in names], dtype=torch.int64)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the worst rank binds
-    peaks = dict(zip(names, local.tolist()))
+        peaks = measure_peaks(trainer, args.steps, on_step=report)
     if rank == 0:
         step_peak = max(peaks["step"], 1)
         print("\nmeasured peaks (worst rank, MemoryMeter, bytes above the live set at entry)")
         print(f"{'component':34s} {'baseline':>12s} {'of step peak':>13s}")
         for name in COMPONENTS:
             label = name + (" (held)" if name == BOUNDARIES else "")
-            print(f"{label:34s} {fmt_bytes(peaks[name]):>12s} {peaks[name] / step_peak:12.1%}")
-        print(f"{'whole step':34s} {fmt_bytes(peaks['step']):>12s} {1:12.1%}")
+            print(f"{label:34s} {format_bytes(peaks[name]):>12s} {peaks[name] / step_peak:12.1%}")
+        print(f"{'whole step':34s} {format_bytes(peaks['step']):>12s} {1:12.1%}")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:

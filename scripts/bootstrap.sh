@@ -37,10 +37,11 @@ case "$MCORE" in
 esac
 # The project itself; torch is already satisfied so nothing heavier is pulled.
 "${PIP[@]}" --no-build-isolation -e ".[test]"
-"$VENV/bin/python" - <<PY
+# 0.19 appends the git commit of the working directory (+abc1234) to its version.
+PYTHONWARNINGS=ignore "$VENV/bin/python" - <<PY
 import torch, megatron.core
 assert torch.__version__.startswith("2.13.0"), torch.__version__
-assert megatron.core.__version__ == "$MCORE", megatron.core.__version__
+assert megatron.core.__version__.split("+")[0] == "$MCORE", megatron.core.__version__
 PY
 echo "$WANT" > "$STAMP"
 echo "$VENV"

@@ -80,6 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "MemoryMeter",
+    "format_bytes",
     "SectionStats",
     "host_allocation",
     "note_host_bytes",
@@ -573,3 +574,11 @@ class MemoryMeter:
             stats.peak_device_bytes = max(stats.peak_device_bytes, inner.peak_device)
             stats.peak_host_bytes = max(stats.peak_host_bytes, inner.peak_host)
             self.sample()
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units for tables (``"16.01 MiB"``)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

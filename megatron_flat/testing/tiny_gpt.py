@@ -38,6 +38,18 @@ class TinyMoE:
     # learns within a few steps, so the loss visibly falls.
     data: str = "random"
 
+    def __post_init__(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} does not split over "
+                             f"{self.num_attention_heads} heads")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"topk {self.topk} must be in 1..num_experts ({self.num_experts})")
+        if self.data not in ("random", "zipf"):
+            raise ValueError(f"unknown synthetic data {self.data!r}: use 'random' or 'zipf'")
+
     def with_(self, **changes) -> "TinyMoE":
         return replace(self, **changes)
 
@@ -148,13 +160,11 @@ def global_batch(tiny: TinyMoE, step: int = 0) -> List[MicroBatch]:
     shape = (n_micro, tiny.micro_batch_size, tiny.seq_length + 1)
     if tiny.data == "random":
         data = torch.randint(0, tiny.vocab_size, shape, generator=gen)
-    elif tiny.data == "zipf":
+    else:  # "zipf" (TinyMoE validated the name)
         weights = 1.0 / torch.arange(1, tiny.vocab_size + 1, dtype=torch.float64)
         flat = torch.multinomial(weights, shape[0] * shape[1] * shape[2], replacement=True,
                                  generator=gen)
         data = flat.view(shape)
-    else:
-        raise ValueError(f"unknown synthetic data {tiny.data!r}: use 'random' or 'zipf'")
     return [MicroBatch(tokens=d[:, :-1].contiguous(), labels=d[:, 1:].contiguous()) for d in data]
 
 

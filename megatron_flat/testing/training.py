@@ -115,6 +115,19 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
 
+    def warm_up(self) -> None:
+        """One forward-only pass over step 0's batch (no grads, no optimizer state).
+
+        Fills Megatron's one-time caches (causal mask, rotary tables) so a meter opened
+        afterwards attributes only per-step memory to the components.
+        """
+        mine = dp_share(global_batch(self.tiny, 0), self.dp_rank, self.dp_size)
+        self._forward_backward(
+            forward_step_func=forward_step, data_iterator=iter(mine), model=[self.ddp],
+            num_microbatches=len(mine), seq_length=self.tiny.seq_length,
+            micro_batch_size=self.tiny.micro_batch_size, forward_only=True,
+        )
+
     def forward_backward(self, step: int) -> float:
         """Zero grads, run every microbatch of this rank's share; returns the step's mean loss
         over the global batch (known on every rank). Grads are finalized (reduced)."""
@@ -151,3 +164,40 @@ def step_loss(loss_dicts: List[dict]) -> float:
     # equally often for every replica, so the plain mean over them is the DP mean.
     present = [v for v in values if v is not None]
     return sum(present) / len(present)
+
+
+def measure_peaks(trainer: Trainer, steps: int,
+                  on_step: Optional[Callable[[int, float, float], None]] = None) -> dict:
+    """Train ``steps`` steps under a ``MemoryMeter`` with one section per peak component.
+
+    A forward-only warm-up runs first, outside the meter (see ``Trainer.warm_up``); the
+    first step's optimizer-state allocation is inside it, as it is in a real run.
+
+    Returns ``{component: bytes}`` for every name in ``peaks.COMPONENTS`` plus ``"step"``
+    (the whole step), each the worst rank's peak (collective over the world).
+    ``on_step(step, loss, seconds)`` is called after every step.
+    """
+    import time
+
+    from megatron_flat.megatron.peaks import COMPONENTS, OPTIMIZER, attach_peak_sections
+    from megatron_flat.runtime.memory import MemoryMeter
+
+    trainer.warm_up()
+    with MemoryMeter() as meter:
+        sections = attach_peak_sections(trainer.model, meter)
+        try:
+            for step in range(steps):
+                start = time.perf_counter()
+                with meter.section("step"):
+                    loss = trainer.forward_backward(step)
+                    with meter.section(OPTIMIZER):
+                        trainer.optimizer_step()
+                if on_step is not None:
+                    on_step(step, loss, time.perf_counter() - start)
+        finally:
+            sections.remove()
+    names = list(COMPONENTS) + ["step"]
+    peaks = torch.tensor([meter.sections[n].peak_device_bytes if n in meter.sections else 0
+                          for n in names], dtype=torch.int64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank binds
+    return dict(zip(names, peaks.tolist()))

@@ -52,3 +52,31 @@ def test_world_of_one_matches_reference(megatron_cpu):
     result = run_layout(tiny, Layout(), ref)
     assert_equivalent(result, ref)
     assert set(result.grads) == set(ref.params)
+
+
+def test_tiny_model_rejects_bad_shapes():
+    from megatron_flat.testing.tiny_gpt import TinyMoE, dp_share, global_batch
+
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        TinyMoE(global_batch_size=5, micro_batch_size=2)
+    with pytest.raises(ValueError, match="topk"):
+        TinyMoE(topk=5)
+    with pytest.raises(ValueError, match="synthetic data"):
+        TinyMoE(data="text")
+    with pytest.raises(ValueError, match="data-parallel size 3"):
+        dp_share(global_batch(TinyMoE()), 0, 3)
+
+
+def test_global_batch_is_deterministic_and_layout_independent():
+    from megatron_flat.testing.tiny_gpt import TinyMoE, dp_share, global_batch
+
+    tiny = TinyMoE()
+    a, b = global_batch(tiny, 3), global_batch(tiny, 3)
+    assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert not torch.equal(global_batch(tiny, 4)[0].tokens, a[0].tokens)
+    halves = dp_share(a, 0, 2) + dp_share(a, 1, 2)
+    assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(halves, a))
+    # labels are the tokens shifted by one
+    assert torch.equal(a[0].labels[:, :-1], a[0].tokens[:, 1:])
+    zipf = global_batch(tiny.with_(data="zipf"), 0)[0].tokens
+    assert (zipf < 8).float().mean() > 0.3  # the skew the demo learns

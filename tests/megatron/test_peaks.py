@@ -1,0 +1,72 @@
+"""Per-component sections of a Megatron step (what the demo's peak table reports)."""
+
+import pytest
+import torch
+
+from megatron_flat.megatron.peaks import BOUNDARIES, COMPONENTS, DISPATCH, VOCAB, attach_peak_sections
+from megatron_flat.runtime.memory import MemoryMeter
+
+F32 = 4
+
+
+def _run(tiny, recompute=None):
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import build_tiny_gpt, global_batch, transformer_config
+
+    with megatron_layout(seed=tiny.seed):
+        model = build_tiny_gpt(tiny, transformer_config(tiny, recompute=recompute))
+        mb = global_batch(tiny)[0]
+        model(mb.tokens, mb.position_ids, None, labels=mb.labels)  # warm one-time caches
+        with MemoryMeter("cpu") as meter:
+            handle = attach_peak_sections(model, meter)
+            loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels).mean()
+            loss.backward()
+            handle.remove()
+    return meter
+
+
+@pytest.fixture(scope="module")
+def tiny(megatron_cpu):
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    return TinyMoE(micro_batch_size=1, seq_length=64, vocab_size=1024)
+
+
+def test_every_component_is_measured_forward_and_backward(tiny):
+    meter = _run(tiny)
+    n_tokens, hidden = tiny.seq_length * tiny.micro_batch_size, tiny.hidden_size
+    # Forward and backward of each MoE layer; forward and backward of the output layer.
+    assert meter.sections[DISPATCH].entries == 2 * tiny.num_layers
+    assert meter.sections[VOCAB].entries == 2
+    assert meter.sections[BOUNDARIES].entries == 1
+    # Lower bounds from what must exist: fp32 logits N x V; k routed copies of N x H.
+    assert meter.sections[VOCAB].peak_device_bytes >= n_tokens * tiny.vocab_size * F32
+    assert meter.sections[DISPATCH].peak_device_bytes >= tiny.topk * n_tokens * hidden * F32
+    assert meter.sections[BOUNDARIES].peak_device_bytes >= n_tokens * hidden * F32
+
+
+def test_recompute_hooks_fire_in_recomputed_forward(tiny):
+    meter = _run(tiny, recompute="full")
+    # Original forward (no grad), recomputed forward and backward of each MoE layer.
+    assert meter.sections[DISPATCH].entries == 3 * tiny.num_layers
+    assert meter.sections[VOCAB].entries == 2
+
+
+def test_vocab_peak_scales_with_tokens(tiny):
+    small = _run(tiny).sections[VOCAB].peak_device_bytes
+    large = _run(tiny.with_(seq_length=2 * tiny.seq_length)).sections[VOCAB].peak_device_bytes
+    assert large / small == pytest.approx(2.0, rel=0.05)
+
+
+def test_hooks_are_removed(tiny):
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import build_tiny_gpt, global_batch, transformer_config
+
+    with megatron_layout(seed=tiny.seed):
+        model = build_tiny_gpt(tiny, transformer_config(tiny))
+        mb = global_batch(tiny)[0]
+        with MemoryMeter("cpu") as meter:
+            attach_peak_sections(model, meter).remove()
+            model(mb.tokens, mb.position_ids, None, labels=mb.labels).mean().backward()
+    assert all(meter.sections.get(name) is None or meter.sections[name].entries == 0
+               for name in COMPONENTS)
