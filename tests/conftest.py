@@ -48,3 +48,15 @@ def megatron_cpu():
     init_distributed()
     enable_cpu_backend()
     return True
+
+
+@pytest.fixture(scope="session")
+def dist_world():
+    """The default process group (gloo on CPU) for tests that don't need Megatron.
+
+    Under torchrun it joins the launched job; under plain pytest it is a world of one.
+    Returns the world size.
+    """
+    from megatron_flat.testing.distributed import init_distributed
+
+    return init_distributed()
