@@ -6,7 +6,8 @@ megatron-core except the adapters in ``megatron_flat.megatron``.
 """
 
 from megatron_flat.config import FlatConfig, add_flat_args
+from megatron_flat.megatron.install import install
 
 __version__ = "0.1.0"
 
-__all__ = ["FlatConfig", "add_flat_args", "__version__"]
+__all__ = ["FlatConfig", "add_flat_args", "install", "__version__"]

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 
 GIB = 1 << 30
 
+DISPATCH_MODES = ("off", "llep", "pipelined")
 DISPATCH_MEMBERSHIPS = ("strided", "contiguous")
 VOCAB_MODES = ("auto", "weights", "activations")
 
@@ -30,7 +31,12 @@ class FlatConfig:
     """Knobs of the four techniques (DESIGN.md §2). Field metadata carries the flag help."""
 
     # PipelinedLLEP: the expert-dispatch peak.
-    dispatch: bool = field(default=False, metadata={"help": "Use PipelinedLLEP for MoE dispatch."})
+    dispatch: str = field(
+        default="off",
+        metadata={"help": "MoE dispatch: off (Megatron's own), llep (least-loaded EP, "
+                          "unchunked) or pipelined (PipelinedLLEP).",
+                  "choices": DISPATCH_MODES},
+    )
     dispatch_chunk_tokens: int = field(
         default=4096, metadata={"help": "Per-source token cap per chunk (c)."}
     )
@@ -132,7 +138,16 @@ class FlatConfig:
 
     @property
     def any_enabled(self) -> bool:
-        return self.dispatch or self.vocab or self.sco or self.optimizer_offload
+        return self.dispatch != "off" or self.vocab or self.sco or self.optimizer_offload
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "FlatConfig":
+        """A named bundle of knobs; ``overrides`` win. ``"paper"``: all four techniques on
+        with the defaults of DESIGN.md §2 (K_max 10, strided chunks, alpha 1.0, m 1024,
+        lambda 1.3, ring mode auto, prefetch 1, 100M-parameter buckets, 2 slots)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown FlatConfig preset {name!r}; known: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,12 +155,21 @@ class FlatConfig:
     # ------------------------------------------------------------------ CLI
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "FlatConfig":
-        """Build from parsed ``--flat-*`` flags; attributes missing from ``args`` keep defaults."""
+        """Build from parsed ``--flat-*`` flags; attributes missing from ``args`` keep defaults.
+
+        With ``--flat-preset NAME`` the preset is the base and every flag given a value other
+        than its default overrides it.
+        """
+        defaults = cls()
         values = {}
         for f in dataclasses.fields(cls):
             attr = "flat_" + f.name
             if hasattr(args, attr):
                 values[f.name] = getattr(args, attr)
+        preset = getattr(args, "flat_preset", None)
+        if preset:
+            changed = {k: v for k, v in values.items() if v != getattr(defaults, k)}
+            return cls.preset(preset, **changed)
         return cls(**values)
 
 
@@ -172,4 +196,18 @@ def add_flat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                            else f.type.__name__, str)
         group.add_argument(_flag(f.name), dest=dest, type=kind, default=default,
                            choices=f.metadata.get("choices"), help=help_text)
+    group.add_argument("--flat-preset", dest="flat_preset", choices=sorted(PRESETS), default=None,
+                       help="Start from a named bundle of knobs (paper: all four techniques on "
+                            "with the paper's defaults); other --flat-* flags override it.")
     return parser
+
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "paper": dict(
+        dispatch="pipelined", dispatch_max_chunks=10, dispatch_membership="strided",
+        llep_alpha=1.0, llep_min_tokens_per_gemm=1024, llep_imbalance_threshold=1.3,
+        vocab=True, vocab_mode="auto",
+        sco=True, sco_host_budget_gib=64.0, sco_prefetch=1,
+        optimizer_offload=True, optimizer_bucket_numel=100_000_000, optimizer_num_slots=2,
+    ),
+}

@@ -10,7 +10,8 @@ from megatron_flat.config import FlatConfig, add_flat_args
 def test_defaults_change_nothing():
     cfg = FlatConfig()
     assert not cfg.any_enabled
-    assert (cfg.dispatch, cfg.vocab, cfg.sco, cfg.optimizer_offload) == (False,) * 4
+    assert cfg.dispatch == "off"
+    assert (cfg.vocab, cfg.sco, cfg.optimizer_offload) == (False,) * 3
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,7 @@ def test_defaults_change_nothing():
         ("optimizer_bucket_numel", 0, "--flat-optimizer-bucket-numel"),
         ("optimizer_num_slots", 0, "--flat-optimizer-num-slots"),
         ("dispatch", "yes", "--flat-dispatch"),
+        ("vocab", 1, "--flat-vocab"),
         ("dispatch_max_chunks", 2.5, "--flat-dispatch-max-chunks"),
     ],
 )
@@ -43,11 +45,11 @@ def test_flags_round_trip_and_compose():
     assert add_flat_args(parser) is parser
     add_flat_args(parser)  # a second call is a no-op, not a duplicate-flag error
     args = parser.parse_args([
-        "--flat-dispatch", "--flat-dispatch-max-chunks", "4", "--flat-vocab-mode", "weights",
+        "--flat-dispatch", "pipelined", "--flat-dispatch-max-chunks", "4", "--flat-vocab-mode", "weights",
         "--flat-sco", "--flat-sco-host-budget-gib", "1.5", "--no-flat-optimizer-offload",
     ])
     cfg = FlatConfig.from_args(args)
-    assert cfg.dispatch and cfg.sco and not cfg.optimizer_offload
+    assert cfg.dispatch == "pipelined" and cfg.sco and not cfg.optimizer_offload
     assert cfg.dispatch_max_chunks == 4 and cfg.vocab_mode == "weights"
     assert cfg.sco_host_budget_bytes == int(1.5 * (1 << 30))
     assert args.other == 3
@@ -70,3 +72,17 @@ def test_bad_flag_value_is_rejected_by_the_parser():
 def test_from_args_validates():
     with pytest.raises(ValueError, match="--flat-optimizer-num-slots"):
         FlatConfig.from_args(argparse.Namespace(flat_optimizer_num_slots=0))
+
+
+def test_paper_preset_turns_on_all_four_and_flags_override():
+    parser = add_flat_args(argparse.ArgumentParser())
+    cfg = FlatConfig.from_args(parser.parse_args(["--flat-preset", "paper"]))
+    assert cfg.dispatch == "pipelined" and cfg.vocab and cfg.sco and cfg.optimizer_offload
+    assert cfg.dispatch_max_chunks == 10 and cfg.optimizer_num_slots == 2
+    cfg = FlatConfig.from_args(parser.parse_args(["--flat-preset", "paper", "--flat-optimizer-num-slots", "3",
+                                                  "--flat-dispatch", "llep"]))
+    assert cfg.optimizer_num_slots == 3 and cfg.dispatch == "llep" and cfg.vocab
+    with pytest.raises(ValueError, match="unknown FlatConfig preset"):
+        FlatConfig.preset("fast")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--flat-preset", "fast"])

@@ -1,0 +1,116 @@
+"""``megatron_flat.install``: the one call that turns megatron-flat on for a Megatron run.
+
+Called once, before the model is built, with a ``FlatConfig`` or Megatron-LM's parsed
+arguments (which carry the ``--flat-*`` flags). It validates the knobs against the
+Megatron settings they depend on — every problem is reported at once, before any model,
+process group or collective exists — and then wires in each enabled technique through
+the registry below. With every technique off it changes nothing. Calling it again with
+the same configuration is a no-op; with a different one it is an error (a half-swapped
+model would train wrongly).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from megatron_flat.config import FlatConfig
+
+_INSTALLED: Optional[FlatConfig] = None
+
+
+class FlatConfigError(ValueError):
+    """The FlatConfig does not fit the Megatron configuration; lists every reason."""
+
+
+def _get(source: Any, *names: str, default: Any = None) -> Any:
+    """First attribute of ``source`` found under ``names`` (Megatron-LM args use other
+    names than TransformerConfig for a few settings)."""
+    for name in names:
+        if source is not None and hasattr(source, name):
+            return getattr(source, name)
+    return default
+
+
+def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
+    """Reasons ``flat`` cannot run with ``megatron`` (Megatron-LM args or TransformerConfig).
+
+    Empty when compatible. Only settings present on ``megatron`` are checked.
+    """
+    problems = []
+    experts = _get(megatron, "num_moe_experts", "num_experts")
+    ep = _get(megatron, "expert_model_parallel_size", default=1) or 1
+    if flat.dispatch != "off":
+        if not experts:
+            problems.append(f"--flat-dispatch {flat.dispatch} needs an MoE model "
+                            "(--num-experts is not set)")
+        elif experts % ep:
+            problems.append(f"--num-experts {experts} does not split over "
+                            f"--expert-model-parallel-size {ep}")
+    if flat.sco:
+        granularity = _get(megatron, "recompute_granularity")
+        if granularity != "full":
+            problems.append("--flat-sco offloads the boundaries of full recompute: it needs "
+                            f"--recompute-granularity full (got {granularity!r})")
+    if flat.optimizer_offload:
+        optimizer = _get(megatron, "optimizer", default="adam")
+        if optimizer != "adam":
+            problems.append(f"--flat-optimizer-offload implements AdamW: it needs --optimizer adam "
+                            f"(got {optimizer!r})")
+        if _get(megatron, "optimizer_cpu_offload", default=False):
+            problems.append("--flat-optimizer-offload replaces --optimizer-cpu-offload: use one")
+    return problems
+
+
+# Technique name -> function(flat, megatron) that wires it in. A technique enters the
+# registry when its Megatron integration lands; until then install() says so plainly.
+WIRING: Dict[str, Callable[[FlatConfig, Any], None]] = {}
+
+_ENABLED = {
+    "dispatch": lambda f: f.dispatch != "off",
+    "vocab": lambda f: f.vocab,
+    "sco": lambda f: f.sco,
+    "optimizer_offload": lambda f: f.optimizer_offload,
+}
+
+
+def install(config_or_args: Union[FlatConfig, argparse.Namespace],
+            megatron: Any = None) -> FlatConfig:
+    """Validate and wire in megatron-flat; returns the FlatConfig in force.
+
+    ``config_or_args``: a ``FlatConfig``, or Megatron-LM's args namespace (then the same
+    namespace is also the Megatron configuration checked against, unless ``megatron`` is
+    given — a TransformerConfig or args). Raises ``FlatConfigError`` listing every problem.
+    """
+    global _INSTALLED
+    if isinstance(config_or_args, FlatConfig):
+        flat = config_or_args
+    else:
+        flat = FlatConfig.from_args(config_or_args)
+        megatron = config_or_args if megatron is None else megatron
+    if _INSTALLED is not None:
+        if flat == _INSTALLED:
+            return _INSTALLED
+        raise FlatConfigError("megatron-flat is already installed with a different FlatConfig; "
+                              "install() once per process, before the model is built")
+    problems = check_against_megatron(flat, megatron) if megatron is not None else []
+    missing = [name for name, on in _ENABLED.items() if on(flat) and name not in WIRING]
+    problems += [f"--flat-{name.replace('_', '-')}: not available in this release of megatron-flat"
+                 for name in missing]
+    if problems:
+        raise FlatConfigError("megatron-flat cannot be installed:\n  - " + "\n  - ".join(problems))
+    for name, on in _ENABLED.items():
+        if on(flat):
+            WIRING[name](flat, megatron)
+    _INSTALLED = flat
+    return flat
+
+
+def installed() -> Optional[FlatConfig]:
+    """The FlatConfig installed in this process, or None."""
+    return _INSTALLED
+
+
+def _reset_for_tests() -> None:
+    global _INSTALLED
+    _INSTALLED = None

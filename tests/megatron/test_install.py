@@ -1,0 +1,72 @@
+"""install(): validation against Megatron settings, idempotence, nothing changes when off."""
+
+import argparse
+
+import pytest
+
+import megatron_flat
+from megatron_flat.config import FlatConfig, add_flat_args
+from megatron_flat.megatron import install as inst
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    inst._reset_for_tests()
+    yield
+    inst._reset_for_tests()
+
+
+def megatron_args(*flags, **settings):
+    args = add_flat_args(argparse.ArgumentParser()).parse_args(list(flags))
+    base = dict(num_experts=4, expert_model_parallel_size=2, recompute_granularity=None,
+                optimizer="adam", optimizer_cpu_offload=False)
+    for k, v in {**base, **settings}.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_all_off_changes_nothing_and_is_idempotent():
+    cfg = megatron_flat.install(megatron_args())
+    assert cfg == FlatConfig() and inst.installed() == cfg
+    assert megatron_flat.install(FlatConfig()) is cfg  # same config again: a no-op
+    with pytest.raises(inst.FlatConfigError, match="already installed"):
+        megatron_flat.install(FlatConfig(llep_alpha=2.0))
+
+
+def test_every_problem_is_reported_at_once():
+    args = megatron_args("--flat-sco", "--flat-optimizer-offload", "--flat-dispatch", "llep",
+                         num_experts=None, recompute_granularity="selective", optimizer="sgd")
+    with pytest.raises(inst.FlatConfigError) as err:
+        megatron_flat.install(args)
+    text = str(err.value)
+    assert "--num-experts is not set" in text
+    assert "--recompute-granularity full" in text
+    assert "--optimizer adam" in text
+    assert inst.installed() is None  # nothing was installed
+
+
+def test_experts_must_split_over_ep():
+    problems = inst.check_against_megatron(FlatConfig(dispatch="pipelined"),
+                                           argparse.Namespace(num_experts=6,
+                                                              expert_model_parallel_size=4))
+    assert problems == ["--num-experts 6 does not split over --expert-model-parallel-size 4"]
+
+
+def test_transformer_config_names_are_understood():
+    cfg = argparse.Namespace(num_moe_experts=8, expert_model_parallel_size=2,
+                             recompute_granularity="full")
+    assert inst.check_against_megatron(FlatConfig(dispatch="llep", sco=True), cfg) == []
+
+
+def test_technique_without_integration_is_refused_plainly(monkeypatch):
+    monkeypatch.setattr(inst, "WIRING", {})
+    with pytest.raises(inst.FlatConfigError, match="--flat-vocab: not available"):
+        megatron_flat.install(FlatConfig(vocab=True))
+
+
+def test_enabled_technique_is_wired_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(inst, "WIRING", {"vocab": lambda flat, meg: calls.append(flat)})
+    megatron_flat.install(FlatConfig(vocab=True))
+    megatron_flat.install(FlatConfig(vocab=True))
+    assert len(calls) == 1
