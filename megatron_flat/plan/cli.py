@@ -1,0 +1,300 @@
+"""``python -m megatron_flat plan``: will this run fit, and with which knobs?
+
+Prints each peak per device without and with megatron-flat, the term that binds, the knobs
+``fit`` chose (and the ``--flat-*`` flags that set them) and the longest context that fits;
+``--json`` prints the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megatron_flat.config import FlatConfig
+from megatron_flat.plan.fit import (
+    TECHNIQUE_NAMES,
+    DoesNotFit,
+    Reach,
+    enabled,
+    fit,
+    host_budget_per_device,
+    max_context,
+    tightest_report,
+)
+from megatron_flat.plan.model import (
+    PAPER_GPUS,
+    Layout,
+    ModelSpec,
+    PlanError,
+    default_layout,
+    load_model,
+)
+from megatron_flat.plan.peaks import COMPONENTS, DEFAULT_SKEW, PeakReport, estimate, usable
+from megatron_flat.plan.units import (
+    format_bytes,
+    format_tokens,
+    parse_bytes,
+    parse_tokens,
+)
+
+HOST_MARGIN = 0.1  # fraction of host memory kept out of the pinned pools
+
+ROW_LABELS = {
+    "dispatch": "dispatch (MoE layer transient)",
+    "vocab": "vocab (projection + loss)",
+    "boundaries": "checkpoint boundaries on device",
+    "optimizer": "optimizer/model state",
+    "other": "attention/other activations",
+    "total": "step peak",
+}
+
+
+def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Predict the four memory peaks of a long-context MoE step, with and "
+                    "without megatron-flat; name the binding term, choose the knobs, find the "
+                    "longest context that fits.",
+        epilog="Sizes: tokens take K/M (binary: 1M = 1,048,576); memory takes KiB/MiB/GiB/TiB "
+               "(binary) or KB/MB/GB/TB (decimal). The step peak is optimizer/model state + "
+               "boundaries + max(dispatch + other, vocab).")
+    p.add_argument("--model", required=True,
+                   help="preset (paper-120b, paper-241b, paper-667b, gpt-oss-20b, gpt-oss-120b, "
+                        "DeepSeek-V3, Qwen3-30B-A3B) or a Hugging Face config.json path")
+    p.add_argument("--seq", required=True, help="sequence length, e.g. 1M or 131072")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPU count (default for the paper presets: 16, 32, 64)")
+    p.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 141GiB or 80GB")
+    p.add_argument("--host-mem", default=None,
+                   help="host memory per node, e.g. 2TiB (default: pinned host not limited)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing a host (default 8)")
+    for dim, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline"), ("cp", "context")):
+        p.add_argument(f"--{dim}", type=int, default=None,
+                       help=f"{what}-parallel size (default: chosen for the GPU count)")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--skew", type=float, default=DEFAULT_SKEW,
+                   help=f"routing skew, max/mean routes per EP rank (default {DEFAULT_SKEW})")
+    p.add_argument("--margin", type=float, default=0.1,
+                   help="fraction of GPU memory kept free (default 0.1)")
+    p.add_argument("--all-on", action="store_true",
+                   help="flat column: all four techniques at their smallest-memory settings "
+                        "(default: the fewest techniques that fit, at their cheapest settings)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _knob_summary(report: PeakReport, flat: FlatConfig) -> List[str]:
+    lines = []
+    if flat.dispatch == "pipelined":
+        lines.append(f"{TECHNIQUE_NAMES['dispatch']}: c = {flat.dispatch_chunk_tokens:,} tokens, "
+                     f"K_max = {flat.dispatch_max_chunks} (K = {report.num_chunks} chunks of "
+                     f"{report.chunk_tokens:,} tokens per source), routing skew after LLEP "
+                     f"{report.skew:g}")
+    elif flat.dispatch == "llep":
+        lines.append(f"LLEP (unchunked): routing skew {report.skew:g} after LLEP")
+    if flat.vocab:
+        lines.append(f"{TECHNIQUE_NAMES['vocab']}: mode {flat.vocab_mode} "
+                     f"(moves {report.vocab_mode})")
+    if flat.sco:
+        lines.append(f"{TECHNIQUE_NAMES['sco']}: host budget {flat.sco_host_budget_gib:.3f} GiB "
+                     f"per GPU ({report.boundaries_offloaded} of {report.boundaries_held} "
+                     f"boundaries of {format_bytes(report.boundary_bytes)} on host), prefetch "
+                     f"{flat.sco_prefetch}")
+    if flat.optimizer_offload:
+        lines.append(f"{TECHNIQUE_NAMES['optimizer_offload']}: bucket "
+                     f"{flat.optimizer_bucket_numel:,} params x {flat.optimizer_num_slots} "
+                     f"slot{'s' if flat.optimizer_num_slots != 1 else ''} "
+                     f"({format_bytes(report.optimizer_device)} staging, "
+                     f"{format_bytes(report.optimizer_host)} pinned host per GPU)")
+    return lines or ["none needed: the baseline fits"]
+
+
+def flat_flags(flat: FlatConfig) -> str:
+    """The ``--flat-*`` flags that reproduce ``flat`` (enabled techniques' knobs only)."""
+    groups = {
+        "dispatch": ("dispatch_chunk_tokens", "dispatch_max_chunks"),
+        "vocab": ("vocab_mode",),
+        "sco": ("sco_host_budget_gib", "sco_prefetch"),
+        "optimizer_offload": ("optimizer_bucket_numel", "optimizer_num_slots"),
+    }
+    out = []
+    for switch, knobs in groups.items():
+        if not enabled(flat, switch):
+            continue
+        if switch == "dispatch":
+            out.append(f"--flat-dispatch {flat.dispatch}")
+            if flat.dispatch != "pipelined":
+                continue  # chunk knobs only matter when chunking
+        else:
+            out.append("--flat-" + switch.replace("_", "-"))
+        for knob in knobs:
+            value = getattr(flat, knob)
+            value = format(value, ".6g") if isinstance(value, float) else value
+            out.append(f"--flat-{knob.replace('_', '-')} {value}")
+    return " ".join(out)
+
+
+@dataclass
+class PlanResult:
+    """Everything the CLI prints (``to_json`` is the ``--json`` object)."""
+
+    model: ModelSpec
+    layout: Layout
+    chosen: List[str]        # layout sizes the planner chose (not given)
+    seq_len: int
+    skew: float
+    device_bytes: int
+    budget: int              # usable device bytes
+    host_bytes: Optional[int]  # per node; None: not limited
+    baseline: PeakReport
+    flat_report: PeakReport
+    flat: FlatConfig
+    reach: Reach
+    error: Optional[str]     # why nothing fits (flat_report is then the smallest setting)
+    all_on: bool = False     # flat = every technique at its smallest-memory setting
+
+    def fits(self, report: PeakReport) -> bool:
+        """The criterion ``fit`` uses: total within the usable device bytes, pinned host
+        need within the node's memory less ``HOST_MARGIN``, shared by its GPUs."""
+        host = host_budget_per_device(self.layout, self.host_bytes, HOST_MARGIN)
+        return report.total <= self.budget and (host is None or report.host_per_device <= host)
+
+    def to_json(self) -> dict:
+        lay, flat, r = self.layout, self.flat, self.flat_report
+        knobs = flat.to_dict()
+        knobs.update(enabled=[t for t in TECHNIQUE_NAMES if enabled(flat, t)],
+                     num_chunks=r.num_chunks, chunk_tokens=r.chunk_tokens,
+                     vocab_mode_used=r.vocab_mode, boundaries_offloaded=r.boundaries_offloaded,
+                     boundaries_held=r.boundaries_held, flags=flat_flags(flat))
+        out = {
+            "model": self.model.name,
+            "model_description": self.model.describe(),
+            "layout": {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "pp": lay.pp, "cp": lay.cp,
+                       "dp": lay.dp, "sp": lay.sp, "micro_batch_size": lay.micro_batch_size,
+                       "microbatches_in_flight": lay.in_flight,
+                       "gpus_per_node": lay.gpus_per_node, "chosen": self.chosen},
+            "seq_len": self.seq_len,
+            "tokens_per_rank": self.baseline.tokens,
+            "skew": self.skew,
+            "device_bytes": self.device_bytes,
+            "usable_bytes": self.budget,
+            "baseline": self.baseline.components(),
+            "flat": r.components(),
+            "binding": {"baseline": self.baseline.binding, "flat": r.binding},
+            "fits": {"baseline": self.fits(self.baseline),
+                     "flat": self.error is None and self.fits(r)},
+            "flat_is": "smallest-memory settings" if self.all_on or self.error else
+                       "fewest techniques that fit",
+            "knobs": knobs,
+            "host_bytes": {"baseline": self.baseline.host_per_node, "flat": r.host_per_node,
+                           "flat_per_device": r.host_per_device, "available": self.host_bytes},
+            "max_context": {"baseline": self.reach.baseline, "flat": self.reach.flat},
+            "max_context_granularity": self.reach.granularity,
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def plan(args: argparse.Namespace) -> PlanResult:
+    """Evaluate everything the CLI prints."""
+    model = load_model(args.model)
+    seq = parse_tokens(args.seq)
+    device = parse_bytes(args.gpu_mem)
+    host = parse_bytes(args.host_mem) if args.host_mem is not None else None
+    gpus = args.gpus if args.gpus is not None else PAPER_GPUS.get(model.name)
+    if gpus is None:
+        raise PlanError(f"give --gpus for {model.name} (only the paper presets have a default)")
+    given = {d: getattr(args, d) for d in ("tp", "ep", "pp", "cp")}
+    layout = default_layout(model, gpus, gpus_per_node=args.gpus_per_node,
+                            micro_batch_size=args.micro_batch_size, **given)
+    chosen = [d.upper() for d, v in given.items() if v is None]
+    kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew)
+    error = None
+    if args.all_on:
+        baseline = estimate(model, layout, seq, None, skew=args.skew)
+        flat_report = tightest_report(model, layout, seq, host, host_margin=HOST_MARGIN,
+                                      skew=args.skew)
+        flat = flat_report.flat or FlatConfig()
+    else:
+        try:
+            result = fit(model, layout, seq, device, host, **kw)
+            baseline, flat_report, flat = result.baseline, result.report, result.flat
+        except DoesNotFit as err:
+            error = str(err)
+            baseline = estimate(model, layout, seq, None, skew=args.skew)
+            flat_report = err.best
+            flat = flat_report.flat or FlatConfig()
+    reach = max_context(model, layout, device, host, **kw)
+    return PlanResult(model=model, layout=layout, chosen=chosen, seq_len=seq, skew=args.skew,
+                      device_bytes=device, budget=usable(device, args.margin), host_bytes=host,
+                      baseline=baseline, flat_report=flat_report, flat=flat, reach=reach,
+                      error=error, all_on=args.all_on)
+
+
+def render_table(res: PlanResult) -> str:
+    lay, base, r = res.layout, res.baseline, res.flat_report
+    chosen = f" (chose {', '.join(res.chosen)} for {lay.gpus} GPUs)" if res.chosen else ""
+    host = res.host_bytes
+    lines = [
+        f"megatron-flat plan: {res.model.name} - {res.model.describe()}",
+        f"layout: {lay.describe()}{chosen}",
+        f"sequence: {format_tokens(res.seq_len)} = {res.seq_len:,} tokens ({base.tokens:,} per "
+        f"CP rank, {base.tokens_sp:,} per TP rank); routing skew {res.skew:g}",
+        f"device: {format_bytes(res.device_bytes)}, usable {format_bytes(res.budget)}; host: "
+        + (f"{format_bytes(host)} per node of {min(lay.gpus_per_node, lay.gpus)} GPUs"
+           if host else "not limited"),
+        "",
+        f"{'peak per GPU':34s}{'baseline':>14s}{'flat':>14s}",
+    ]
+    bc, fc = base.components(), r.components()
+    for name in COMPONENTS + ("total",):
+        lines.append(f"  {ROW_LABELS[name]:32s}{format_bytes(bc[name]):>14s}"
+                     f"{format_bytes(fc[name]):>14s}")
+    yes = {True: "yes", False: "NO"}
+    flat_fits = res.error is None and res.fits(r)
+    lines.append(f"  {'fits':32s}{yes[res.fits(base)]:>14s}{yes[flat_fits]:>14s}")
+    lines.append(f"  {'binding term':32s}{base.binding:>14s}{r.binding:>14s}")
+    lines.append(f"  {'pinned host per node':32s}{format_bytes(base.host_per_node):>14s}"
+                 f"{format_bytes(r.host_per_node):>14s}"
+                 + (f"  (of {format_bytes(host)})" if host else ""))
+    lines.append("")
+    if res.error is not None:
+        lines.append("knobs (flat at its smallest-memory setting, which does not fit):")
+    elif res.all_on:
+        lines.append("knobs (flat: every technique at its smallest-memory setting):")
+    else:
+        lines.append("knobs (flat: the fewest techniques that fit, at their cheapest settings):")
+    lines += ["  " + s for s in _knob_summary(r, res.flat)]
+    flags = flat_flags(res.flat)
+    if flags:
+        lines.append("  flags: " + flags)
+    mc = res.reach
+    lines.append(f"max context: baseline {format_tokens(mc.baseline) if mc.baseline else 'none'}"
+                 f", flat {format_tokens(mc.flat) if mc.flat else 'none'} "
+                 f"(multiples of {mc.granularity:,} tokens)")
+    if not mc.baseline and base.optimizer > res.budget:
+        lines.append(f"  (baseline: the optimizer/model state alone, "
+                     f"{format_bytes(base.optimizer)}, exceeds the usable "
+                     f"{format_bytes(res.budget)})")
+    lines.append("step peak = optimizer/model state + boundaries + max(dispatch + other, vocab)")
+    if res.error:
+        lines += ["", "does not fit: " + res.error]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_flat plan") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        out = plan(args)
+    except PlanError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out.to_json(), indent=2))
+    else:
+        print(render_table(out))
+    return 0

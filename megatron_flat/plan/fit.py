@@ -1,0 +1,350 @@
+"""Choosing the knobs (``fit``) and the reach (``max_context``).
+
+``fit`` answers "which techniques, with which knobs, make this step fit this device?":
+
+1. If the baseline fits, nothing is turned on.
+2. Otherwise subsets of the techniques are tried, fewest first and, among equally many,
+   cheapest first (``TECHNIQUES`` is ordered by overhead: chunking the dispatch costs the
+   least, then the vocabulary ring, then boundary offload over PCIe, then the optimizer's
+   28 B/param of PCIe traffic per step). Each enabled technique is first set to its
+   smallest-memory setting; pinned host memory goes to the optimizer state first (it moves
+   all at once or not at all), the rest to boundaries.
+3. The first subset that fits is relaxed knob by knob toward its cheapest setting while the
+   step still fits: 2 optimizer staging slots and the largest bucket (≤ 100M params), the
+   ``auto`` ring schedule, the fewest dispatch chunks (one chunk: plain LLEP, ``dispatch =
+   "llep"``, which still evens the load), the fewest offloaded boundaries.
+
+When nothing fits, ``PlanError`` says by how much and which term binds at the smallest-
+memory setting. ``max_context`` bisects the longest sequence for which the baseline fits and
+for which ``fit`` succeeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Sequence, Tuple
+
+from megatron_flat.config import GIB, FlatConfig
+from megatron_flat.plan.model import Layout, ModelSpec, PlanError
+from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate, usable
+
+TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload")
+TECHNIQUE_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO",
+                   "optimizer_offload": "OffloadStreamAdamW"}
+BUCKET_LADDER = (100_000_000, 50_000_000, 25_000_000, 10_000_000, 5_000_000, 1_000_000)
+MIN_CHUNK_TOKENS = 1024  # smallest per-source chunk fit will choose (GEMM efficiency)
+MIB = 1 << 20
+# What turning a technique on sets in FlatConfig.
+SWITCH_ON = {"dispatch": {"dispatch": "pipelined"}, "vocab": {"vocab": True},
+             "sco": {"sco": True}, "optimizer_offload": {"optimizer_offload": True}}
+
+
+def enabled(flat: Optional[FlatConfig], technique: str) -> bool:
+    """Whether ``technique`` (a name in ``TECHNIQUES``) is on in ``flat``; dispatch counts as
+    on for "llep" and "pipelined"."""
+    if flat is None:
+        return False
+    value = getattr(flat, technique)
+    return value != "off" if technique == "dispatch" else bool(value)
+
+
+class DoesNotFit(PlanError):
+    """No allowed combination of techniques fits; ``best`` is the smallest-memory report."""
+
+    def __init__(self, message: str, best: PeakReport):
+        super().__init__(message)
+        self.best = best
+
+
+@dataclass
+class Fit:
+    """The knobs ``fit`` chose and the peaks they give.
+
+    ``flat``: the FlatConfig to launch with (everything off when the baseline fits);
+    ``report``: its peaks; ``baseline``: the peaks without megatron-flat; ``budget``: usable
+    device bytes (device size less the margin); ``host_budget``: usable pinned host bytes
+    per device (None: not limited); ``enabled``: the techniques turned on.
+    """
+
+    flat: FlatConfig
+    report: PeakReport
+    baseline: PeakReport
+    budget: int
+    host_budget: Optional[int]
+    enabled: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Longest sequence (tokens per sample) that fits, a multiple of ``granularity``; 0 when
+    not even ``granularity`` tokens fit."""
+
+    baseline: int
+    flat: int
+    granularity: int
+
+
+def host_budget_per_device(layout: Layout, host_bytes: Optional[int],
+                           host_margin: float) -> Optional[int]:
+    """Pinned host bytes one device may use: the node's memory less a margin, shared by the
+    node's GPUs (``layout.gpus_per_node``, or all of them when the job is smaller)."""
+    if host_bytes is None:
+        return None
+    if not 0 <= host_margin < 1:
+        raise PlanError(f"host margin must be a fraction in [0, 1), got {host_margin!r}")
+    return int(host_bytes * (1.0 - host_margin)) // min(layout.gpus_per_node, layout.gpus)
+
+
+class _Planner:
+    """Shared state of one fit / max-context question."""
+
+    def __init__(self, model, layout, device_bytes, host_bytes, margin, host_margin, skew,
+                 min_chunk_tokens, allow):
+        unknown = [t for t in allow if t not in TECHNIQUES]
+        if unknown:
+            raise PlanError(f"unknown technique(s) {', '.join(unknown)}; choose from "
+                            f"{', '.join(TECHNIQUES)}")
+        if device_bytes is None or device_bytes <= 0:
+            raise PlanError(f"device memory must be positive, got {device_bytes!r}")
+        self.model, self.layout, self.skew = model, layout, skew
+        self.budget = usable(device_bytes, margin)
+        self.host_budget = host_budget_per_device(layout, host_bytes, host_margin)
+        self.min_chunk = max(1, int(min_chunk_tokens))
+        self.allow = tuple(t for t in TECHNIQUES if t in allow)
+
+    # -- predicates -----------------------------------------------------------------------
+    def estimate(self, seq: int, flat: Optional[FlatConfig]) -> PeakReport:
+        return estimate(self.model, self.layout, seq, flat, skew=self.skew)
+
+    def ok(self, report: PeakReport) -> bool:
+        host_ok = self.host_budget is None or report.host_per_device <= self.host_budget
+        return report.total <= self.budget and host_ok
+
+    def subsets(self) -> Iterable[Tuple[str, ...]]:
+        rank = {t: i for i, t in enumerate(TECHNIQUES)}
+        subs = [s for r in range(1, len(self.allow) + 1)
+                for s in itertools.combinations(self.allow, r)]
+        return sorted(subs, key=lambda s: (len(s), sum(rank[t] for t in s)))
+
+    # -- smallest-memory setting of a subset ---------------------------------------------
+    def tightest(self, seq: int, techniques: Sequence[str]) -> Optional[FlatConfig]:
+        """All of ``techniques`` at their smallest-memory knobs; None if the pinned host
+        memory cannot hold the optimizer state."""
+        kw = {k: v for t in techniques for k, v in SWITCH_ON[t].items()}
+        host_left = math.inf if self.host_budget is None else self.host_budget
+        probe = self.estimate(seq, FlatConfig(**kw, optimizer_bucket_numel=BUCKET_LADDER[-1],
+                                              optimizer_num_slots=1))
+        if "optimizer_offload" in techniques:
+            if probe.optimizer_host > host_left:
+                return None
+            host_left -= probe.optimizer_host
+            kw.update(optimizer_bucket_numel=BUCKET_LADDER[-1], optimizer_num_slots=1)
+        if "dispatch" in techniques:
+            c = self.min_chunk
+            kw.update(dispatch_chunk_tokens=c,
+                      dispatch_max_chunks=max(1, math.ceil(probe.tokens_sp / c)))
+        if "sco" in techniques:
+            offload = min(probe.boundaries_held * probe.boundary_bytes, host_left)
+            n = offload // probe.boundary_bytes if probe.boundary_bytes else 0
+            kw.update(sco_host_budget_gib=_budget_gib(n * probe.boundary_bytes,
+                                                      probe.boundary_bytes))
+        if "vocab" in techniques:
+            best = None
+            for mode in ("weights", "activations"):
+                r = self.estimate(seq, FlatConfig(**{**kw, "vocab_mode": mode}))
+                if best is None or r.vocab < best[0]:
+                    best = (r.vocab, mode)
+            kw["vocab_mode"] = best[1]
+        return FlatConfig(**kw)
+
+    def first_fitting(self, seq: int) -> Optional[Tuple[Tuple[str, ...], FlatConfig]]:
+        for techniques in self.subsets():
+            cfg = self.tightest(seq, techniques)
+            if cfg is not None and self.ok(self.estimate(seq, cfg)):
+                return techniques, cfg
+        return None
+
+    # -- relaxation -----------------------------------------------------------------------
+    def relax(self, seq: int, cfg: FlatConfig) -> FlatConfig:
+        def fits(c: FlatConfig) -> bool:
+            return self.ok(self.estimate(seq, c))
+
+        if cfg.optimizer_offload:
+            for slots in (2, 1):
+                for bucket in BUCKET_LADDER:
+                    trial = replace(cfg, optimizer_num_slots=slots, optimizer_bucket_numel=bucket)
+                    if fits(trial):
+                        cfg = trial
+                        break
+                else:
+                    continue
+                break
+        if cfg.vocab and cfg.vocab_mode != "auto" and fits(replace(cfg, vocab_mode="auto")):
+            cfg = replace(cfg, vocab_mode="auto")
+        if cfg.dispatch == "pipelined":
+            n_sp = self.estimate(seq, cfg).tokens_sp
+            lo, hi = 1, max(1, cfg.dispatch_max_chunks)  # fewest chunks that fit, in [lo, hi]
+
+            def with_k(k: int) -> FlatConfig:
+                return replace(cfg, dispatch_chunk_tokens=max(1, math.ceil(n_sp / k)),
+                               dispatch_max_chunks=k)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(with_k(mid)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            cfg = with_k(lo)
+            if lo == 1 and fits(replace(cfg, dispatch="llep")):
+                cfg = replace(cfg, dispatch="llep")  # one chunk: plain LLEP does the same
+        if cfg.sco:
+            r = self.estimate(seq, cfg)
+            B = r.boundary_bytes
+            lo, hi = 0, r.boundaries_offloaded  # fewest offloaded boundaries that fit
+
+            def with_n(n: int) -> FlatConfig:
+                return replace(cfg, sco_host_budget_gib=_budget_gib(n * B, B))
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(with_n(mid)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            cfg = with_n(lo)
+        return cfg
+
+
+def _budget_gib(nbytes: int, boundary: int) -> float:
+    """``sco_host_budget_gib`` admitting exactly ``nbytes // boundary`` boundaries.
+
+    Aims half a boundary above ``nbytes`` so float rounding can neither drop nor add one;
+    rounded down to whole MiB when a boundary is at least 2 MiB (readable values).
+    """
+    if nbytes <= 0 or boundary <= 0:
+        return 0.0
+    target = nbytes + boundary // 2
+    if boundary >= 2 * MIB:
+        return (target // MIB) / 1024
+    return target / GIB
+
+
+def fit(model: ModelSpec, layout: Layout, seq_len: int, device_bytes: int,
+        host_bytes: Optional[int] = None, *, margin: float = 0.1, host_margin: float = 0.1,
+        skew: float = DEFAULT_SKEW, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+        allow: Sequence[str] = TECHNIQUES) -> Fit:
+    """Pick the FlatConfig knobs so the step fits ``device_bytes`` with ``margin`` to spare.
+
+    ``host_bytes``: host memory per node (``layout.gpus_per_node`` devices share it), of which
+    ``host_margin`` is kept free; None leaves pinned host memory unlimited. ``allow``: the
+    techniques fit may turn on. ``min_chunk_tokens``: the smallest dispatch chunk (c) fit
+    considers. Raises ``PlanError`` when no allowed combination fits.
+    """
+    planner = _Planner(model, layout, device_bytes, host_bytes, margin, host_margin, skew,
+                       min_chunk_tokens, allow)
+    baseline = planner.estimate(seq_len, None)
+    if planner.ok(baseline):
+        return Fit(FlatConfig(), baseline, baseline, planner.budget, planner.host_budget, ())
+    found = planner.first_fitting(seq_len)
+    if found is None:
+        raise DoesNotFit(*_no_fit(planner, seq_len, baseline))
+    techniques, cfg = found
+    cfg = planner.relax(seq_len, cfg)
+    report = planner.estimate(seq_len, cfg)
+    return Fit(cfg, report, baseline, planner.budget, planner.host_budget, techniques)
+
+
+def tightest_report(model: ModelSpec, layout: Layout, seq_len: int,
+                    host_bytes: Optional[int] = None, *, host_margin: float = 0.1,
+                    skew: float = DEFAULT_SKEW, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+                    allow: Sequence[str] = TECHNIQUES) -> PeakReport:
+    """The peaks with every allowed technique at its smallest-memory setting (what is shown
+    when nothing fits). The optimizer state stays on device when the host cannot hold it."""
+    planner = _Planner(model, layout, 1, host_bytes, 0.0, host_margin, skew, min_chunk_tokens,
+                       allow)
+    cfg = planner.tightest(seq_len, planner.allow)
+    if cfg is None:
+        cfg = planner.tightest(seq_len, tuple(t for t in planner.allow
+                                              if t != "optimizer_offload"))
+    return planner.estimate(seq_len, cfg)
+
+
+def _no_fit(planner: _Planner, seq: int, baseline: PeakReport) -> Tuple[str, PeakReport]:
+    from megatron_flat.plan.units import format_bytes
+
+    best = tightest_report(planner.model, planner.layout, seq,
+                           None if planner.host_budget is None else
+                           planner.host_budget * min(planner.layout.gpus_per_node,
+                                                     planner.layout.gpus),
+                           host_margin=0.0, skew=planner.skew, min_chunk_tokens=planner.min_chunk,
+                           allow=planner.allow)
+    parts = [f"{planner.model.name} at {seq:,} tokens does not fit: even with "
+             f"{', '.join(TECHNIQUE_NAMES[t] for t in planner.allow) or 'no technique'} at their "
+             f"smallest settings the step needs {format_bytes(best.total)} per device, more than "
+             f"the {format_bytes(planner.budget)} usable (baseline "
+             f"{format_bytes(baseline.total)}); binding term: {best.binding}"]
+    if planner.host_budget is not None and best.host_per_device > planner.host_budget:
+        parts.append(f"pinned host need {format_bytes(best.host_per_device)} per device exceeds "
+                     f"the {format_bytes(planner.host_budget)} available")
+    if not enabled(best.flat, "optimizer_offload"):
+        if "optimizer_offload" in planner.allow:
+            parts.append("the host cannot hold the optimizer state")
+    parts.append("try more GPUs, a larger CP/EP, or a shorter sequence")
+    return "; ".join(parts), best
+
+
+def seq_granularity(layout: Layout) -> int:
+    """Sequence lengths the search visits: multiples of lcm(1024, 2·CP, TP·CP)."""
+    g = 1024
+    if layout.cp > 1:
+        g = math.lcm(g, 2 * layout.cp)
+    if layout.sp:
+        g = math.lcm(g, layout.tp * layout.cp)
+    return g
+
+
+def _bisect(fits, g: int, limit: int) -> int:
+    """Largest multiple of g (≤ limit) for which the monotone predicate ``fits`` holds."""
+    if not fits(g):
+        return 0
+    lo = 1  # fits(lo·g)
+    hi = 2
+    while hi * g <= limit and fits(hi * g):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // g + 1)  # fits(hi·g) is False or hi·g > limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * g):
+            lo = mid
+        else:
+            hi = mid
+    return lo * g
+
+
+def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
+                host_bytes: Optional[int] = None, *, margin: float = 0.1,
+                host_margin: float = 0.1, skew: float = DEFAULT_SKEW,
+                min_chunk_tokens: int = MIN_CHUNK_TOKENS, allow: Sequence[str] = TECHNIQUES,
+                granularity: Optional[int] = None, limit: int = 1 << 30) -> Reach:
+    """Longest sequence that fits, baseline and flat (``fit`` succeeds), by bisection.
+
+    Every term grows with the sequence length, so "fits" is monotone and bisection over
+    multiples of ``granularity`` (default ``seq_granularity(layout)``) finds the exact
+    boundary up to ``limit`` tokens.
+    """
+    planner = _Planner(model, layout, device_bytes, host_bytes, margin, host_margin, skew,
+                       min_chunk_tokens, allow)
+    g = granularity or seq_granularity(layout)
+    if g % seq_granularity(layout) and granularity is not None:
+        raise PlanError(f"granularity {g} must be a multiple of {seq_granularity(layout)} "
+                        f"for this layout")
+
+    def base_fits(seq: int) -> bool:
+        return planner.ok(planner.estimate(seq, None))
+
+    def flat_fits(seq: int) -> bool:
+        return base_fits(seq) or planner.first_fitting(seq) is not None
+
+    return Reach(baseline=_bisect(base_fits, g, limit), flat=_bisect(flat_fits, g, limit),
+                 granularity=g)

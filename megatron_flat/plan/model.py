@@ -1,0 +1,556 @@
+"""What the planner plans for: a model shape (``ModelSpec``) and a parallel layout (``Layout``).
+
+Both are plain frozen dataclasses. Models come from presets (``preset(name)``), a Hugging Face
+``config.json`` (``model_from_hf_config``) or Megatron-LM's parsed arguments
+(``model_from_megatron_args``; ``layout_from_megatron_args`` for the layout). ``default_layout``
+picks a layout for a GPU count when the user gives none. Bad input raises ``PlanError`` with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """Bad planner input, or a plan that cannot fit; the message says which and why."""
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a (MoE) decoder-only transformer, as the peak formulas need it.
+
+    Symbols used in ``peaks.py``: H = ``hidden``, L = ``layers``, h = ``heads``,
+    g = ``kv_heads``, d = ``head_dim`` (query/key width per head), d_v = ``v_head_dim``,
+    E = ``experts``, k = ``topk``, F = ``expert_ffn``, F_s = ``shared_expert_ffn``,
+    F_d = ``dense_ffn``, V = ``vocab``.
+
+    ``dense_layers`` leading layers use a dense FFN of width F_d instead of the MoE
+    (DeepSeek-V3's ``first_k_dense_replace``); ``experts == 0`` is a dense model.
+    ``attention_params`` overrides the per-layer attention parameter count for attention
+    shapes other than (grouped-query) multi-head attention, e.g. MLA.
+    ``gated``: SwiGLU-style FFN (fc1 is 2F wide).
+    """
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    shared_expert_ffn: int = 0
+    dense_ffn: int = 0
+    dense_layers: int = 0
+    v_head_dim: Optional[int] = None
+    attention_params: Optional[int] = None
+    gated: bool = True
+    tied_embeddings: bool = False
+    dtype: str = "bf16"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise PlanError(f"model {self.name!r}: {name} must be a positive integer, "
+                                f"got {getattr(self, name)!r}")
+        for name in ("experts", "topk", "expert_ffn", "shared_experts", "shared_expert_ffn",
+                     "dense_ffn", "dense_layers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise PlanError(f"model {self.name!r}: {name} must be an integer >= 0, "
+                                f"got {getattr(self, name)!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"model {self.name!r}: dtype {self.dtype!r} is not one of "
+                            f"{', '.join(sorted(DTYPE_BYTES))}")
+        if self.heads % self.kv_heads:
+            raise PlanError(f"model {self.name!r}: {self.heads} attention heads do not group "
+                            f"over {self.kv_heads} key/value heads")
+        if self.experts:
+            if not 1 <= self.topk <= self.experts:
+                raise PlanError(f"model {self.name!r}: top-k {self.topk} must be in "
+                                f"1..{self.experts} (the expert count)")
+            if self.expert_ffn < 1:
+                raise PlanError(f"model {self.name!r}: an MoE model needs expert_ffn > 0")
+            if self.shared_experts and self.shared_expert_ffn < 1:
+                raise PlanError(f"model {self.name!r}: shared experts need shared_expert_ffn > 0")
+        elif self.dense_ffn < 1:
+            raise PlanError(f"model {self.name!r}: a model without experts needs dense_ffn > 0")
+        if self.dense_layers > self.layers:
+            raise PlanError(f"model {self.name!r}: dense_layers {self.dense_layers} > layers "
+                            f"{self.layers}")
+        if self.dense_layers and self.dense_ffn < 1:
+            raise PlanError(f"model {self.name!r}: dense layers need dense_ffn > 0")
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def bytes_per_value(self) -> int:
+        """b: bytes of one activation or low-precision weight element."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def dv(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        return bool(self.experts) and index >= self.dense_layers
+
+    @property
+    def ffn_matrices(self) -> int:
+        """Weight matrices of width F in one FFN: 3 for gated (gate, up, down), else 2."""
+        return 3 if self.gated else 2
+
+    def attention_params_per_layer(self) -> int:
+        """Q, K, V and output projections: H·h·d + H·g·d + H·g·d_v + h·d_v·H (no biases)."""
+        if self.attention_params is not None:
+            return self.attention_params
+        H = self.hidden
+        return H * self.heads * self.head_dim + H * self.kv_heads * (self.head_dim + self.dv) \
+            + self.heads * self.dv * H
+
+    def expert_params(self) -> int:
+        """One routed expert: 3·H·F gated (2·H·F plain)."""
+        return self.ffn_matrices * self.hidden * self.expert_ffn
+
+    def total_params(self) -> int:
+        """All parameters (embeddings counted once when tied); norms included."""
+        H, L = self.hidden, self.layers
+        per_layer_common = self.attention_params_per_layer() + 2 * H
+        dense = self.dense_layers if self.experts else L
+        moe = self.moe_layers
+        total = L * per_layer_common + H
+        total += dense * self.ffn_matrices * H * self.dense_ffn
+        total += moe * (self.experts * self.expert_params() + H * self.experts
+                        + self.shared_experts * self.ffn_matrices * H * self.shared_expert_ffn)
+        total += self.vocab * H * (1 if self.tied_embeddings else 2)
+        return total
+
+    def describe(self) -> str:
+        parts = [f"{self.layers} layers", f"hidden {self.hidden}",
+                 f"{self.heads} heads/{self.kv_heads} kv x {self.head_dim}"]
+        if self.experts:
+            moe = f"{self.experts} experts top-{self.topk} ffn {self.expert_ffn}"
+            if self.shared_experts:
+                moe += f" + {self.shared_experts} shared"
+            parts.append(moe)
+        if self.dense_layers or not self.experts:
+            parts.append(f"{self.dense_layers if self.experts else self.layers} dense "
+                         f"ffn {self.dense_ffn}")
+        parts += [f"vocab {self.vocab:,}", self.dtype,
+                  f"{self.total_params() / 1e9:.1f}B params"]
+        return ", ".join(parts)
+
+
+def _paper(name: str, layers: int) -> ModelSpec:
+    # The paper's synthetic MoE family: hidden 7168, 384 experts, top-8, expert FFN 2048,
+    # vocab 200,000. Its attention shape is not given; 56 heads x 128 with 8 KV heads (GQA)
+    # is our assumption, chosen because it reproduces the family's names: 122.1B, 241.3B and
+    # 667.2B parameters for 7, 14 and 39 layers.
+    return ModelSpec(name=name, hidden=7168, layers=layers, heads=56, kv_heads=8, head_dim=128,
+                     experts=384, topk=8, expert_ffn=2048, vocab=200_000, dtype="bf16",
+                     source="paper synthetic MoE family (attention shape assumed: 56 heads, "
+                            "8 KV heads, head dim 128)")
+
+
+def _deepseek_v3_mla_params() -> int:
+    # DeepSeek-V3 config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+    # qk_rope_head_dim 64, v_head_dim 128, 128 heads, hidden 7168.
+    H, h, q_lora, kv_lora, nope, rope, dv = 7168, 128, 1536, 512, 128, 64, 128
+    return (H * q_lora + q_lora * h * (nope + rope)      # q down / up
+            + H * (kv_lora + rope) + kv_lora * h * (nope + dv)  # kv down (+ rope key) / up
+            + h * dv * H                                  # output projection
+            + q_lora + kv_lora)                           # the two latent norms
+
+
+PRESETS: Dict[str, ModelSpec] = {
+    "paper-120b": _paper("paper-120b", 7),
+    "paper-241b": _paper("paper-241b", 14),
+    "paper-667b": _paper("paper-667b", 39),
+    # openai/gpt-oss-20b config.json: hidden_size 2880, num_hidden_layers 24,
+    # num_attention_heads 64, num_key_value_heads 8, head_dim 64, num_local_experts 32,
+    # num_experts_per_tok 4, intermediate_size 2880 (per expert), vocab_size 201088,
+    # tie_word_embeddings false. (Expert biases and attention sinks are ignored.)
+    "gpt-oss-20b": ModelSpec(name="gpt-oss-20b", hidden=2880, layers=24, heads=64, kv_heads=8,
+                             head_dim=64, experts=32, topk=4, expert_ffn=2880, vocab=201_088,
+                             source="openai/gpt-oss-20b config.json"),
+    # openai/gpt-oss-120b config.json: as gpt-oss-20b but num_hidden_layers 36 and
+    # num_local_experts 128.
+    "gpt-oss-120b": ModelSpec(name="gpt-oss-120b", hidden=2880, layers=36, heads=64,
+                              kv_heads=8, head_dim=64, experts=128, topk=4, expert_ffn=2880,
+                              vocab=201_088, source="openai/gpt-oss-120b config.json"),
+    # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, num_hidden_layers 61,
+    # num_attention_heads 128 (MLA; after up-projection every head has its own K and V, so
+    # kv heads = 128; q/k head dim = qk_nope 128 + qk_rope 64 = 192, v_head_dim 128),
+    # n_routed_experts 256, num_experts_per_tok 8, moe_intermediate_size 2048,
+    # n_shared_experts 1 (width moe_intermediate_size), first_k_dense_replace 3 with
+    # intermediate_size 18432, vocab_size 129280, untied. The MTP module is not modelled.
+    "deepseek-v3": ModelSpec(name="deepseek-v3", hidden=7168, layers=61, heads=128,
+                             kv_heads=128, head_dim=192, v_head_dim=128,
+                             attention_params=_deepseek_v3_mla_params(), experts=256, topk=8,
+                             expert_ffn=2048, shared_experts=1, shared_expert_ffn=2048,
+                             dense_ffn=18432, dense_layers=3, vocab=129_280,
+                             source="deepseek-ai/DeepSeek-V3 config.json"),
+    # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48,
+    # num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
+    # num_experts_per_tok 8, moe_intermediate_size 768, vocab_size 151936, every layer MoE
+    # (decoder_sparse_step 1, mlp_only_layers []), tie_word_embeddings false.
+    "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", hidden=2048, layers=48, heads=32,
+                               kv_heads=4, head_dim=128, experts=128, topk=8, expert_ffn=768,
+                               vocab=151_936, source="Qwen/Qwen3-30B-A3B config.json"),
+}
+
+# The GPU counts the paper runs its family on (used when --gpus is not given).
+PAPER_GPUS = {"paper-120b": 16, "paper-241b": 32, "paper-667b": 64}
+
+_ALIASES = {"deepseekv3": "deepseek-v3", "qwen3-30b": "qwen3-30b-a3b"}
+
+
+def preset(name: str) -> ModelSpec:
+    """A preset by name (case-insensitive: ``DeepSeek-V3`` and ``deepseek-v3`` both work)."""
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise PlanError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} "
+                        f"(or give a path to a Hugging Face config.json)")
+    return PRESETS[key]
+
+
+def load_model(spec: str) -> ModelSpec:
+    """``spec`` is a preset name or a path to a Hugging Face ``config.json``."""
+    if os.path.isfile(spec):
+        return model_from_hf_config(spec)
+    if spec.endswith(".json") or os.sep in spec:
+        raise PlanError(f"model config {spec!r} does not exist")
+    return preset(spec)
+
+
+def _first(cfg: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` (path or already-loaded dict).
+
+    Keys read: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads`` (default: heads), ``head_dim`` (default: hidden/heads),
+    ``num_experts`` / ``n_routed_experts`` / ``num_local_experts``, ``num_experts_per_tok``
+    (or ``experts_per_token``), ``moe_intermediate_size`` (else ``intermediate_size`` is the
+    expert width, as in gpt-oss / Mixtral), ``n_shared_experts`` (width
+    ``moe_intermediate_size``) or ``shared_expert_intermediate_size`` (one shared expert of
+    that width), ``first_k_dense_replace`` (leading dense layers of width
+    ``intermediate_size``), ``vocab_size``, ``tie_word_embeddings``, ``torch_dtype``; MLA
+    (``kv_lora_rank``) sets the attention shape from ``qk_nope_head_dim`` +
+    ``qk_rope_head_dim`` and ``v_head_dim``.
+    """
+    source = "config dict"
+    if not isinstance(config, Mapping):
+        path = str(config)
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise PlanError(f"model config {path!r} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise PlanError(f"model config {path!r} is not valid JSON: {err}") from None
+        source = path
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+    cfg = dict(config)
+    if isinstance(cfg.get("text_config"), Mapping):  # multimodal wrappers
+        cfg = {**cfg, **cfg["text_config"]}
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size") if cfg.get(k) is None]
+    if missing:
+        raise PlanError(f"{source}: missing {', '.join(missing)} (not a decoder config.json?)")
+    H = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+    head_dim = int(_first(cfg, "head_dim", default=H // heads))
+    v_head_dim = None
+    attention_params = None
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3)
+        nope = int(_first(cfg, "qk_nope_head_dim", default=128))
+        rope = int(_first(cfg, "qk_rope_head_dim", default=64))
+        v_head_dim = int(_first(cfg, "v_head_dim", default=nope))
+        head_dim, kv_heads = nope + rope, heads
+        kv_lora, q_lora = int(cfg["kv_lora_rank"]), cfg.get("q_lora_rank")
+        q_params = (H * int(q_lora) + int(q_lora) * heads * head_dim + int(q_lora)) if q_lora \
+            else H * heads * head_dim
+        attention_params = (q_params + H * (kv_lora + rope) + kv_lora * heads * (nope + v_head_dim)
+                            + kv_lora + heads * v_head_dim * H)
+    experts = int(_first(cfg, "num_experts", "n_routed_experts", "num_local_experts", default=0)
+                  or 0)
+    topk = int(_first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", default=0)
+               or 0)
+    intermediate = _first(cfg, "intermediate_size", default=0) or 0
+    expert_ffn = int(_first(cfg, "moe_intermediate_size", default=intermediate) or 0)
+    shared, shared_ffn = 0, 0
+    if cfg.get("n_shared_experts"):
+        shared, shared_ffn = int(cfg["n_shared_experts"]), expert_ffn
+    elif cfg.get("shared_expert_intermediate_size"):
+        shared, shared_ffn = 1, int(cfg["shared_expert_intermediate_size"])
+    dense_layers = int(cfg.get("first_k_dense_replace") or 0) if experts else 0
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    if dtype not in DTYPE_BYTES:
+        dtype = "bf16"
+    return ModelSpec(
+        name=name or str(cfg.get("model_type") or "config"),
+        hidden=H, layers=int(cfg["num_hidden_layers"]), heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, v_head_dim=v_head_dim, attention_params=attention_params,
+        experts=experts, topk=topk if experts else 0, expert_ffn=expert_ffn if experts else 0,
+        shared_experts=shared, shared_expert_ffn=shared_ffn,
+        dense_ffn=int(intermediate) if (dense_layers or not experts) else 0,
+        dense_layers=dense_layers, vocab=int(cfg["vocab_size"]),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=dtype, source=source,
+    )
+
+
+def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
+    """A ``ModelSpec`` from Megatron-LM's parsed arguments (``argparse.Namespace``).
+
+    Reads ``hidden_size``, ``num_layers``, ``num_attention_heads``, ``num_query_groups``
+    (when ``group_query_attention``), ``kv_channels``, ``num_experts``, ``moe_router_topk``,
+    ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``), ``ffn_hidden_size``,
+    ``moe_shared_expert_intermediate_size`` (one shared expert of that width),
+    ``moe_layer_freq`` (an int N: every N-th layer is MoE; or a list of 0/1), ``padded_vocab_size``
+    or ``vocab_size``, ``swiglu``, ``untie_embeddings_and_output_weights``, ``bf16``/``fp16``.
+    A ``moe_layer_freq`` pattern is modelled as its count of dense layers placed first.
+    """
+    def get(attr, default=None):
+        value = getattr(args, attr, None)
+        return default if value is None else value
+
+    for attr in ("hidden_size", "num_layers", "num_attention_heads"):
+        if get(attr) is None:
+            raise PlanError(f"Megatron args: {attr} is missing")
+    vocab = get("padded_vocab_size") or get("vocab_size")
+    if vocab is None:
+        raise PlanError("Megatron args: neither padded_vocab_size nor vocab_size is set")
+    H, L, heads = int(args.hidden_size), int(args.num_layers), int(args.num_attention_heads)
+    kv = int(get("num_query_groups", heads)) if get("group_query_attention", False) else heads
+    experts = int(get("num_experts", 0) or 0)
+    ffn = int(get("ffn_hidden_size", 4 * H))
+    dense_layers = 0
+    freq = get("moe_layer_freq", 1)
+    if experts:
+        if isinstance(freq, int):
+            dense_layers = L - len([i for i in range(L) if i % freq == 0])
+        else:
+            pattern = list(freq)
+            if len(pattern) != L:
+                raise PlanError(f"Megatron args: moe_layer_freq has {len(pattern)} entries for "
+                                f"{L} layers")
+            dense_layers = pattern.count(0)
+    shared_ffn = int(get("moe_shared_expert_intermediate_size", 0) or 0)
+    dtype = "bf16" if get("bf16", False) else "fp16" if get("fp16", False) else "fp32"
+    return ModelSpec(
+        name=name, hidden=H, layers=L, heads=heads, kv_heads=kv,
+        head_dim=int(get("kv_channels", H // heads)), vocab=int(vocab), experts=experts,
+        topk=int(get("moe_router_topk", 2)) if experts else 0,
+        expert_ffn=int(get("moe_ffn_hidden_size", ffn)) if experts else 0,
+        shared_experts=1 if shared_ffn else 0, shared_expert_ffn=shared_ffn,
+        dense_ffn=ffn if (dense_layers or not experts) else 0, dense_layers=dense_layers,
+        gated=bool(get("swiglu", False)),
+        tied_embeddings=not get("untie_embeddings_and_output_weights", False),
+        dtype=dtype, source="Megatron-LM args",
+    )
+
+
+# --------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training job is split over devices (Megatron-Core's parallel dimensions).
+
+    World = TP·CP·PP·DP. Experts are split EP ways inside the TP·CP·DP ranks of a pipeline
+    stage (expert tensor parallelism ETP = 1, the usual choice for fine-grained MoE), so EP
+    must divide TP·CP·DP. ``sp`` (sequence parallelism) defaults to on when TP > 1.
+    ``microbatches_in_flight``: microbatches whose checkpoint boundaries the first pipeline
+    stage holds at once; 1F1B holds PP of them on the first stage (PP − s on stage s), which
+    is the default. ``fused_kernels``: production GPU kernels (fused SwiGLU, gradient-
+    accumulation fusion straight into the fp32 grad buffer); False models Megatron's
+    unfused reference path (what the CPU validation runs). ``grad_fp32``: gradient buffer in
+    fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``), else in the model dtype.
+    ``gpus_per_node``: devices sharing one host's memory (pinned-host accounting).
+    Full activation recompute (per-layer checkpoints) is assumed throughout.
+    """
+
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sp: Optional[bool] = None
+    micro_batch_size: int = 1
+    microbatches_in_flight: Optional[int] = None
+    distributed_optimizer: bool = True
+    grad_fp32: bool = True
+    fused_kernels: bool = True
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "pp", "cp", "dp", "micro_batch_size", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"layout: {name} must be a positive integer, got {value!r}")
+        if self.microbatches_in_flight is not None and self.microbatches_in_flight < 1:
+            raise PlanError("layout: microbatches_in_flight must be >= 1")
+        if (self.tp * self.cp * self.dp) % self.ep:
+            raise PlanError(f"layout: EP {self.ep} must divide TP·CP·DP = "
+                            f"{self.tp}·{self.cp}·{self.dp} = {self.tp * self.cp * self.dp} "
+                            f"(experts are split inside one pipeline stage's ranks)")
+        if self.sp is None:
+            object.__setattr__(self, "sp", self.tp > 1)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def in_flight(self) -> int:
+        return self.microbatches_in_flight or self.pp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks sharing one expert's weights (expert data parallel): TP·CP·DP / EP."""
+        return self.tp * self.cp * self.dp // self.ep
+
+    @property
+    def dense_dp(self) -> int:
+        """Ranks over which the distributed optimizer shards dense parameters: DP·CP."""
+        return self.dp * self.cp
+
+    def describe(self) -> str:
+        return (f"{self.gpus} GPUs = TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}, "
+                f"EP {self.ep}, SP {'on' if self.sp else 'off'}, micro-batch "
+                f"{self.micro_batch_size}, {self.in_flight} in flight")
+
+    def with_(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    @classmethod
+    def for_gpus(cls, gpus: int, *, tp: int = 1, ep: int = 1, pp: int = 1, cp: int = 1,
+                 **kw) -> "Layout":
+        """The layout with DP = gpus / (TP·CP·PP); ``PlanError`` if that does not divide."""
+        if not isinstance(gpus, int) or gpus < 1:
+            raise PlanError(f"GPU count must be a positive integer, got {gpus!r}")
+        for name, value in (("tp", tp), ("ep", ep), ("pp", pp), ("cp", cp)):
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"--{name} must be a positive integer, got {value!r}")
+        if gpus % (tp * cp * pp):
+            raise PlanError(f"layout TP {tp} x CP {cp} x PP {pp} = {tp * cp * pp} does not divide "
+                            f"{gpus} GPUs")
+        return cls(tp=tp, ep=ep, pp=pp, cp=cp, dp=gpus // (tp * cp * pp), **kw)
+
+
+def check_layout(model: ModelSpec, layout: Layout) -> None:
+    """``PlanError`` when ``layout`` cannot split ``model``."""
+    if model.heads % layout.tp:
+        raise PlanError(f"TP {layout.tp} does not divide {model.name}'s {model.heads} "
+                        f"attention heads")
+    if model.kv_heads % layout.tp and layout.tp % model.kv_heads:
+        raise PlanError(f"TP {layout.tp} and {model.name}'s {model.kv_heads} key/value heads: "
+                        f"one must divide the other")
+    if model.experts and model.experts % layout.ep:
+        raise PlanError(f"EP {layout.ep} does not divide {model.name}'s {model.experts} experts")
+    if not model.experts and layout.ep > 1:
+        raise PlanError(f"{model.name} has no experts; EP must be 1")
+    if layout.pp > model.layers:
+        raise PlanError(f"PP {layout.pp} exceeds {model.name}'s {model.layers} layers")
+
+
+def stage_layers(model: ModelSpec, layout: Layout) -> List[Tuple[int, int]]:
+    """(first layer, layer count) of each pipeline stage: ceil(L/PP) layers, the last fewer."""
+    per = math.ceil(model.layers / layout.pp)
+    out, start = [], 0
+    for _ in range(layout.pp):
+        count = max(0, min(per, model.layers - start))
+        out.append((start, count))
+        start += count
+    return out
+
+
+def _divisors_desc(n: int, limit: int) -> List[int]:
+    return [d for d in range(min(n, limit), 0, -1) if n % d == 0]
+
+
+def default_layout(model: ModelSpec, gpus: int, *, tp: Optional[int] = None,
+                   ep: Optional[int] = None, pp: Optional[int] = None,
+                   cp: Optional[int] = None, gpus_per_node: int = 8, **kw) -> Layout:
+    """A sensible long-context layout for ``gpus`` devices; given sizes are kept.
+
+    Choices, in order: PP = 1 (pipeline bubbles and in-flight boundaries hurt long context);
+    TP = the largest power of two ≤ ``gpus_per_node`` that divides the GPU count, the heads
+    and (or is divided by) the KV heads (TP stays inside a node); CP = the rest of the GPUs
+    (context parallelism is what shards a long sequence), DP = 1; EP = the largest divisor of
+    the expert count that divides TP·CP·DP (spreading experts as far as possible).
+    """
+    if not isinstance(gpus, int) or gpus < 1:
+        raise PlanError(f"GPU count must be a positive integer, got {gpus!r}")
+    pp = pp or 1
+    if gpus % pp:
+        raise PlanError(f"PP {pp} does not divide {gpus} GPUs")
+    if tp is None:
+        tp, cand = 1, 1
+        while cand * 2 <= gpus_per_node:
+            cand *= 2
+        while cand > 1:
+            if (gpus // pp) % (cand * (cp or 1)) == 0 and model.heads % cand == 0 and \
+                    (model.kv_heads % cand == 0 or cand % model.kv_heads == 0):
+                tp = cand
+                break
+            cand //= 2
+    if cp is None:
+        if (gpus // pp) % tp:
+            raise PlanError(f"TP {tp} x PP {pp} does not divide {gpus} GPUs")
+        cp = gpus // (pp * tp)
+    layout = Layout.for_gpus(gpus, tp=tp, pp=pp, cp=cp, ep=1, gpus_per_node=gpus_per_node, **kw)
+    if ep is None:
+        ep = 1
+        if model.experts:
+            room = layout.tp * layout.cp * layout.dp
+            ep = next(d for d in _divisors_desc(model.experts, room) if room % d == 0)
+    layout = layout.with_(ep=ep)
+    check_layout(model, layout)
+    return layout
+
+
+def layout_from_megatron_args(args, world_size: Optional[int] = None) -> Layout:
+    """A ``Layout`` from Megatron-LM's parsed arguments; ``world_size`` defaults to
+    ``args.world_size`` (Megatron sets it), else TP·CP·PP (DP = 1)."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp not in (None, 1):
+        raise PlanError(f"expert_tensor_parallel_size {etp}: the planner models ETP = 1 only")
+    world = world_size or getattr(args, "world_size", None) or tp * cp * pp
+    layout = Layout.for_gpus(int(world), tp=tp, ep=ep, pp=pp, cp=cp,
+                             sp=bool(getattr(args, "sequence_parallel", tp > 1)),
+                             micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
+                             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer",
+                                                                False)),
+                             grad_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32",
+                                                    True)))
+    return layout

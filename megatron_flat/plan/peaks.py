@@ -1,0 +1,523 @@
+"""The peak model: each of the four peaks, the other activations and resident state, per device.
+
+``estimate(model, layout, seq_len, flat)`` evaluates every term in bytes for the worst
+pipeline stage and composes the step peak (DESIGN.md §2.5)::
+
+    total = weights + grads + optimizer_device + boundaries_device
+            + max(dispatch + other, vocab)
+
+The two transients never coexist (the vocabulary projection runs after the last layer's
+forward and before its backward), and the attention/other activations of the layer being
+recomputed are live during that layer's MoE transient, hence ``dispatch + other``.
+
+Symbols (per device, one microbatch unless noted):
+
+    S     sequence length (tokens per sample)            mbs  micro-batch size
+    N     = S·mbs / CP    tokens of the microbatch on this context-parallel rank
+    N_sp  = N / TP with sequence parallelism (else N): tokens in the norm/residual/MoE regions
+    H, L_s, h, g, d, d_v, E, k, F, F_s, F_d, V: model shape (``ModelSpec``), L_s layers on stage
+    E_l   = E / EP local experts            b  bytes per activation/weight element (2 for bf16)
+    σ     routing skew: max/mean routes received per EP rank (1 under balance, 1 when EP = 1)
+    m     microbatches in flight on the stage (1F1B: PP − s on stage s)
+
+Every formula below models Megatron-Core's implementation (megatron-core 0.16, the
+alltoall dispatcher with per-expert GEMMs, ``vocab_parallel_cross_entropy``, full per-layer
+recompute, the distributed optimizer). The dispatch and vocabulary formulas of the baseline
+are validated against the memory meter on the tiny MoE GPT (``tests/plan/test_validation.py``);
+the "flat" formulas follow DESIGN.md §2 and are to be checked against the techniques' own
+measurements as they land.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from megatron_flat.config import FlatConfig
+from megatron_flat.dispatch.plan import num_chunks
+from megatron_flat.plan.model import Layout, ModelSpec, PlanError, check_layout, stage_layers
+
+# Routing skew assumed when none is given: the hottest EP rank receives 1.5x the mean.
+DEFAULT_SKEW = 1.5
+
+# --- per-token bookkeeping, measured on megatron-core 0.16.1 (small next to the main terms)
+# Router, per token and expert: logits fp32 (4) + scores fp32 (4) + scattered probs fp32 (4)
+# + routing map bool (1).
+ROUTER_BYTES_PER_TOKEN_EXPERT = 13
+# Router, per route: top-k value fp32 (4) + index int64 (8) + permuted prob fp32 (4).
+ROUTER_BYTES_PER_ROUTE = 16
+# Permutation: token index int64 per token.
+ROUTER_BYTES_PER_TOKEN = 8
+# vocab_parallel_cross_entropy at its forward peak, per token: fp32 max, sum-exp, predicted
+# logit, loss, the int64 masked target and the bool target mask (measured: 29 B).
+CE_BYTES_PER_TOKEN = 29
+# RMSNorm keeps one fp32 rsqrt per token.
+NORM_BYTES_PER_TOKEN = 4
+
+# --- optimizer state
+ADAM_BYTES_PER_PARAM = 12          # fp32 master + m + v (mixed precision)
+ADAM_BYTES_PER_PARAM_FP32 = 8      # m + v only: fp32 parameters are their own master
+HOST_BYTES_PER_PARAM = 16          # OffloadStreamAdamW on host: master, m, v, fp32 grad
+STAGING_BYTES_PER_PARAM = 16       # one staged parameter: master, m, v, grad (fp32)
+
+COMPONENTS = ("dispatch", "vocab", "boundaries", "optimizer", "other")
+# The memory meter's section names (megatron_flat.megatron.peaks), for ``sections``.
+METER_DISPATCH = "expert dispatch"
+METER_VOCAB = "vocabulary projection + loss"
+METER_BOUNDARIES = "checkpoint boundaries"
+
+
+@dataclass
+class PeakReport:
+    """Bytes per device of every term, for the worst pipeline stage.
+
+    Composed: ``total = weights + grads + optimizer_device + boundaries_device +
+    max(dispatch + other, vocab)``; ``binding`` names the largest of ``dispatch`` / ``vocab``
+    (whichever transient wins), ``boundaries``, ``optimizer`` (weights + grads + optimizer
+    state on device) and ``other``. ``sections`` gives the figures in the memory meter's
+    definitions (per-section peaks relative to the section's entry), for validation.
+    """
+
+    model: str
+    layout: Layout
+    seq_len: int
+    flat: Optional[FlatConfig]
+    stage: int
+    tokens: int                 # N
+    tokens_sp: int              # N_sp
+    skew: float                 # σ used for the dispatch term
+    dispatch: int               # MoE layer transient (routing, dispatch buffers, experts, combine)
+    dispatch_buffers: int       # of which route buffers, send + receive (DESIGN §1: 2·k·N·H·b)
+    dispatch_bound: int         # the same transient at the routing-independent worst case
+    vocab: int                  # output projection + loss transient
+    boundaries_device: int      # checkpoint boundaries held on device (incl. final norm's)
+    boundaries_host: int        # boundaries offloaded to pinned host (SCO)
+    boundary_bytes: int         # one layer input: N_sp·H·b
+    boundaries_held: int        # layer inputs held (L_s·m)
+    boundaries_offloaded: int   # of which on host
+    weights: int                # resident low-precision weights
+    grads: int                  # gradient buffer
+    optimizer_device: int       # master + moments on device (baseline) or staging (offload)
+    optimizer_host: int         # optimizer state in pinned host memory
+    other: int                  # attention and other activations of the layer being recomputed
+    total: int
+    binding: str
+    num_chunks: int = 1         # PipelinedLLEP K (1 when off)
+    chunk_tokens: int = 0       # c_eff
+    vocab_mode: str = "none"    # Ring-DTP schedule used ("weights"/"activations"), or "none"
+    sections: Dict[str, int] = field(default_factory=dict)
+    params: int = 0             # parameters on this device
+
+    @property
+    def optimizer(self) -> int:
+        """Optimizer/model state on device: weights + grads + optimizer state (or staging)."""
+        return self.weights + self.grads + self.optimizer_device
+
+    @property
+    def boundaries(self) -> int:
+        return self.boundaries_device
+
+    @property
+    def host_per_device(self) -> int:
+        """Pinned host memory this device needs: SCO boundaries + optimizer state."""
+        return self.boundaries_host + self.optimizer_host
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host_per_device * min(self.layout.gpus_per_node, self.layout.gpus)
+
+    def components(self) -> Dict[str, int]:
+        """The JSON/table view: dispatch, vocab, boundaries, optimizer, other, total."""
+        return {"dispatch": self.dispatch, "vocab": self.vocab,
+                "boundaries": self.boundaries_device, "optimizer": self.optimizer,
+                "other": self.other, "total": self.total}
+
+    def fits(self, device_bytes: int, margin: float = 0.0) -> bool:
+        return self.total <= usable(device_bytes, margin)
+
+
+def usable(device_bytes: int, margin: float) -> int:
+    """Bytes the plan may use: the device size less a safety margin (fraction)."""
+    if not 0 <= margin < 1:
+        raise PlanError(f"margin must be a fraction in [0, 1), got {margin!r}")
+    return int(device_bytes * (1.0 - margin))
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _expert_act_width(model: ModelSpec, fused: bool) -> int:
+    """Expert activations per route, in units of F (live through the expert's forward).
+
+    Gated, unfused (Megatron's reference path, what the CPU validation runs): fc1 output
+    (2F), silu(gate) (F), linear + offset (F), their product (F), the product scaled by the
+    route's prob (F): 6F. Fused SwiGLU kernel: fc1 output (2F), activation (F), scaled (F):
+    4F. Plain (non-gated): fc1 (F) + activation (F) + scaled (F) unfused, 2F + F fused.
+    """
+    if model.gated:
+        return 4 if fused else 6
+    return 2 if fused else 3
+
+
+def _skew_baseline(model: ModelSpec, layout: Layout, skew: float) -> float:
+    """σ for plain EP: ``skew`` capped by what routing allows.
+
+    One rank receives at most min(k, E_l) routes of each token from each of the EP
+    sources, i.e. at most EP·min(k, E_l)/k times the mean k·N_sp. With EP = 1 every route
+    is local: σ = 1.
+    """
+    if layout.ep == 1 or not model.experts:
+        return 1.0
+    e_local = model.experts // layout.ep
+    return max(1.0, min(float(skew), layout.ep * min(model.topk, e_local) / model.topk))
+
+
+def _skew_llep(model: ModelSpec, layout: Layout, skew: float, flat: FlatConfig) -> float:
+    """σ after LLEP (DESIGN §2.1): below the imbalance threshold λ plain EP runs (σ stays);
+    otherwise every rank is filled to at most cap = α·mean, so σ ≈ max(1, α). (Pieces smaller
+    than m tokens are not spilled; that rounding is ignored here.)"""
+    raw = _skew_baseline(model, layout, skew)
+    if raw < flat.llep_imbalance_threshold:
+        return raw
+    return min(raw, max(1.0, flat.llep_alpha))
+
+
+def _ring_mode(flat: FlatConfig, n_local: int, strip: int) -> str:
+    """Ring-DTP schedule: ``auto`` moves activations when N ≤ V/P, else weights."""
+    if flat.vocab_mode != "auto":
+        return flat.vocab_mode
+    return "activations" if n_local <= strip else "weights"
+
+
+# --------------------------------------------------------------------------------- terms
+
+
+def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
+                  flat: Optional[FlatConfig]) -> Dict[str, float]:
+    """The MoE layer's transient: what the meter's "expert dispatch" section measures.
+
+    Baseline (alltoall dispatcher, per-expert GEMMs), forward peak of one MoE layer::
+
+        R_s   = k·N_sp                       routes sent
+        R_r   = σ·k·N_sp                     routes received
+        small = N_sp·(13·E + 16·k + 8)       router logits/probs/map, top-k, permutation map
+        bufs  = b·H·(R_s + R_r·([EP>1] + [E_l>1]))
+                send buffer; all-to-all receive (an identity when EP = 1); copy sorted by
+                local expert (only when E_l > 1)
+        exp   = b·R_r·(w·F + 2·H)            expert activations (w: 6 unfused SwiGLU, 4 fused)
+                                             + expert outputs and their concatenation
+        shared= b·n_s·N·w·F_s/TP + b·N·H·[SP]  shared experts on the gathered sequence
+        fwd   = small + bufs + exp + shared
+        bwd   = 2·b·R_r·H + [unfused]·3·H·F·b    grads of unsort/unpermute; one expert's
+                                                 transient weight grads
+        dispatch = max(fwd, bwd)
+
+    With EP = 1 and E_l > 1 that is ``small + b·(4·k·N·H + 6·k·N·F)`` (unfused), which the
+    validation checks. DESIGN §1's "≈ 2·k·N·H·b (send + receive), × skew" is the ``bufs``
+    part; the expert activations and output copies live in the same window and are included.
+
+    LLEP unchunked (``flat.dispatch == "llep"``): the baseline formula with σ' (σ after LLEP)
+    and the borrowed-expert term below.
+
+    PipelinedLLEP (``flat.dispatch == "pipelined"``): K = min(ceil(N_sp/c), K_max),
+    c_eff = ceil(N_sp/K) (``dispatch.plan.num_chunks``);
+    per chunk r_s = k·c_eff sent, r_r = σ'·k·c_eff received (σ' after LLEP), at most two
+    chunks' buffers in flight, one chunk's expert compute (per-chunk recompute in backward)::
+
+        flat = small + b·N_sp·H (combined output) + b·min(2,K)·H·(r_s + [EP>1]·r_r)
+               + b·r_r·H·[E_l>1] + b·r_r·(w·F + 2·H) + shared
+               + [LLEP active]·3·H·F·(b + 4)   one borrowed expert's weights and fp32 grad
+
+    ``bound``: the same with σ at its routing-independent maximum EP·min(k, E_l)/k (per
+    chunk under PipelinedLLEP: EP·min(k, E_l)·c_eff routes received; a token's k routes land
+    on at most min(k, E_l) of one rank's experts, so this is a little tighter than
+    ``dispatch.plan.receive_bound``'s EP·k·c_eff).
+    """
+    if not model.experts:
+        return {"value": 0, "buffers": 0, "bound": 0, "chunks": 1, "c_eff": 0}
+    b, H, F, k, E = model.bytes_per_value, model.hidden, model.expert_ffn, model.topk, model.experts
+    e_local = E // layout.ep
+    fused = layout.fused_kernels
+    w = _expert_act_width(model, fused)
+    n_full = n_sp * layout.tp if layout.sp else n_sp
+    small = n_sp * (ROUTER_BYTES_PER_TOKEN_EXPERT * E + ROUTER_BYTES_PER_ROUTE * k
+                    + ROUTER_BYTES_PER_TOKEN)
+    shared = 0
+    if model.shared_experts:
+        shared = b * model.shared_experts * n_full * w * model.shared_expert_ffn // layout.tp
+        if layout.sp and layout.tp > 1:
+            shared += b * n_full * H
+    recv_copy = (1 if layout.ep > 1 else 0) + (1 if e_local > 1 else 0)
+    sigma_max = _skew_baseline(model, layout, float("inf"))
+
+    mode = "off" if flat is None else flat.dispatch
+    llep_active = mode != "off" and layout.ep > 1 and \
+        _skew_baseline(model, layout, skew) >= flat.llep_imbalance_threshold
+    borrowed = model.ffn_matrices * H * F * (b + 4) if llep_active else 0
+    sigma = _skew_baseline(model, layout, skew) if mode == "off" else \
+        _skew_llep(model, layout, skew, flat)
+
+    if mode != "pipelined":  # Megatron's dispatcher, or LLEP unchunked
+        def fwd(sig: float) -> float:
+            r_s, r_r = k * n_sp, sig * k * n_sp
+            bufs = b * H * (r_s + r_r * recv_copy)
+            return small + bufs + b * r_r * (w * F + 2 * H) + shared + borrowed
+
+        def bwd(sig: float) -> float:
+            return 2 * b * sig * k * n_sp * H + (0 if fused else model.ffn_matrices * H * F * b)
+
+        value = max(fwd(sigma), bwd(sigma))
+        buffers = b * H * k * n_sp * (1 + sigma)
+        bound = max(fwd(sigma_max), bwd(sigma_max))
+        return {"value": value, "buffers": buffers, "bound": bound, "chunks": 1, "c_eff": n_sp,
+                "skew": sigma}
+
+    # One definition of K and c_eff, shared with the dispatcher.
+    K, c_eff = num_chunks(n_sp, flat.dispatch_chunk_tokens, flat.dispatch_max_chunks)
+
+    def chunked(sig: float) -> float:
+        r_s, r_r = k * c_eff, sig * k * c_eff
+        in_flight = min(2, K) * H * (r_s + (r_r if layout.ep > 1 else 0))
+        sort = r_r * H if e_local > 1 else 0
+        return (small + b * n_sp * H + b * in_flight + b * sort + b * r_r * (w * F + 2 * H)
+                + shared + borrowed)
+
+    value = chunked(sigma)
+    buffers = b * H * min(2, K) * k * c_eff * (1 + sigma)
+    return {"value": value, "buffers": buffers, "bound": chunked(sigma_max), "chunks": K,
+            "c_eff": c_eff, "skew": sigma}
+
+
+def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
+               flat: Optional[FlatConfig]) -> Dict[str, float]:
+    """Output projection + cross-entropy on the last stage.
+
+    Baseline (``ColumnParallelLinear`` + Megatron's in-place ``vocab_parallel_cross_entropy``;
+    logits N × V/TP on every TP rank: SP gathers the sequence first)::
+
+        fwd   = N·(V/TP)·(b + 4·[b<4])   logits in the model dtype + their fp32 copy (CE works
+                                         in place on it: max-subtract, exp, normalize)
+                + b·N·H·[SP, TP>1]       the gathered input
+                + 29·N                   CE bookkeeping (max, sum, target, masks)
+        saved = 4·N·(V/TP)               the fp32 softmax kept for backward
+        bwd   = N·(V/TP)·b·[b<4]         grad cast back to the model dtype
+                + b·N·H·(1 + [SP, TP>1]) input grad (+ regathered input)
+                + [unfused]·(V/TP)·H·b   transient weight grad (fused: straight into main_grad)
+        section = max(fwd, bwd)          (the meter: relative to each section's entry)
+        vocab   = max(fwd, saved + bwd)  (absolute, for the step composition)
+
+    DESIGN §1's "≈ 3·N·V fp32" describes an out-of-place loss; Megatron's in-place one keeps
+    one fp32 copy (plus the model-dtype logits), which is what is measured.
+
+    Ring-DTP (``flat.vocab``; P = TP ring ranks, each with its own N_sp tokens; strip width
+    w = V/P, or ``vocab_block_size`` when P = 1)::
+
+        strips = 2·4·N_sp·w              the strip being folded + the next one in flight (fp32)
+        state  = 4·N_sp·(3 + H)          (m, z, t) and the fp32 dX accumulator
+        ring   = weights mode:     2·w·H·b + [P>1]·2·4·w·H   shards in flight, dW_q travels
+                 activations mode: 2·N_sp·(H·b + 12 + 8) + 2·4·N_sp·H   X, state, targets; dX
+        vocab  = strips + state + ring + 29·N_sp
+    """
+    b, H, V, P = model.bytes_per_value, model.hidden, model.vocab, layout.tp
+    gathered = layout.sp and layout.tp > 1
+    if flat is None or not flat.vocab:
+        shard = math.ceil(V / P)
+        cast = b if b < 4 else 0
+        fwd = n * shard * (b + (4 if b < 4 else 0)) + (b * n * H if gathered else 0) \
+            + CE_BYTES_PER_TOKEN * n
+        saved = 4 * n * shard
+        bwd = n * shard * cast + b * n * H * (2 if gathered else 1) \
+            + (0 if layout.fused_kernels else shard * H * b)
+        return {"value": max(fwd, saved + bwd), "section": max(fwd, bwd), "mode": "none"}
+    width = math.ceil(V / P) if P > 1 else min(V, flat.vocab_block_size)
+    mode = _ring_mode(flat, n_sp, math.ceil(V / P))
+    strips = 2 * 4 * n_sp * width
+    state = 4 * n_sp * (3 + H)
+    if mode == "weights":
+        ring = 2 * width * H * b + (2 * 4 * width * H if P > 1 else 0)
+    else:
+        ring = 2 * n_sp * (H * b + 12 + 8) + 2 * 4 * n_sp * H
+    value = strips + state + ring + CE_BYTES_PER_TOKEN * n_sp
+    return {"value": value, "section": value, "mode": mode}
+
+
+def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool) -> int:
+    """Attention and other activations of the layer being recomputed / back-propagated.
+
+    Flash-style attention (no N² scores), TP-split heads, SP-sharded norms::
+
+        b·[ N·H·[SP, TP>1]              the gathered norm output feeding QKV
+          + N·(h·d + g·d + g·d_v)/TP    Q, K, V
+          + N·h·d_v/TP                  attention output
+          + [CP>1]·2·N·g·(d + d_v)/TP   ring attention: K/V block received + next in flight
+          + 4·N_sp·H ]                  norm output, residual, layer output grad, input grad
+        + 4·N·h/TP                      softmax log-sum-exp (fp32)
+        + [dense FFN layer on stage] b·N·(w_d·F_d)/TP   its activations (w_d: 3 gated, 2 plain)
+    """
+    b, H, TP = model.bytes_per_value, model.hidden, layout.tp
+    h, g, d, dv = model.heads, model.kv_heads, model.head_dim, model.dv
+    g_local = max(g // TP, 1) * TP  # KV heads are replicated when TP > g
+    gathered = layout.sp and TP > 1
+    acts = (n * H if gathered else 0) + n * (h * d + g_local * (d + dv)) // TP + n * h * dv // TP
+    if layout.cp > 1:
+        acts += 2 * n * g_local * (d + dv) // TP
+    acts += 4 * n_sp * H
+    value = b * acts + 4 * n * h // TP
+    if has_dense:
+        value += b * n * (3 if model.gated else 2) * model.dense_ffn // TP
+    return value
+
+
+def stage_params(model: ModelSpec, layout: Layout, first: int, count: int,
+                 first_stage: bool, last_stage: bool) -> Dict[str, int]:
+    """Parameters held by one device of a pipeline stage.
+
+    dense: attention (per layer, /TP), norms (2H per layer, replicated), router (H·E), dense
+    FFNs and shared experts (/TP), the embedding on the first stage and the output layer on
+    the last (V·H/TP each; one matrix when tied and PP = 1). expert: E_l routed experts per
+    MoE layer (ETP = 1).
+    """
+    H = model.hidden
+    dense = expert = 0
+    for layer in range(first, first + count):
+        dense += model.attention_params_per_layer() // layout.tp + 2 * H
+        if model.is_moe_layer(layer):
+            dense += H * model.experts
+            dense += model.shared_experts * model.ffn_matrices * H * model.shared_expert_ffn \
+                // layout.tp
+            expert += (model.experts // layout.ep) * model.expert_params()
+        else:
+            dense += model.ffn_matrices * H * model.dense_ffn // layout.tp
+    emb = math.ceil(model.vocab / layout.tp) * H
+    if first_stage:
+        dense += emb
+    if last_stage:
+        dense += H  # final norm
+        if not (model.tied_embeddings and first_stage):
+            dense += emb
+    return {"dense": dense, "expert": expert}
+
+
+# ------------------------------------------------------------------------------ estimate
+
+
+def _check_seq(model: ModelSpec, layout: Layout, seq_len: int) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise PlanError(f"sequence length must be a positive integer, got {seq_len!r}")
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
+        raise PlanError(f"sequence length {seq_len} must be a multiple of 2·CP = "
+                        f"{2 * layout.cp} (context parallelism splits it in 2·CP chunks)")
+    if layout.sp and (seq_len * layout.micro_batch_size // layout.cp) % layout.tp:
+        raise PlanError(f"sequence parallelism needs the {seq_len // layout.cp} tokens per CP "
+                        f"rank to divide by TP {layout.tp}")
+
+
+def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
+    stages = stage_layers(model, layout)
+    first, count = stages[stage]
+    first_stage, last_stage = stage == 0, stage == layout.pp - 1
+    b, H = model.bytes_per_value, model.hidden
+    n = seq_len * layout.micro_batch_size // layout.cp
+    n_sp = n // layout.tp if layout.sp else n
+    has_moe = any(model.is_moe_layer(i) for i in range(first, first + count))
+    has_dense = any(not model.is_moe_layer(i) for i in range(first, first + count))
+
+    # -- dispatch (zero on a stage without MoE layers)
+    d = dispatch_term(model, layout, n_sp, skew, flat) if has_moe else \
+        {"value": 0, "buffers": 0, "bound": 0, "chunks": 1, "c_eff": 0, "skew": 1.0}
+    # -- vocab (last stage only)
+    v = vocab_term(model, layout, n, n_sp, flat) if last_stage else \
+        {"value": 0, "section": 0, "mode": "none"}
+
+    # -- checkpoint boundaries. Full recompute keeps each layer's input (B = N_sp·H·b) from
+    # forward to backward, for every microbatch in flight: m = max(1, in_flight − stage)
+    # (1F1B). The last stage also keeps the last layer's output, the final RMSNorm's
+    # normalised input and its output (3·B + 4·N_sp), which SCO does not offload.
+    # SCO: boundaries go to pinned host up to the budget (n_host = min(count, ⌊budget/B⌋));
+    # on device stay the ones past the budget plus ≤ prefetch + 1 restored ones.
+    B = n_sp * H * b
+    in_flight = max(1, layout.in_flight - stage)
+    held = count * in_flight
+    fixed = (3 * B + NORM_BYTES_PER_TOKEN * n_sp) if last_stage else 0
+    offloaded = 0
+    if flat is not None and flat.sco and B > 0:
+        offloaded = min(held, flat.sco_host_budget_bytes // B)
+    on_device = held - offloaded + (min(offloaded, flat.sco_prefetch + 1) if offloaded else 0)
+    boundaries_device = on_device * B + fixed
+    boundaries_host = offloaded * B
+
+    # -- optimizer / model state. Weights b per param; grads 4 (fp32 buffer) or b; Adam
+    # state 12 B/param (8 when the params are fp32) sharded over DP·CP for dense params and
+    # over expert-DP = TP·CP·DP/EP for experts (distributed optimizer; unsharded without).
+    # OffloadStreamAdamW: device keeps slots × min(bucket, shard) × 16 B of staging; the
+    # host holds 16 B per sharded parameter (master, m, v, fp32 grad).
+    p = stage_params(model, layout, first, count, first_stage, last_stage)
+    params = p["dense"] + p["expert"]
+    weights = params * b
+    grads = params * (4 if layout.grad_fp32 else b)
+    if layout.distributed_optimizer:
+        shard = math.ceil(p["dense"] / layout.dense_dp) + math.ceil(p["expert"] / layout.expert_dp)
+    else:
+        shard = params
+    if flat is not None and flat.optimizer_offload:
+        optimizer_device = flat.optimizer_num_slots * min(flat.optimizer_bucket_numel, shard) \
+            * STAGING_BYTES_PER_PARAM
+        optimizer_host = shard * HOST_BYTES_PER_PARAM
+    else:
+        optimizer_device = shard * (ADAM_BYTES_PER_PARAM if b < 4 else ADAM_BYTES_PER_PARAM_FP32)
+        optimizer_host = 0
+
+    other = other_term(model, layout, n, n_sp, has_dense) if count else 0
+
+    dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"]))
+    resident = weights + grads + optimizer_device
+    total = resident + boundaries_device + max(dispatch + other, vocab)
+    if dispatch + other >= vocab:
+        contributions = {"dispatch": dispatch, "other": other}
+    else:
+        contributions = {"vocab": vocab}
+    contributions.update(boundaries=boundaries_device, optimizer=resident)
+    binding = max(contributions, key=lambda name: (contributions[name], name == "dispatch"))
+
+    sections = {
+        METER_DISPATCH: dispatch,
+        METER_VOCAB: int(math.ceil(v["section"])),
+        # The meter's held amount is live bytes at decoder exit minus entry, for one
+        # microbatch: the first layer's input predates the entry.
+        METER_BOUNDARIES: (count - 1) * B + fixed if count else 0,
+    }
+    return PeakReport(
+        model=model.name, layout=layout, seq_len=seq_len, flat=flat, stage=stage, tokens=n,
+        tokens_sp=n_sp, skew=float(d.get("skew", 1.0)), dispatch=dispatch,
+        dispatch_buffers=int(math.ceil(d["buffers"])), dispatch_bound=int(math.ceil(d["bound"])),
+        vocab=vocab, boundaries_device=boundaries_device, boundaries_host=boundaries_host,
+        boundary_bytes=B, boundaries_held=held, boundaries_offloaded=offloaded, weights=weights,
+        grads=grads, optimizer_device=optimizer_device, optimizer_host=optimizer_host,
+        other=other, total=total, binding=binding, num_chunks=int(d["chunks"]),
+        chunk_tokens=int(d["c_eff"]), vocab_mode=v["mode"], sections=sections, params=params,
+    )
+
+
+def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[FlatConfig] = None,
+             *, skew: float = DEFAULT_SKEW, stage: Optional[int] = None) -> PeakReport:
+    """Every peak term in bytes per device for ``seq_len`` tokens per sample.
+
+    ``flat=None`` (or a FlatConfig with everything off) is the Megatron baseline; each
+    enabled technique in ``flat`` replaces its term by the bounded one. ``skew``: max/mean
+    routes received per EP rank under plain EP (see ``DEFAULT_SKEW``). The report is the
+    pipeline stage with the largest step peak (first and last stages are evaluated: the
+    first holds the most microbatches in flight and the embedding, the last the vocabulary
+    transient; middle stages are dominated by the first). ``stage`` asks for one stage.
+    """
+    check_layout(model, layout)
+    _check_seq(model, layout, seq_len)
+    if skew < 1:
+        raise PlanError(f"skew is max/mean load and cannot be below 1, got {skew}")
+    if stage is not None:
+        if not 0 <= stage < layout.pp:
+            raise PlanError(f"stage {stage} is not in 0..{layout.pp - 1}")
+        return _stage_report(model, layout, seq_len, flat, skew, stage)
+    stages = sorted({0, layout.pp - 1})
+    reports = [_stage_report(model, layout, seq_len, flat, skew, s) for s in stages]
+    return max(reports, key=lambda r: r.total)

@@ -1,0 +1,145 @@
+"""``python -m megatron_flat plan``: the table, the JSON object, errors; run in-process."""
+
+import json
+
+import pytest
+
+from megatron_flat.__main__ import main as top_main
+from megatron_flat.plan.cli import main
+
+PAPER = ["--seq", "1M", "--gpu-mem", "141GiB", "--host-mem", "2TiB"]
+KEYS = {"dispatch", "vocab", "boundaries", "optimizer", "other", "total"}
+
+
+def run(capsys, argv, entry=main):
+    rc = entry(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("name, gpus", [("paper-120b", 16), ("paper-241b", 32),
+                                        ("paper-667b", 64)])
+def test_table_for_the_paper_family(capsys, name, gpus):
+    rc, out, err = run(capsys, ["--model", name] + PAPER)
+    assert rc == 0, err
+    assert f"megatron-flat plan: {name}" in out
+    assert f"{gpus} GPUs = TP 8" in out
+    for label in ("dispatch (MoE layer transient)", "vocab (projection + loss)",
+                  "checkpoint boundaries on device", "optimizer/model state",
+                  "attention/other activations", "step peak", "binding term",
+                  "pinned host per node", "knobs (flat: the fewest techniques that fit",
+                  "max context: baseline"):
+        assert label in out
+    fits = next(line for line in out.splitlines() if line.strip().startswith("fits"))
+    assert fits.split()[1:] == ["NO", "yes"]
+
+
+def test_json_is_one_object_with_the_documented_shape(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json"] + PAPER)
+    assert rc == 0
+    data = json.loads(out)  # exactly one JSON document
+    for column in ("baseline", "flat"):
+        assert set(data[column]) == KEYS
+        assert all(isinstance(v, int) and v >= 0 for v in data[column].values())
+        assert data[column]["total"] == data[column]["optimizer"] + data[column]["boundaries"] \
+            + max(data[column]["dispatch"] + data[column]["other"], data[column]["vocab"])
+    assert set(data["binding"]) == {"baseline", "flat"}
+    assert data["binding"]["baseline"] in KEYS - {"total"}
+    assert set(data["max_context"]) == {"baseline", "flat"}
+    assert data["max_context"]["flat"] > data["max_context"]["baseline"]
+    assert data["knobs"]["optimizer_offload"] is True and "flags" in data["knobs"]
+    assert data["host_bytes"]["available"] == 2 << 40
+    assert data["host_bytes"]["flat"] <= 2 << 40
+    assert data["fits"] == {"baseline": False, "flat": True}
+    assert data["layout"]["gpus"] == 64 and data["seq_len"] == 1 << 20
+
+
+def test_explicit_layout_and_json_flags(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--gpus", "64", "--tp", "4", "--ep", "32",
+                              "--pp", "2", "--cp", "8", "--json"] + PAPER)
+    assert rc == 0
+    lay = json.loads(out)["layout"]
+    assert (lay["tp"], lay["ep"], lay["pp"], lay["cp"], lay["dp"]) == (4, 32, 2, 8, 1)
+    assert lay["chosen"] == []
+
+
+def test_flags_reproduce_the_chosen_knobs(capsys):
+    import argparse
+
+    from megatron_flat.config import FlatConfig, add_flat_args
+
+    rc, out, _ = run(capsys, ["--model", "paper-120b", "--json"] + PAPER)
+    knobs = json.loads(out)["knobs"]
+    args = add_flat_args(argparse.ArgumentParser()).parse_args(knobs["flags"].split())
+    parsed = FlatConfig.from_args(args)
+    for key in ("dispatch", "vocab", "sco", "optimizer_offload"):
+        assert getattr(parsed, key) == knobs[key]
+
+
+def test_all_on_shows_every_technique_at_its_smallest_setting(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json"] + PAPER)
+    fitted = json.loads(out)
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json", "--all-on"] + PAPER)
+    assert rc == 0
+    data = json.loads(out)
+    assert data["knobs"]["enabled"] == ["dispatch", "vocab", "sco", "optimizer_offload"]
+    assert data["flat_is"] == "smallest-memory settings"
+    for key in ("dispatch", "vocab", "boundaries", "total"):
+        assert data["flat"][key] <= fitted["flat"][key]
+        assert data["flat"][key] < data["baseline"][key]
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on"] + PAPER)
+    assert "every technique at its smallest-memory setting" in out
+
+
+def test_does_not_fit_is_reported_not_raised(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "40GiB",
+                              "--host-mem", "2TiB"])
+    assert rc == 0
+    assert "does not fit: paper-667b at 1,048,576 tokens does not fit" in out
+    assert "smallest-memory setting" in out
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "40GiB",
+                              "--json"])
+    data = json.loads(out)
+    assert data["fits"]["flat"] is False and "does not fit" in data["error"]
+
+
+def test_hf_config_path(capsys, tmp_path):
+    cfg = {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "num_experts": 64, "num_experts_per_tok": 4,
+           "moe_intermediate_size": 512, "vocab_size": 50000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = run(capsys, ["--model", str(path), "--seq", "128K", "--gpus", "8",
+                                "--gpu-mem", "80GB", "--json"])
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["seq_len"] == 131072 and data["host_bytes"]["available"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "paper-667b", "--gpus", "60", "--tp", "8"] + PAPER, "does not divide"),
+    (["--model", "paper-667b", "--gpus", "64", "--tp", "8", "--cp", "3"] + PAPER,
+     "does not divide 64 GPUs"),
+    (["--model", "paper-667b", "--ep", "7"] + PAPER, "EP 7"),
+    (["--model", "llama-moe"] + PAPER, "unknown model preset 'llama-moe'"),
+    (["--model", "gpt-oss-20b"] + PAPER, "give --gpus"),
+    (["--model", "paper-667b", "--seq", "1MB", "--gpu-mem", "141GiB"], "token count"),
+    (["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "lots"], "memory size"),
+    (["--model", "paper-667b", "--seq", "1000", "--gpu-mem", "141GiB"], "multiple of 2·CP"),
+    (["--model", "missing/config.json"] + PAPER, "does not exist"),
+])
+def test_bad_input_gives_a_clear_error(capsys, argv, message):
+    rc, out, err = run(capsys, argv)
+    assert rc == 2 and out == ""
+    assert "error:" in err and message in err
+
+
+def test_top_level_dispatcher(capsys):
+    rc, out, _ = run(capsys, ["plan", "--model", "paper-120b", "--json"] + PAPER, top_main)
+    assert rc == 0 and json.loads(out)["model"] == "paper-120b"
+    rc, _, err = run(capsys, ["nope"], top_main)
+    assert rc == 2 and "unknown command 'nope'" in err
+    rc, _, err = run(capsys, [], top_main)
+    assert rc == 2 and "plan" in err
+    rc, out, _ = run(capsys, ["--help"], top_main)
+    assert rc == 0 and "plan" in out
