@@ -1,0 +1,308 @@
+"""Vocabulary projection + cross-entropy, forward + backward: peak memory per rank.
+
+Compares, on each rank of a ring of P, the peak of live device bytes (MemoryMeter) and the
+time of projection + per-token cross-entropy, forward and backward, for
+
+* ``dense``: full ``N_local x V`` logits on every rank (``x @ W.T``, upcast, cross-entropy;
+  needs the whole ``V x H`` weight and produces its whole gradient) — the baseline;
+* ``ring-weights`` / ``ring-activations`` / ``ring-auto``: :func:`ring_dtp_cross_entropy`
+  over the P ranks, each holding ``V/P`` rows, one strip per shard (the paper's schedule);
+  ``ring-auto-B/4``: the same with each shard cut into 4 strips (``block_size``).
+  P = 1: ``ring-blocked`` (the single-device version, 8192-row strips by default) and
+  ``ring-blocked-B/4``.
+
+Baselines live in ``BASELINES`` and the methods under test in ``METHODS``: a new column
+(Megatron's vocab-parallel cross-entropy, say) is one more ``Method`` appended to
+``BASELINES``; every method is reported against every baseline.
+
+Shapes are the paper's per-rank shapes (H = 7168, V = 200,000 over P = 8, so V/P = 25,000,
+and N = 16K / 32K tokens per rank) divided by ``--scale``, so that one strip
+``N_local x V/P`` stays large against ``N_local x H`` as there (V/P = 3.5 H) and N = 16K
+falls below V/P, 32K above (``auto`` picks activations, then weights). V = P * V/P. Peaks are
+in bytes and in strips (``N_local * V/P * 4`` bytes); times are the fastest of ``--reps``
+rounds, slowest rank, reported as ratios (DESIGN.md §5). Run::
+
+    torchrun --nproc-per-node 4 benchmarks/vocab.py --json results/vocab.json
+    python benchmarks/vocab.py            # P = 1: dense vs the blocked version
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_flat.runtime import MemoryMeter
+from megatron_flat.runtime.memory import format_bytes
+from megatron_flat.testing.distributed import init_distributed
+from megatron_flat.vocab import resolve_mode, ring_dtp_cross_entropy
+
+PAPER = dict(hidden=7168, vocab=200_000, world=8, tokens=(16 * 1024, 32 * 1024))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Inputs:
+    """One rank's problem. Leaves (x, w_shard, w_full) are built before the meter opens."""
+
+    x: torch.Tensor  # [N_local, H], requires grad
+    w_shard: torch.Tensor  # [V/P, H], this rank's rows, requires grad
+    w_full: torch.Tensor  # [V, H] (the dense baseline's weight), requires grad
+    labels: torch.Tensor  # [N_local]
+    group: Optional[dist.ProcessGroup]  # the ring (None when P = 1)
+    rank: int
+    world: int
+    vocab_size: int
+    vocab_per_rank: int
+    block_size: Optional[int]
+
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return (self.x, self.w_shard, self.w_full)
+
+
+@dataclass
+class Method:
+    """A projection + loss: ``run(inputs) -> per-token loss [N_local]`` (backward is ours)."""
+
+    name: str
+    run: Callable[[Inputs], torch.Tensor]
+    note: str = ""
+
+
+def dense_cross_entropy(inp: Inputs) -> torch.Tensor:
+    logits = inp.x @ inp.w_full.t()
+    return F.cross_entropy(logits.float(), inp.labels, reduction="none")
+
+
+def ring(mode: str, strips_per_shard: int = 0) -> Callable[[Inputs], torch.Tensor]:
+    """Ring-DTP in ``mode``; ``strips_per_shard`` > 0 cuts each shard into that many strips
+    (else ``--block-size``, else the op's default: the whole shard)."""
+    def run(inp: Inputs) -> torch.Tensor:
+        block = inp.block_size
+        if strips_per_shard:
+            block = -(-inp.vocab_per_rank // strips_per_shard)
+        return ring_dtp_cross_entropy(inp.x, inp.w_shard, inp.labels, group=inp.group,
+                                      mode=mode, vocab_size=inp.vocab_size, block_size=block)
+    return run
+
+
+BASELINES: list[Method] = [
+    Method("dense", dense_cross_entropy, "full N_local x V logits and V x H weight grad"),
+]
+METHODS: list[Method] = [
+    Method("ring-weights", ring("weights"), "weight shards circulate"),
+    Method("ring-activations", ring("activations"), "tokens circulate, one return hop"),
+    Method("ring-auto", ring("auto"), "activations if N <= V/P else weights"),
+    Method("ring-auto-B/4", ring("auto", 4), "auto, each shard in 4 strips (block_size)"),
+]
+
+
+@dataclass
+class Shape:
+    hidden: int
+    vocab_per_rank: int
+    world: int
+    tokens: int  # per rank
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_per_rank * self.world
+
+    @property
+    def strip_bytes(self) -> int:
+        return self.tokens * self.vocab_per_rank * 4
+
+
+@dataclass
+class Row:
+    method: str
+    peak_bytes: int
+    forward_bytes: int
+    backward_bytes: int
+    seconds: float
+    strips: float = 0.0
+    vs: dict = field(default_factory=dict)  # baseline -> {"peak": ratio, "time": ratio}
+
+
+def _round8(value: float) -> int:
+    return max(8, int(round(value / 8)) * 8)
+
+
+def scaled_shapes(scale: float, world: int, tokens: Optional[list[int]],
+                  hidden: Optional[int] = None, vocab_per_rank: Optional[int] = None
+                  ) -> list[Shape]:
+    hidden = hidden or _round8(PAPER["hidden"] / scale)
+    per_rank = vocab_per_rank or _round8(PAPER["vocab"] / PAPER["world"] / scale)
+    counts = tokens or [_round8(n / scale) for n in PAPER["tokens"]]
+    return [Shape(hidden, per_rank, world, n) for n in counts]
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, group, rank: int,
+                block_size: Optional[int], device: torch.device) -> Inputs:
+    gen = torch.Generator().manual_seed(1234)  # the same weight on every rank
+    w_full = torch.randn(shape.vocab, shape.hidden, generator=gen) * shape.hidden ** -0.5
+    rows = slice(rank * shape.vocab_per_rank, (rank + 1) * shape.vocab_per_rank)
+    w_shard = w_full[rows].clone()
+    gen.manual_seed(4321 + rank)  # this rank's tokens
+    x = torch.randn(shape.tokens, shape.hidden, generator=gen)
+    labels = torch.randint(0, shape.vocab, (shape.tokens,), generator=gen)
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).requires_grad_()
+
+    return Inputs(
+        x=leaf(x), w_shard=leaf(w_shard), w_full=leaf(w_full), labels=labels.to(device),
+        group=group, rank=rank,
+        world=shape.world, vocab_size=shape.vocab, vocab_per_rank=shape.vocab_per_rank,
+        block_size=block_size,
+    )
+
+
+def _clear_grads(inp: Inputs) -> None:
+    for leaf in inp.leaves():
+        leaf.grad = None
+
+
+def _slowest(value: float, op=dist.ReduceOp.MAX) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def measure_peak(method: Method, inp: Inputs) -> tuple[int, int, int]:
+    """(whole, forward, backward) peak of one metered run, worst rank."""
+    _clear_grads(inp)
+    with MemoryMeter(inp.x.device) as meter:
+        with meter.section("forward"):
+            loss = method.run(inp)
+        with meter.section("backward"):
+            loss.sum().backward()
+        del loss
+    _clear_grads(inp)
+    peaks = (meter.peak_device_bytes, meter.sections["forward"].peak_device_bytes,
+             meter.sections["backward"].peak_device_bytes)
+    return tuple(int(_slowest(float(p))) for p in peaks)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(method: Method, inp: Inputs) -> float:
+    """Seconds of one unmetered forward + backward, slowest rank."""
+    _clear_grads(inp)
+    if dist.is_initialized():
+        dist.barrier()
+    _sync(inp.x.device)
+    start = time.perf_counter()
+    method.run(inp).sum().backward()
+    _sync(inp.x.device)
+    elapsed = _slowest(time.perf_counter() - start)
+    _clear_grads(inp)
+    return elapsed
+
+
+def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device) -> list[Row]:
+    """Peaks, then ``reps`` timing rounds over all methods (interleaved, so load spikes on a
+    shared machine hit every method alike); each method keeps its fastest round."""
+    inp = make_inputs(shape, dtype, group, rank, block_size, device)
+    blocked = [Method("ring-blocked", ring("auto")), Method("ring-blocked-B/4", ring("auto", 4))]
+    methods = BASELINES + (METHODS if shape.world > 1 else blocked)
+    peaks = [measure_peak(m, inp) for m in methods]
+    times = [[] for _ in methods]
+    for _ in range(reps):
+        for i, m in enumerate(methods):
+            times[i].append(time_once(m, inp))
+    rows = [Row(m.name, *pk, seconds=min(ts)) for m, pk, ts in zip(methods, peaks, times)]
+    base = {r.method: r for r in rows[: len(BASELINES)]}
+    for row in rows:
+        row.strips = row.peak_bytes / shape.strip_bytes
+        row.vs = {name: {"peak": row.peak_bytes / max(b.peak_bytes, 1),
+                         "time": row.seconds / max(b.seconds, 1e-12)}
+                  for name, b in base.items()}
+    return rows
+
+
+def print_table(shape: Shape, dtype_name: str, rows: list[Row]) -> None:
+    auto = resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world)
+    print(f"\nP={shape.world} N_local={shape.tokens} H={shape.hidden} V={shape.vocab} "
+          f"V/P={shape.vocab_per_rank} {dtype_name}; strip = N_local*V/P*4 = "
+          f"{format_bytes(shape.strip_bytes)}; auto -> {auto}")
+    names = [b.name for b in BASELINES]
+    head = f"{'method':18s}{'peak':>12s}{'strips':>8s}{'fwd':>12s}{'bwd':>12s}{'time s':>9s}"
+    for n in names:
+        head += f"{'peak/' + n:>12s}{'-%':>7s}{'time/' + n:>12s}"
+    print(head)
+    for r in rows:
+        line = (f"{r.method:18s}{format_bytes(r.peak_bytes):>12s}{r.strips:8.2f}"
+                f"{format_bytes(r.forward_bytes):>12s}{format_bytes(r.backward_bytes):>12s}"
+                f"{r.seconds:9.3f}")
+        for n in names:
+            v = r.vs[n]
+            line += f"{v['peak']:12.3f}{100 * (1 - v['peak']):6.1f}%{v['time']:12.2f}"
+        print(line)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", type=float, default=40.0,
+                   help="divide the paper's per-rank shapes by this (default 40)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per rank (default: 16K and 32K / scale)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="vocab rows per strip (default: the op's: whole shard, 8192 at P=1)")
+    p.add_argument("--reps", type=int, default=2,
+                   help="timed rounds per method (the fastest is kept)")
+    p.add_argument("--hidden", type=int, default=None, help="override H")
+    p.add_argument("--vocab-per-rank", type=int, default=None, help="override V/P")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda for a one-GPU check of the blocked version, e.g. "
+                        "--device cuda --tokens 32768 --hidden 7168 --vocab-per-rank 200000 "
+                        "(untested: no GPU here)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    world = init_distributed()
+    rank = dist.get_rank()
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD if world > 1 else None
+    torch.manual_seed(0)
+    results = []
+    shapes = scaled_shapes(args.scale, world, args.tokens, args.hidden, args.vocab_per_rank)
+    for shape in shapes:
+        rows = run_shape(shape, DTYPES[args.dtype], group, rank, args.reps, args.block_size,
+                         device)
+        if rank == 0:
+            print_table(shape, args.dtype, rows)
+        auto = resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world)
+        results.append({"shape": asdict(shape) | {"vocab": shape.vocab, "auto": auto,
+                                                  "strip_bytes": shape.strip_bytes},
+                        "rows": [asdict(r) for r in rows]})
+    if rank == 0 and args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"paper": PAPER, "scale": args.scale, "dtype": args.dtype,
+                       "device": str(device),
+                       "world": world, "block_size": args.block_size,
+                       "baselines": [b.name for b in BASELINES],
+                       "methods": [m.name for m in METHODS], "results": results}, f, indent=2)
+        print(f"wrote {args.json}")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Ring-DTP cross-entropy: vocabulary projection + loss without ever holding N x V logits.
+
+:func:`ring_dtp_cross_entropy` is the entry point; :class:`RingDTPCrossEntropy` the
+autograd Function behind it (DESIGN.md §2.2). Nothing here imports Megatron: a Megatron
+output layer calls it with its vocab-sharded weight over the tensor-parallel group, each
+rank passing its own sequence-parallel tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_flat.vocab import plan as planning
+from megatron_flat.vocab.online_lse import (
+    LSEState,
+    accumulation_dtype,
+    cross_entropy,
+    init_state,
+    logsumexp,
+    merge,
+)
+from megatron_flat.vocab.plan import IGNORE_INDEX, RingPlan, describe_rank, make_plan
+from megatron_flat.vocab.ring import Ring
+from megatron_flat.vocab.strips import fold_shard, grad_shard
+
+__all__ = ["RingDTPCrossEntropy", "ring_dtp_cross_entropy"]
+
+_W, _STATE = 0, 1  # hop channels: the big tensors, and what must be computed first
+
+
+# -- forward schedules ------------------------------------------------------------------
+
+
+def _forward_weights(plan: RingPlan, ring: Optional[Ring], x, w, labels, acc) -> LSEState:
+    """Shards circulate; this rank's state never moves. P = 1: the blocked version."""
+    p, q = plan.world, plan.rank
+    state = init_state(x.shape[0], x.device, acc)
+    w_cur = w
+    for k in range(p):
+        nxt = (q - 1) % p
+        hop = (ring.shift([w_cur], [w.new_empty(plan.rows[nxt], plan.hidden)], _W)
+               if k < p - 1 else None)
+        state = fold_shard(state, x, w_cur, labels, plan.starts[q], plan.blocks(q))
+        if hop is not None:
+            (w_cur,), q = hop.wait(), nxt
+    return state
+
+
+def _forward_activations(plan: RingPlan, ring: Ring, x, w, labels, acc) -> LSEState:
+    """(tokens, labels) circulate; partial states follow them, one return hop at the end.
+
+    At step k this rank holds batch ``s = rank - k``; it folds its own shard into a fresh
+    state while the batch's partial state (folded by ranks s .. rank-1) is still arriving,
+    then merges the two (states are O(N), so the merge is free) and passes it on. The
+    state sent at step P-1 is complete and goes to its owner: that is the return hop.
+    """
+    p, r, n = plan.world, plan.rank, plan.n_tokens
+    s, x_cur, lab_cur = r, x, labels
+    state_hop = None
+    for k in range(p):
+        prv = (s - 1) % p
+        data_hop = (ring.shift([x_cur, lab_cur],
+                               [x.new_empty(n[prv], plan.hidden), labels.new_empty(n[prv])], _W)
+                    if k < p - 1 else None)
+        local = fold_shard(init_state(n[s], x.device, acc), x_cur, w, lab_cur,
+                           plan.starts[r], plan.blocks(r))
+        if state_hop is not None:
+            (packed,) = state_hop.wait()
+            local = merge(LSEState.unpack(packed), local)
+        state_hop = ring.shift([local.pack()], [torch.empty(3, n[prv], dtype=acc,
+                                                            device=x.device)], _STATE)
+        del local
+        if data_hop is not None:
+            (x_cur, lab_cur), s = data_hop.wait(), prv
+    (packed,) = state_hop.wait()
+    return LSEState.unpack(packed)
+
+
+# -- backward schedules -----------------------------------------------------------------
+
+
+def _backward_weights(plan: RingPlan, ring: Optional[Ring], x, w, labels, lse, coef):
+    """Shards circulate again, each with the fp32 gradient accumulated for it so far.
+
+    Step k: post the next shard's hop, add this rank's tokens' contribution for shard q
+    into a fresh buffer while shard q's accumulator (from ranks q .. rank-1) arrives, add
+    the two and send the sum on. After step P-1 the sum is complete and one hop from home.
+    """
+    p, q, acc = plan.world, plan.rank, lse.dtype
+    dx = torch.zeros(x.shape[0], plan.hidden, dtype=acc, device=x.device) if plan.needs_dx else None
+    if p == 1:
+        # Every block's dW is written once: straight into the input-dtype gradient.
+        dw = torch.zeros_like(w) if plan.needs_dw else None
+        grad_shard(x, w, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw,
+                   dw_direct=True)
+        return dx, dw
+    w_cur, dw_hop = w, None
+    for k in range(p):
+        nxt = (q - 1) % p
+        w_hop = (ring.shift([w_cur], [w.new_empty(plan.rows[nxt], plan.hidden)], _W)
+                 if k < p - 1 else None)
+        dw_mine = (torch.zeros(plan.rows[q], plan.hidden, dtype=acc, device=x.device)
+                   if plan.needs_dw else None)
+        grad_shard(x, w_cur, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw_mine)
+        if dw_mine is not None:
+            if dw_hop is not None:
+                (arrived,) = dw_hop.wait()
+                dw_mine.add_(arrived)
+                del arrived
+            dw_hop = ring.shift([dw_mine], [torch.empty(plan.rows[nxt], plan.hidden, dtype=acc,
+                                                        device=x.device)], _STATE)
+            del dw_mine
+        if w_hop is not None:
+            (w_cur,), q = w_hop.wait(), nxt
+    dw = dw_hop.wait()[0] if dw_hop is not None else None
+    return dx, dw
+
+
+def _backward_activations(plan: RingPlan, ring: Ring, x, w, labels, lse, coef):
+    """(tokens, labels, lse, grad) circulate; dX accumulators follow, one return hop.
+
+    This rank's shard gradient accumulates locally over all P batches (no hop); each batch's
+    dX accumulator travels the ring like the forward state and arrives home after step P-1.
+    """
+    p, r, n, acc = plan.world, plan.rank, plan.n_tokens, lse.dtype
+    dw = torch.zeros(w.shape[0], plan.hidden, dtype=acc, device=x.device) if plan.needs_dw else None
+    s, x_cur, lab_cur, aux_cur = r, x, labels, torch.stack((lse, coef))
+    dx_hop = None
+    for k in range(p):
+        prv = (s - 1) % p
+        data_hop = (ring.shift(
+            [x_cur, lab_cur, aux_cur],
+            [x.new_empty(n[prv], plan.hidden), labels.new_empty(n[prv]),
+             aux_cur.new_empty(2, n[prv])], _W) if k < p - 1 else None)
+        dx_mine = (torch.zeros(n[s], plan.hidden, dtype=acc, device=x.device)
+                   if plan.needs_dx else None)
+        grad_shard(x_cur, w, lab_cur, aux_cur[0], aux_cur[1], plan.starts[r], plan.blocks(r),
+                   dx_mine, dw)
+        if dx_mine is not None:
+            if dx_hop is not None:
+                (arrived,) = dx_hop.wait()
+                dx_mine.add_(arrived)
+                del arrived
+            dx_hop = ring.shift([dx_mine], [torch.empty(n[prv], plan.hidden, dtype=acc,
+                                                        device=x.device)], _STATE)
+            del dx_mine
+        if data_hop is not None:
+            (x_cur, lab_cur, aux_cur), s = data_hop.wait(), prv
+    dx = dx_hop.wait()[0] if dx_hop is not None else None
+    return dx, dw
+
+
+# -- autograd ---------------------------------------------------------------------------
+
+
+class RingDTPCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of ``hidden @ W.T`` with ``W`` vocab-sharded over a ring of P.
+
+    Inputs (this rank): ``hidden [N_r, H]``, ``weight [V/P, H]`` (its shard, rows
+    ``plan.starts[r] ..``, padding rows past ``vocab_size`` ignored), ``labels [N_r]``,
+    ``active [N_r]`` bool (False = masked or ignored). Output: loss ``[N_r]`` in the
+    accumulation dtype (fp32; fp64 for fp64 inputs), 0 where not active. ``N_r`` may differ
+    between ranks (any N_r >= 0); the shards may differ in rows.
+
+    Communication, forward (``plan.mode``):
+      * ``weights``: P-1 hops of one shard (``V/P x H`` input-dtype elements) to rank+1,
+        each overlapped with the current shard's strips. States never move: no return hop.
+      * ``activations``: P-1 hops of (``N x H`` tokens, ``N`` labels) overlapped with the
+        strips, and P hops of the ``3 x N`` partial state, the last one the return hop.
+      * ``blocked`` (P = 1): none.
+      (Before the Function runs, :func:`ring_dtp_cross_entropy` all-gathers one row of
+      integers per rank: sizes, vocab ranges and the label range; see :mod:`.plan`.)
+
+    Communication, backward:
+      * ``weights``: P-1 hops of one shard again, and P hops of its fp32 gradient
+        accumulator (``V/P x H``), the last one taking the finished gradient home.
+      * ``activations``: P-1 hops of (tokens, labels, lse and grad: ``N x H + 3N``) and P
+        hops of the fp32 dX accumulator (``N x H``), the last one home. Shard gradients
+        accumulate where the shard lives.
+      * ``blocked``: none.
+
+    Saved for backward: the inputs themselves (no copies), ``lse = m + log z`` (``N`` fp32)
+    and ``active``. Backward recomputes each strip from ``lse``:
+    ``dlogits = (softmax - onehot) * grad_output`` — no logits are kept.
+
+    Memory bound (per rank; strip = ``N x B`` accumulation-dtype elements, ``B`` =
+    ``block_size`` rows, default the whole shard ``V/P`` when P > 1): one strip live
+    (1.25 with half inputs: its input-dtype copy is made a quarter at a time), never
+    ``N x V``; ``B < V/P`` lowers it below ``N x V/P``. Besides the strip, ``weights``:
+    2 shards in flight and, in backward, 3 fp32 shard-gradient buffers (the one being
+    filled, the one arriving, the one leaving: the price of overlapping that hop) and dX
+    (``N x H`` fp32); ``activations``: 2 token batches in flight and, in backward, 3 fp32
+    ``N x H`` dX buffers and the fp32 shard gradient (``V/P x H``). Each ``V/P x H`` buffer is
+    ``H/N`` strips and each ``N x H`` one ``H/(V/P)`` strips, so with ``auto`` (moving the
+    smaller operand) the buffers stay small against the strip when ``H << V/P``, except
+    the activations-mode shard gradient at small N (``H/N`` strips).
+
+    Exactness: mathematically exact cross-entropy and gradient. Numerically: logits, state
+    and all accumulation over strips, shards and ranks are fp32 (fp64 for fp64 inputs),
+    summed in a different order than a dense implementation, so results match a dense
+    fp32 computation to fp32 reduction-order tolerance (not bitwise). Half-precision inputs:
+    logits come out of an input-dtype matmul (fp32 inside; on CUDA written as fp32
+    directly where ``torch.mm(out_dtype=)`` allows), the logit gradient is rounded once to
+    the input dtype for the backward matmuls, as in a dense half-precision model (without
+    ``out_dtype``, each quarter-strip's matmul product is also rounded to the input dtype
+    before it is added to the fp32 accumulator); grads are returned in the input dtypes.
+
+    Every rank of the group must call forward and backward (collectives inside); in
+    particular, if any rank's inputs require grad, every rank's must (a rank whose loss does
+    not require grad never runs backward, and its peers would wait for it).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, active, plan: RingPlan, ring: Optional[Ring]):
+        acc = accumulation_dtype(hidden.dtype)
+        x, w = hidden.detach(), weight.detach().contiguous()
+        schedule = _forward_activations if plan.mode == "activations" else _forward_weights
+        state = schedule(plan, ring, x, w, labels, acc)
+        zero = torch.zeros((), dtype=acc, device=x.device)
+        loss = torch.where(active, cross_entropy(state), zero)
+        lse = logsumexp(state)
+        del state
+        ctx.save_for_backward(hidden, weight, labels, active, lse)
+        ctx.plan, ctx.ring = plan, ring
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, active, lse = ctx.saved_tensors
+        plan, ring = ctx.plan, ctx.ring
+        x, w = hidden.detach(), weight.detach().contiguous()
+        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        coef = torch.where(active, grad_loss.to(lse.dtype), zero)
+        schedule = _backward_activations if plan.mode == "activations" else _backward_weights
+        dx, dw = schedule(plan, ring, x, w, labels, lse, coef)
+        dx = dx.to(hidden.dtype) if ctx.needs_input_grad[0] and dx is not None else None
+        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] and dw is not None else None
+        return dx, dw, None, None, None, None
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def _local_error(hidden, weight_shard, labels, loss_mask) -> Optional[str]:
+    """What is wrong with this rank's inputs alone, or None."""
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight_shard, labels)):
+        return "hidden, weight_shard and labels must be tensors"
+    if hidden.dim() < 1 or weight_shard.dim() != 2:
+        return (f"hidden must be [..., H] and weight_shard [V/P, H]; got "
+                f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}")
+    if hidden.shape[-1] != weight_shard.shape[1]:
+        return (f"hidden size {hidden.shape[-1]} does not match weight_shard "
+                f"{tuple(weight_shard.shape)}")
+    if not hidden.dtype.is_floating_point or weight_shard.dtype != hidden.dtype:
+        return (f"hidden and weight_shard must share a float dtype, got {hidden.dtype} "
+                f"and {weight_shard.dtype}")
+    if labels.shape != hidden.shape[:-1]:
+        return f"labels {tuple(labels.shape)} must match hidden {tuple(hidden.shape)}[:-1]"
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        return f"labels must be an integer tensor, got {labels.dtype}"
+    if loss_mask is not None and loss_mask.shape != labels.shape:
+        return f"loss_mask {tuple(loss_mask.shape)} must match labels {tuple(labels.shape)}"
+    devices = {t.device for t in (hidden, weight_shard, labels)}
+    if loss_mask is not None:
+        devices.add(loss_mask.device)
+    if len(devices) != 1:
+        return f"all inputs must be on one device, got {sorted(map(str, devices))}"
+    return None
+
+
+def ring_dtp_cross_entropy(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    mode: str = "auto",
+    loss_mask: Optional[torch.Tensor] = None,
+    ignore_index: int = IGNORE_INDEX,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    *,
+    block_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden @ W.T`` against ``labels``; W vocab-sharded.
+
+    Args:
+        hidden: this rank's tokens ``[..., H]`` (``[N, H]`` usually), any float dtype.
+        weight_shard: this rank's rows of the projection ``[V/P, H]``, same dtype.
+        labels: ``[...]`` (hidden's leading shape), integer vocab ids.
+        group: the ring's process group. ``None`` (or a group of one) runs the blocked
+            single-device version: no collective at all. Note: None is not WORLD here;
+            pass ``torch.distributed.group.WORLD`` for the whole job.
+        mode: ``"weights"`` (shards circulate), ``"activations"`` (tokens circulate) or
+            ``"auto"``: activations when ``N <= V/P``, else weights, ``N`` being the largest
+            per-rank token count in the group (all ranks must agree; see
+            :func:`.plan.resolve_mode`). Ignored when P = 1.
+        loss_mask: optional, labels' shape; tokens where it is 0/False give zero loss and
+            zero gradient (it is a switch, not a weight: multiply the loss yourself).
+        ignore_index: label of tokens that give zero loss and zero gradient.
+        vocab_start: first vocab id of this rank's shard; default the sum of the shard rows
+            of lower group ranks (``rank * V/P`` for equal shards).
+        vocab_size: the true, unpadded V. Shard rows at ids ``>= vocab_size`` are padding:
+            they never contribute to the loss and get zero gradient. Default: the end of
+            the last shard (no padding).
+        block_size: vocab rows per strip (keyword only). Default: ``DEFAULT_BLOCK_SIZE``
+            for P = 1, the whole shard for P > 1. Smaller strips lower the peak further.
+
+    Returns: loss ``[...]`` (labels' shape), fp32 (fp64 for fp64 inputs); differentiable
+    w.r.t. ``hidden`` and ``weight_shard`` (the shard's gradient sums all ranks' tokens).
+
+    Raises ValueError, on every rank of the group alike and before any ring hop, when some
+    rank's inputs are malformed, ranks disagree on H/dtype/mode/vocab_size/block_size, the
+    shards do not tile ``[0, vocab_size)``, or an active label (not masked, not
+    ``ignore_index``) lies outside ``[0, vocab_size)`` — in the padded rows, say. The
+    check costs one all-gather of a few integers per rank, issued first: a rank that
+    found a problem still joins it, so every rank learns of the problem and raises
+    instead of leaving its neighbours waiting in a hop.
+    """
+    error = _local_error(hidden, weight_shard, labels, loss_mask)
+    ring = None
+    if group is not None and dist.get_world_size(group) > 1:
+        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+        ring = Ring(group, device)
+    row = None
+    active = None
+    if error is None:
+        labels = labels.to(torch.int64)  # one label dtype on every rank of the ring
+        active = labels != ignore_index
+        if loss_mask is not None:
+            active = active & (loss_mask != 0)
+        try:
+            row = describe_rank(
+                hidden.reshape(-1, hidden.shape[-1]), weight_shard, labels.reshape(-1),
+                active.reshape(-1), mode=mode, vocab_start=vocab_start,
+                vocab_size=vocab_size, block_size=block_size,
+            )
+        except (TypeError, ValueError) as exc:
+            error = str(exc)
+    if row is None:
+        row = planning.error_row()
+    table = ring.gather_rows(row) if ring is not None else row.unsqueeze(0)
+    if error is not None:
+        raise ValueError(f"ring_dtp_cross_entropy: {error}")
+    planning.raise_for_peer_errors(table)
+    rank = ring.rank if ring is not None else 0
+    plan = make_plan(table, rank, ignore_index)
+    shape = labels.shape
+    loss = RingDTPCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight_shard, labels.reshape(-1),
+        active.reshape(-1), plan, ring,
+    )
+    return loss.view(shape)

@@ -1,0 +1,93 @@
+"""Neighbour exchange on a ring of P ranks: send to rank + 1, receive from rank - 1.
+
+A :class:`Ring` posts one hop (several tensors) with ``torch.distributed.batch_isend_irecv``
+(works on gloo and NCCL) and returns a :class:`Hop` to wait on later, so the caller can
+compute on what it already holds while the hop is in flight. Hops on different
+``channel`` s use different tags, so two hops may be in flight at once (e.g. the next
+weight shard and the previous partial state); every rank must post hops in the same order.
+
+On CUDA the hop is issued from a side stream (:class:`megatron_flat.runtime.Stream`) that
+first waits for the compute stream, so the buffers being sent are complete; the buffers
+are recorded on that stream so the caching allocator does not hand them out again before
+the transfer ends, and :meth:`Hop.wait` makes the compute stream (not the host) wait for
+the transfer. The next strip's matmul, queued on the compute stream meanwhile, overlaps it.
+On CPU the streams are inline and only gloo's own threads overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_flat.runtime import Stream, current_stream, record_stream, use_stream
+
+__all__ = ["Ring", "Hop"]
+
+_TAGS_PER_CHANNEL = 16
+# torch >= 2.12 names it all_gather_single (all_gather_into_tensor warns as deprecated).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Hop:
+    """A posted exchange; :meth:`wait` returns the received tensors."""
+
+    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor],
+                 stream: Optional[Stream], device: torch.device) -> None:
+        self._works = works
+        self._received = received
+        self._sent = sent  # kept alive until the transfer is over
+        self._stream = stream
+        self._device = device
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._works is None:
+            raise RuntimeError("Hop.wait() called twice")
+        with use_stream(self._stream):
+            for work in self._works:
+                work.wait()
+        if self._stream is not None:
+            current_stream(self._device).wait_stream(self._stream)
+        received, self._works, self._received, self._sent = self._received, None, [], []
+        return received
+
+
+class Ring:
+    """The ring over ``group`` (``P = group size``; this rank's neighbours by group rank)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.device = torch.device(device)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        self.stream = Stream(self.device) if self.device.type == "cuda" else None
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """All ranks' ``row`` (int64 ``[F]``) as ``[P, F]`` on CPU: one small all-gather."""
+        local = row.to(self.device)
+        table = torch.empty(self.world * local.numel(), dtype=local.dtype, device=self.device)
+        _all_gather(table, local, group=self.group)
+        return table.view(self.world, -1).cpu()
+
+    def shift(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor],
+              channel: int = 0) -> Hop:
+        """Send ``sends[i]`` to the next rank and receive ``recvs[i]`` from the previous one."""
+        if len(sends) != len(recvs) or len(sends) > _TAGS_PER_CHANNEL:
+            raise ValueError("shift() takes as many (at most 16) receive buffers as sends")
+        sends = [t.contiguous() for t in sends]
+        if self.stream is not None:
+            self.stream.wait_stream(current_stream(self.device))
+        ops = []
+        with use_stream(self.stream):
+            for i, (send, recv) in enumerate(zip(sends, recvs)):
+                tag = channel * _TAGS_PER_CHANNEL + i
+                ops.append(dist.P2POp(dist.isend, send, self.next, self.group, tag))
+                ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
+            works = dist.batch_isend_irecv(ops)
+        if self.stream is not None:
+            for tensor in (*sends, *recvs):
+                record_stream(tensor, self.stream)
+        return Hop(works, list(recvs), sends, self.stream, self.device)
