@@ -21,8 +21,10 @@ if ! "$PY" -c "import megatron.core" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCHDYNAMO_DISABLE=1
 status=0
-"$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/optim --junitxml="$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/log.txt" || status=1
+"$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/optim tests/checkpoint --junitxml="$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/log.txt" || status=1
 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
+# SCO with real copy streams (64 MiB boundaries: a reload that skips its wait would show).
+"$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
 # OffloadStreamAdamW at ~1B params: real pinned memory and streams, vs the transfer floor.
 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --json "$OUT/optimizer-cuda.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
 exit $status
