@@ -34,3 +34,191 @@ def check_supported() -> None:
             f"megatron-flat supports megatron-core {SUPPORTED[0][0]}.{SUPPORTED[0][1]} to "
             f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]}; found {'.'.join(map(str, version()))}"
         )
+
+
+# ---------------------------------------------------------------------------- MoE layer specs
+# How an MoE layer is described and built differs between releases:
+# * 0.16: the MoE "spec" is a ``ModuleSpec(module=MoELayer, submodules=MoESubmodules(...),
+#   metainfo=...)`` built with ``build_module(spec, config=..., **kwargs)``; TransformerLayer
+#   passes ``pg_collection`` only when ``spec.module`` *is* MoELayer (an exact-class check), so a
+#   subclass gets ``pg_collection=None`` and MoELayer falls back to the global parallel_state
+#   groups (``get_default_pg_collection()``).
+# * 0.19: the MoE spec is ``functools.partial(MoELayer, submodules=MoESubmodules(...))`` called
+#   as ``spec(config=..., pg_collection=..., is_mtp_layer=..., name=...)``: subclasses get the
+#   layer's process groups.
+# Detected by the spec's type (each spec carries its release's shape), so a spec built by the
+# installed release is always handled the way that release builds it.
+
+
+def moe_spec_module(spec):
+    """The class an MLP/MoE spec builds (``ModuleSpec.module`` or ``partial.func``), or None."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        return spec.module if isinstance(spec.module, type) else None
+    if isinstance(spec, functools.partial):
+        return spec.func if isinstance(spec.func, type) else None
+    return spec if isinstance(spec, type) else None
+
+
+def replace_moe_module(spec, module: type, **params):
+    """``spec`` (an MoE spec of either release) building ``module`` instead, with extra init
+    keyword ``params``; submodules, metainfo and existing params are kept."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):  # 0.16
+        return dataclasses.replace(spec, module=module, params={**spec.params, **params})
+    if isinstance(spec, functools.partial):  # 0.19
+        return functools.partial(module, *spec.args, **{**spec.keywords, **params})
+    raise TypeError(f"not an MoE module spec: {spec!r}")
+
+
+def build_moe_layer(spec, config, pg_collection=None):
+    """Build an MoE layer from a spec of either release, as TransformerLayer would."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    if isinstance(spec, ModuleSpec):  # 0.16
+        kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+        return build_module(spec, config=config, **kwargs)
+    return spec(config=config, pg_collection=pg_collection)  # 0.19
+
+
+def moe_layer_recompute(layer) -> bool:
+    """Whether ``MoELayer.forward`` wraps its body in ``tensor_parallel.checkpoint``.
+
+    0.16 checks ``moe_layer_recompute`` alone; 0.19 adds ``and self.training`` (no recompute
+    in eval). Mirrored so a subclass's forward recomputes exactly when the stock one would.
+    """
+    if minor() >= (0, 19):
+        return bool(layer.moe_layer_recompute and layer.training)
+    return bool(layer.moe_layer_recompute)
+
+
+# ---------------------------------------------------------------------------- optimizer build
+# Both releases build each sub-optimizer (dense, expert) — the inner torch optimizer and the
+# Megatron wrapper around it (DistributedOptimizer, Float16OptimizerWithFloat16Params,
+# FP32Optimizer) — in ``megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups``,
+# which ``get_megatron_optimizer`` looks up by its module-global name, with keyword arguments.
+# * 0.19 adds ``skip_megatron_wrapping=True`` (used by the layer-wise optimizer for emerging
+#   optimizers): the result is then a raw ``(optimizer, init_state_fn)`` tuple, not a wrapper;
+# * 0.19 adds ``OptimizerConfig.optimizer_cuda_graph``, which makes the inner optimizer
+#   capturable (its step captured in a CUDA graph).
+
+
+def inner_optimizer_builder():
+    """``(module, attribute name)`` of the function that builds one Megatron sub-optimizer."""
+    import megatron.core.optimizer as optimizer_module
+
+    name = "_get_megatron_optimizer_based_on_param_groups"
+    if not callable(getattr(optimizer_module, name, None)):
+        raise RuntimeError(f"megatron.core.optimizer.{name} not found in megatron-core "
+                           f"{'.'.join(map(str, version()))}")
+    return optimizer_module, name
+
+
+def builder_returns_unwrapped(kwargs) -> bool:
+    """Whether a call of the sub-optimizer builder returns a raw ``(optimizer, init_state_fn)``
+    tuple instead of a Megatron optimizer (0.19's ``skip_megatron_wrapping``)."""
+    return bool(kwargs.get("skip_megatron_wrapping", False))
+
+
+def optimizer_capturable(config) -> bool:
+    """Whether an OptimizerConfig (or Megatron-LM args) asks for a CUDA-graph-captured
+    optimizer step (0.19's ``optimizer_cuda_graph``; absent in 0.16)."""
+    return bool(getattr(config, "optimizer_cuda_graph", False))
+
+
+# ---------------------------------------------------------------------------- output layer + loss
+# Ring-DTP (megatron.vocab) replaces the projection + loss tail of ``GPTModel._postprocess``,
+# which both releases call with keyword arguments from ``forward`` and from the combined-1F1B
+# schedule plan's post-process node.
+# * 0.19 adds ``output_processor=`` to ``forward``/``_postprocess``: a callable run in place of
+#   the projection + loss (after MTP), given hidden states, ``output_layer``, ``output_weight``,
+#   labels and loss mask. 0.16 has no such hook: the tail is taken over in the wrapper.
+# * 0.19 adds MuP: ``_scale_logits`` multiplies the logits by ``config.mup_output_mult`` when
+#   ``config.use_mup`` (absent in 0.16).
+# * Inference: 0.16 treats a call as inference when an ``inference_context`` is given (and the
+#   model is not training); 0.19 asks ``InferenceMode.is_active()``.
+# * ``tensor_parallel.vocab_parallel_cross_entropy`` takes ``tp_group=`` from 0.19; 0.16 uses
+#   the global tensor-parallel group.
+
+
+def postprocess_has_output_processor() -> bool:
+    """Whether ``GPTModel._postprocess`` takes 0.19's ``output_processor=`` hook."""
+    import inspect
+
+    from megatron.core.models.gpt import GPTModel
+
+    return "output_processor" in inspect.signature(GPTModel._postprocess).parameters
+
+
+def logit_multiplier(config) -> float:
+    """The factor ``GPTModel._scale_logits`` applies to the logits (0.19 MuP; 1.0 in 0.16)."""
+    if getattr(config, "use_mup", False):
+        return float(getattr(config, "mup_output_mult", 1.0))
+    return 1.0
+
+
+def inference_active(inference_context=None) -> bool:
+    """Whether a ``GPTModel._postprocess`` call is an inference one (keep Megatron's logits)."""
+    if inference_context is not None:
+        return True
+    if minor() >= (0, 19):
+        from megatron.core.inference.utils import InferenceMode
+
+        return bool(InferenceMode.is_active())
+    return False
+
+
+def vocab_parallel_cross_entropy(logits, target, tp_group=None):
+    """Megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` over ``tp_group`` (0.16 only
+    knows the global tensor-parallel group: ``tp_group`` must be it or None there). Overwrites
+    ``logits`` in place, as Megatron's does."""
+    from megatron.core import tensor_parallel
+
+    if minor() >= (0, 19):
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, target, tp_group=tp_group)
+    if tp_group is not None:
+        from megatron.core import parallel_state
+
+        if tp_group is not parallel_state.get_tensor_model_parallel_group():
+            raise ValueError("megatron-core 0.16 computes vocab-parallel cross-entropy over the "
+                             "global tensor-parallel group only")
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, target)
+
+
+# ---------------------------------------------------------------------------- full-recompute site
+# SCO (megatron.sco) routes the checkpoints of ``recompute_granularity='full'`` through its
+# offloading checkpoint. Both releases call ``tensor_parallel.checkpoint(fn,
+# distribute_saved_activations, hidden_states, attention_mask, context, context_mask,
+# rotary_pos_emb..., padding_mask)``, looking ``tensor_parallel`` up in the *calling module's*
+# globals at call time, but from different places:
+# * 0.16: the method ``TransformerBlock._checkpointed_forward`` (module transformer_block);
+# * 0.19: the free function ``megatron.core.recompute.checkpointed_forward`` (module recompute,
+#   also used by the hybrid/Mamba block), imported *by name* into transformer_block, where
+#   ``TransformerBlock.forward`` looks ``checkpointed_forward`` up at call time.
+# ``full_recompute_site()`` names (a) the module whose global ``tensor_parallel`` the
+# checkpoint call reads and (b) the (owner, attribute) to wrap so that only the transformer
+# block's checkpointed forward is affected.
+
+
+def full_recompute_site():
+    """``(caller_module, owner, name)``: ``caller_module.tensor_parallel.checkpoint`` is what
+    the transformer block's full recompute calls; ``getattr(owner, name)`` is the callable
+    (method or module function) whose duration delimits it."""
+    from megatron.core.transformer import transformer_block
+
+    if minor() >= (0, 19):
+        from megatron.core import recompute
+
+        if not callable(getattr(transformer_block, "checkpointed_forward", None)):
+            raise RuntimeError("megatron.core.transformer.transformer_block.checkpointed_forward "
+                               f"not found in megatron-core {'.'.join(map(str, version()))}")
+        return recompute, transformer_block, "checkpointed_forward"
+    owner = transformer_block.TransformerBlock
+    if not callable(getattr(owner, "_checkpointed_forward", None)):
+        raise RuntimeError("TransformerBlock._checkpointed_forward not found in megatron-core "
+                           f"{'.'.join(map(str, version()))}")
+    return transformer_block, owner, "_checkpointed_forward"

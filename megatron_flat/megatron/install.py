@@ -66,6 +66,16 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
 # registry when its Megatron integration lands; until then install() says so plainly.
 WIRING: Dict[str, Callable[[FlatConfig, Any], None]] = {}
 
+
+def _wire_sco(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-sco: the transformer block's full-recompute boundaries go through SCO."""
+    from megatron_flat.megatron.sco import wire_sco
+
+    wire_sco(flat, megatron)
+
+
+WIRING["sco"] = _wire_sco
+
 _ENABLED = {
     "dispatch": lambda f: f.dispatch != "off",
     "vocab": lambda f: f.vocab,

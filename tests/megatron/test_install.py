@@ -70,3 +70,16 @@ def test_enabled_technique_is_wired_once(monkeypatch):
     megatron_flat.install(FlatConfig(vocab=True))
     megatron_flat.install(FlatConfig(vocab=True))
     assert len(calls) == 1
+
+
+def test_sco_is_wired_by_install(megatron_cpu):
+    from megatron_flat.megatron import sco
+
+    flat = FlatConfig(sco=True, sco_host_budget_gib=0.5, sco_prefetch=1)
+    try:
+        megatron_flat.install(flat, argparse.Namespace(recompute_granularity="full"))
+        active = sco.enabled()
+        assert active is not None and active.prefetch == 1
+    finally:
+        sco.disable()
+    assert sco.enabled() is None

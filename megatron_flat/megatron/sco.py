@@ -1,0 +1,165 @@
+"""SCO in Megatron-Core: the boundaries of ``recompute_granularity='full'`` in host memory.
+
+``enable(host_budget_bytes, prefetch)`` makes the transformer block's full-recompute
+checkpoints (methods ``uniform`` and ``block``, any ``recompute_num_layers``) run through a
+:class:`~megatron_flat.checkpoint.SelectiveCheckpointOffload`; ``disable()`` puts Megatron
+back exactly as it was. ``wire_sco(flat, megatron)`` is the ``install()`` entry for
+``--flat-sco``.
+
+How it plugs in (release differences in ``compat.full_recompute_site``): the block's
+checkpoint call reads ``tensor_parallel.checkpoint`` from its own module's globals at call
+time (0.16: ``transformer_block`` in ``TransformerBlock._checkpointed_forward``; 0.19:
+``megatron.core.recompute`` in ``checkpointed_forward``). That one module global
+``tensor_parallel`` is replaced by a view of the real package whose ``checkpoint`` goes to
+SCO *only while the transformer block's checkpointed forward runs* (a thread-local set by a
+wrapper around ``TransformerBlock._checkpointed_forward`` in 0.16, around the name
+``transformer_block.checkpointed_forward`` in 0.19); everything else in the view is the
+real package. Nothing else changes: MLP/MoE/attention recompute, ``CheckpointWithoutOutput``
+and other users of ``tensor_parallel.checkpoint`` read the real package and never see SCO
+(in 0.19 the hybrid/Mamba block, which shares ``checkpointed_forward``, is not wrapped, so
+its calls go to Megatron's checkpoint too). The fp8/fp4 path (``te_checkpoint``) is not
+touched.
+
+What SCO changes: only ``hidden_states`` (argument 0, the per-layer boundary) is offloaded;
+masks and rotary tables are shared by every layer and stay where they are. Megatron's
+``CheckpointFunction`` is reentrant; SCO runs torch's non-reentrant checkpoint with
+Megatron's CUDA RNG tracker states replayed in the recompute (``get_cuda_rng_tracker``), so
+dropout recomputes identically and loss and gradients are bitwise those of plain full
+recompute (tests/checkpoint/test_megatron_sco*.py). ``distribute_saved_activations=True``
+is refused: SCO offloads boundaries whole instead of sharding them over TP ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Optional
+
+from megatron_flat.checkpoint import SelectiveCheckpointOffload, tensor_parallel_checkpoint
+from megatron_flat.megatron import compat
+
+__all__ = ["disable", "enable", "enabled", "wire_sco"]
+
+_DSA_MESSAGE = (
+    "SCO (--flat-sco) offloads checkpoint boundaries whole to host memory; it cannot be "
+    "combined with --distribute-saved-activations (distribute_saved_activations=True)"
+)
+
+_state = threading.local()  # .route: SCO's checkpoint while the block's checkpointed forward runs
+_lock = threading.Lock()
+_patch: Optional[dict] = None  # what enable() changed, for disable()
+
+
+class _TensorParallelView:
+    """``megatron.core.tensor_parallel`` as the block's checkpoint call sees it."""
+
+    def __init__(self, real: Any) -> None:
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._real, name, value)
+
+    def checkpoint(self, function: Callable, distribute_saved_activations: bool, *args: Any):
+        route = getattr(_state, "route", None)
+        if route is None:  # not inside the transformer block's checkpointed forward
+            return self._real.checkpoint(function, distribute_saved_activations, *args)
+        return route(function, distribute_saved_activations, *args)
+
+
+def _delimit(original: Callable, route: Callable) -> Callable:
+    """``original`` with ``route`` active in this thread for the duration of a call."""
+
+    @functools.wraps(original)
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_state, "route", None)
+        _state.route = route
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _state.route = previous
+
+    checkpointed_forward.__flat_sco_original__ = original
+    return checkpointed_forward
+
+
+def enable(host_budget_bytes: int, prefetch: int = 1, *,
+           sco: Optional[SelectiveCheckpointOffload] = None) -> SelectiveCheckpointOffload:
+    """Route the transformer block's full-recompute checkpoints through SCO.
+
+    ``host_budget_bytes``/``prefetch`` build the :class:`SelectiveCheckpointOffload` (its host
+    pool is allocated here, once); or pass a ready ``sco`` (then ``host_budget_bytes`` is
+    ignored). Enabling again replaces the previous SCO. Returns the SCO in force (its
+    ``stats`` count the offloaded boundaries).
+    """
+    import megatron.core.tensor_parallel as real_tp
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    compat.check_supported()
+    if sco is None:
+        sco = SelectiveCheckpointOffload(int(host_budget_bytes), prefetch=prefetch)
+    adapter = tensor_parallel_checkpoint(
+        sco,
+        get_rng_tracker=get_cuda_rng_tracker,
+        offload_args=(0,),
+        # Megatron's own checkpoint, looked up at call time (other patches compose).
+        fallback=lambda *a: real_tp.checkpoint(*a),
+    )
+
+    def route(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
+        if distribute_saved_activations:
+            raise ValueError(_DSA_MESSAGE)
+        return adapter(function, distribute_saved_activations, *args)
+
+    with _lock:
+        _disable_locked()
+        caller, owner, name = compat.full_recompute_site()
+        global _patch
+        _patch = dict(
+            caller=caller, tp_global=caller.__dict__["tensor_parallel"],
+            owner=owner, name=name, had_own=name in vars(owner), original=getattr(owner, name),
+            sco=sco,
+        )
+        caller.tensor_parallel = _TensorParallelView(_patch["tp_global"])
+        setattr(owner, name, _delimit(_patch["original"], route))
+    return sco
+
+
+def _disable_locked() -> None:
+    global _patch
+    if _patch is None:
+        return
+    p, _patch = _patch, None
+    p["caller"].tensor_parallel = p["tp_global"]
+    if p["had_own"]:
+        setattr(p["owner"], p["name"], p["original"])
+    else:
+        delattr(p["owner"], p["name"])
+
+
+def disable() -> None:
+    """Undo :func:`enable` (no-op when not enabled): Megatron's own objects are back."""
+    with _lock:
+        _disable_locked()
+
+
+def enabled() -> Optional[SelectiveCheckpointOffload]:
+    """The SCO in force, or None."""
+    return None if _patch is None else _patch["sco"]
+
+
+def wire_sco(flat: Any, megatron: Any = None) -> None:
+    """``install()`` wiring for ``--flat-sco``: enable SCO with the FlatConfig's host budget
+    (``sco_host_budget_bytes``) and prefetch distance (``sco_prefetch``).
+
+    ``megatron`` (Megatron-LM args or a TransformerConfig), when given, is checked: SCO
+    refuses ``distribute_saved_activations``. (``recompute_granularity='full'`` is checked by
+    ``install.check_against_megatron``.)
+    """
+    if megatron is not None and getattr(megatron, "distribute_saved_activations", False):
+        from megatron_flat.megatron.install import FlatConfigError
+
+        raise FlatConfigError(f"megatron-flat cannot be installed:\n  - {_DSA_MESSAGE}")
+    enable(flat.sco_host_budget_bytes, flat.sco_prefetch)

@@ -1,0 +1,152 @@
+"""SCO inside Megatron-Core's full recompute, one process: bitwise equal to plain recompute.
+
+The tiny MoE GPT (4 layers, dropout on) with ``recompute_granularity='full'``, methods
+``uniform`` (1 layer per checkpoint) and ``block`` (2 of 4 layers checkpointed), two
+microbatches whose graphs are alive at once (one backward for both): loss and every
+gradient ``torch.equal`` with SCO enabled (host budget 0, partial, unlimited) and disabled
+(Megatron's own reentrant ``CheckpointFunction``).
+"""
+
+import pytest
+import torch
+
+LAYERS = 4
+# [s, b, h] fp32 boundary of the tiny model: 16 * 2 * 64 * 4 bytes.
+BOUNDARY = 16 * 2 * 64 * 4
+BUDGETS = {"zero": 0, "partial": 3 * BOUNDARY, "unlimited": 64 * BOUNDARY}
+METHODS = {"uniform": 1, "block": 2}  # recompute_method -> recompute_num_layers
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    return TinyMoE(num_layers=LAYERS, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _sco_off_after():
+    yield
+    from megatron_flat.megatron import sco
+
+    sco.disable()
+
+
+def _step(tiny, model, init):
+    """Loss and grads of one step over two microbatches (both graphs alive), from ``init``
+    and from the same RNG states every time."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_flat.testing.tiny_gpt import global_batch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(init[n])
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(tiny.seed)
+    losses = [model(mb.tokens, mb.position_ids, None, labels=mb.labels).float().mean()
+              for mb in global_batch(tiny, 0)[:2]]
+    loss = sum(losses) / len(losses)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def built(request, megatron_cpu, tiny):
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import build_tiny_gpt, transformer_config
+
+    method = request.param
+    with megatron_layout(1, 1, 1, seed=tiny.seed):
+        torch.manual_seed(tiny.seed)
+        config = transformer_config(tiny, recompute="full", recompute_method=method,
+                                    recompute_num_layers=METHODS[method])
+        model = build_tiny_gpt(tiny, config)
+        model.train()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        reference = _step(tiny, model, init)
+        yield method, model, init, reference
+
+
+def _assert_same(run, reference):
+    loss, grads = run
+    ref_loss, ref_grads = reference
+    assert torch.equal(loss, ref_loss), (loss.item(), ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    assert len(grads) > 10
+    bad = [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_sco_bitwise_equal_to_full_recompute(built, tiny, budget):
+    from megatron_flat.megatron import sco
+
+    method, model, init, reference = built
+    engine = sco.enable(BUDGETS[budget], prefetch=1)
+    run = _step(tiny, model, init)
+    sco.disable()
+    _assert_same(run, reference)
+
+    stats = engine.stats
+    per_mb = LAYERS // METHODS[method] if method == "uniform" else METHODS[method]
+    assert stats.checkpoints == 2 * per_mb
+    assert stats.plain_fallbacks == 0
+    if budget == "zero":
+        assert stats.boundaries_offloaded == 0 and stats.boundaries_kept == stats.checkpoints
+    elif budget == "partial":
+        assert 0 < stats.boundaries_offloaded < stats.checkpoints
+        assert stats.boundaries_kept > 0
+    else:
+        assert stats.boundaries_offloaded == stats.checkpoints and stats.boundaries_kept == 0
+        assert stats.bytes_offloaded == stats.checkpoints * BOUNDARY
+    assert stats.host_bytes_in_use == 0  # every host buffer went back to the pool
+
+    # Disabled again: Megatron's own checkpoint, same result.
+    _assert_same(_step(tiny, model, init), reference)
+
+
+def test_disable_restores_megatron(megatron_cpu):
+    import megatron.core.tensor_parallel as tp
+
+    from megatron_flat.megatron import compat, sco
+
+    caller, owner, name = compat.full_recompute_site()
+    before = (caller.tensor_parallel, getattr(owner, name), tp.checkpoint)
+    engine = sco.enable(BOUNDARY, prefetch=1)
+    assert sco.enabled() is engine
+    assert caller.tensor_parallel is not before[0] and getattr(owner, name) is not before[1]
+    # Everyone else (MLP/MoE/attention recompute) still sees Megatron's checkpoint.
+    assert tp.checkpoint is before[2]
+    assert caller.tensor_parallel.checkpoint.__func__ is not tp.checkpoint
+    assert caller.tensor_parallel.get_cuda_rng_tracker is tp.get_cuda_rng_tracker
+    sco.enable(2 * BOUNDARY, prefetch=0)  # enabling again replaces, never stacks
+    sco.disable()
+    assert (caller.tensor_parallel, getattr(owner, name), tp.checkpoint) == before
+    assert sco.enabled() is None
+    sco.disable()  # no-op
+
+
+def test_distribute_saved_activations_refused(built, tiny):
+    from types import SimpleNamespace
+
+    from megatron_flat.config import FlatConfig
+    from megatron_flat.megatron import sco
+    from megatron_flat.megatron.install import FlatConfigError
+
+    flat = FlatConfig(sco=True, sco_host_budget_gib=0.001)
+    with pytest.raises(FlatConfigError, match="distribute-saved-activations"):
+        sco.wire_sco(flat, SimpleNamespace(distribute_saved_activations=True))
+    assert sco.enabled() is None
+
+    _, model, init, _ = built
+    sco.wire_sco(flat, SimpleNamespace(distribute_saved_activations=False))
+    assert sco.enabled() is not None and sco.enabled().prefetch == flat.sco_prefetch
+    model.config.distribute_saved_activations = True
+    try:
+        with pytest.raises(ValueError, match="distribute_saved_activations"):
+            _step(tiny, model, init)
+    finally:
+        model.config.distribute_saved_activations = False
