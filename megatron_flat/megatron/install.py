@@ -76,6 +76,19 @@ def _wire_sco(flat: FlatConfig, megatron: Any) -> None:
 
 WIRING["sco"] = _wire_sco
 
+
+def _wire_dispatch(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-dispatch: Megatron's stock MoE specs build FlatMoELayer (megatron.spec)."""
+    from megatron_flat.megatron.spec import wire_dispatch
+
+    try:
+        wire_dispatch(flat, megatron)
+    except ValueError as exc:
+        raise FlatConfigError(f"megatron-flat cannot be installed:\n  - {exc}") from None
+
+
+WIRING["dispatch"] = _wire_dispatch
+
 _ENABLED = {
     "dispatch": lambda f: f.dispatch != "off",
     "vocab": lambda f: f.vocab,

@@ -1,0 +1,146 @@
+"""Expert banks: the experts a dispatch engine runs, seen as weights plus one function.
+
+The engine (:mod:`megatron_flat.dispatch.llep`) moves routes and, for spilled experts, whole
+expert weights between ranks; it never looks inside an expert. What it needs is an
+:class:`ExpertBank`:
+
+* ``num_local_experts`` — E_local, the experts native to this rank;
+* ``local_weights(j)`` — the parameters of local expert ``j`` as a tuple in a fixed order; every
+  expert of the model has the same shapes and dtypes (so a helper rank can run a spilled expert
+  from a flat copy of its owner's weights);
+* ``run(weights, x, probs)`` — the output of one expert with ``weights`` on routes ``x``
+  (``[R, H]``) with router probabilities ``probs`` (``[R]``), *already weighted by probs*: the
+  combine is then a plain per-token sum, as in Megatron-Core's experts (``per_token_scale``).
+
+``run`` must be a pure function of its arguments (rows independent of each other), because the
+engine calls it on any subset of an expert's routes, on any rank, and again in backward to
+recompute. A bank may also offer ``run_for_grad(weights, x, probs)``: a tensor whose autograd
+graph gives exactly ``run``'s gradients but whose *values* are never read (so the last linear
+layer's forward GEMM can be skipped when recomputing for backward: the output is not needed,
+only its input); the engine uses it for recompute when present.
+
+Megatron's ``SequentialMLP`` is adapted in :mod:`megatron_flat.megatron.moe`;
+:class:`GLUExperts` here is a plain-PyTorch bank for users outside Megatron and for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ExpertBank", "GLUExperts", "GradOnlyLinear", "check_bank"]
+
+
+class ExpertBank(Protocol):
+    """What the dispatch engine needs from the experts (see the module docstring)."""
+
+    @property
+    def num_local_experts(self) -> int: ...
+
+    def local_weights(self, j: int) -> Tuple[torch.Tensor, ...]: ...
+
+    def run(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+            probs: torch.Tensor) -> torch.Tensor: ...
+
+
+def check_bank(bank: ExpertBank, experts_per_rank: int) -> list[tuple[torch.Size, torch.dtype]]:
+    """Validate ``bank`` for an EP group with ``experts_per_rank`` experts per rank.
+
+    Returns the (shape, dtype) of each weight of one expert. Raises ``ValueError`` when the
+    bank has the wrong number of experts or its experts differ in weight shapes or dtypes.
+    """
+    n = bank.num_local_experts
+    if n != experts_per_rank:
+        raise ValueError(f"the expert bank holds {n} local experts, but num_experts / ep_size = "
+                         f"{experts_per_rank}: inconsistent expert count")
+    signature = None
+    for j in range(n):
+        weights = bank.local_weights(j)
+        sig = [(w.shape, w.dtype) for w in weights]
+        if not sig:
+            raise ValueError(f"local expert {j} has no weights")
+        if signature is None:
+            signature = sig
+        elif sig != signature:
+            raise ValueError(f"local expert {j} has weights {sig}, expert 0 has {signature}: "
+                             "every expert must have the same weight shapes and dtypes")
+    if len({dtype for _, dtype in signature}) != 1:
+        raise ValueError(f"an expert's weights must share one dtype, got {signature}")
+    return signature
+
+
+class GradOnlyLinear(torch.autograd.Function):
+    """``x Wᵀ`` for a graph that is only differentiated: forward returns an *uninitialised*
+    ``[..., out]`` tensor (no GEMM); backward returns ``g W`` and ``gᵀ x`` (2-D), the formulas
+    of Megatron-Core's non-fused linear backward. Saves ``x`` and ``W`` (references)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight)
+        g2 = grad.contiguous().view(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(x.contiguous().view(-1, x.shape[-1]))
+        return grad_x, grad_w
+
+
+class GLUExperts(torch.nn.Module):
+    """E_local feed-forward experts: ``y = (act(x W1ᵀ) · p) W2ᵀ``, gated by default.
+
+    Gated (SwiGLU with ``activation=F.silu``): ``W1`` is ``[2F, H]`` and
+    ``act(x W1ᵀ) = act(a) * b`` for ``a, b = chunk(x W1ᵀ, 2)``; otherwise ``W1`` is ``[F, H]``.
+    ``W2`` is ``[H, F]``. The router probability scales the activation before ``W2``, which is
+    where Megatron-Core's MLP applies ``per_token_scale``. Weights are initialised from
+    ``generator`` (normal, std 0.02 — deterministic for tests).
+    """
+
+    def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *,
+                 gated: bool = True, activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 generator: Optional[torch.Generator] = None):
+        super().__init__()
+        if num_local_experts < 1 or hidden_size < 1 or ffn_hidden_size < 1:
+            raise ValueError("num_local_experts, hidden_size and ffn_hidden_size must be >= 1")
+        self.gated, self.activation = gated, activation
+        rows = 2 * ffn_hidden_size if gated else ffn_hidden_size
+
+        def param(*shape):
+            w = torch.empty(*shape, dtype=torch.float32)
+            w.normal_(0.0, 0.02, generator=generator)
+            return torch.nn.Parameter(w.to(dtype=dtype, device=device))
+
+        self.fc1 = torch.nn.ParameterList(param(rows, hidden_size)
+                                          for _ in range(num_local_experts))
+        self.fc2 = torch.nn.ParameterList(param(hidden_size, ffn_hidden_size)
+                                          for _ in range(num_local_experts))
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.fc1)
+
+    def local_weights(self, j: int) -> Tuple[torch.Tensor, ...]:
+        return (self.fc1[j], self.fc2[j])
+
+    def run(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+            probs: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(self._hidden(weights, x, probs), weights[1].t())
+
+    def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                     probs: torch.Tensor) -> torch.Tensor:
+        return GradOnlyLinear.apply(self._hidden(weights, x, probs), weights[1])
+
+    def _hidden(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                probs: torch.Tensor) -> torch.Tensor:
+        h = torch.matmul(x, weights[0].t())
+        if self.gated:
+            a, b = torch.chunk(h, 2, dim=-1)
+            h = self.activation(a) * b
+        else:
+            h = self.activation(h)
+        return (h * probs.unsqueeze(-1)).to(x.dtype)

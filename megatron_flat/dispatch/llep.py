@@ -1,0 +1,749 @@
+"""LLEP and PipelinedLLEP execution over an expert-parallel group (DESIGN.md §2.1).
+
+:class:`PipelinedLLEP` runs one MoE layer's dispatch → expert compute → combine for routes
+already chosen by a router. Per call (one layer, one micro-batch):
+
+1. local validation of every input — a bad input raises ``ValueError`` before any collective;
+2. one all-reduce of ``[P, E + 1]`` int64: every rank's per-expert route counts and token count
+   (the global loads for the plan, the counts for route positions, max N for K);
+3. the plan (:func:`~megatron_flat.dispatch.plan.plan_dispatch`: LLEP, or plain EP when the
+   imbalance is below λ), the chunking (K agreed from max N; ``mode="llep"`` is K = 1) and the
+   destination of every route — identical on every rank, computed without communicating;
+4. one all-to-all of ``[K, E]`` counts per destination, so each rank knows what it will receive,
+   checked against the receive bound ``P · k · c_eff`` (a violation is a bug: ``RuntimeError``);
+5. :class:`PipelinedLLEPFunction` — weights to helpers, K rounds of dispatch / compute / combine.
+
+The first call also checks, with one all-gather, that every rank of the group agrees on the
+settings (experts, top-k, hidden size, knobs, dtype); a disagreement raises the same
+``ValueError`` on every rank. Nothing here imports Megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from megatron_flat.dispatch.experts import ExpertBank, check_bank
+from megatron_flat.dispatch.plan import (
+    MEMBERSHIPS,
+    LLEPPlan,
+    num_chunks,
+    plan_dispatch,
+    receive_bound,
+    route_destinations,
+)
+from megatron_flat.dispatch.schedule import (
+    ReceiveSchedule,
+    SendSchedule,
+    WeightSchedule,
+    receive_schedule,
+    send_schedule,
+    token_chunks,
+    weight_schedule,
+)
+
+__all__ = ["MODES", "DispatchOptions", "PipelinedLLEP", "PipelinedLLEPFunction", "StepStats"]
+
+MODES = ("llep", "pipelined")
+"""``llep``: unchunked LLEP (K = 1), intermediates saved for backward as plain autograd would.
+``pipelined``: PipelinedLLEP, K chunks, each chunk recomputed in backward."""
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class DispatchOptions:
+    """The knobs of one dispatch engine (FlatConfig's ``dispatch*`` / ``llep_*`` fields).
+
+    ``chunk_tokens`` is the per-source token cap per chunk (c), ``max_chunks`` K_max,
+    ``alpha`` the LLEP capacity factor, ``min_tokens_per_gemm`` m, ``imbalance_threshold`` λ
+    (0: always LLEP). ``overlap`` issues chunk i+1's dispatch before computing chunk i
+    (asynchronous all-to-all, NCCL's own stream); ``None`` means on for CUDA tensors only —
+    on CPU nothing overlaps and the strict one-chunk-at-a-time order keeps the peak lower.
+    """
+
+    mode: str = "pipelined"
+    chunk_tokens: int = 4096
+    max_chunks: int = 10
+    membership: str = "strided"
+    alpha: float = 1.0
+    min_tokens_per_gemm: int = 1024
+    imbalance_threshold: float = 1.3
+    overlap: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"dispatch mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("chunk_tokens", "max_chunks", "min_tokens_per_gemm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.membership not in MEMBERSHIPS:
+            raise ValueError(f"membership must be one of {', '.join(MEMBERSHIPS)}, "
+                             f"got {self.membership!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.imbalance_threshold, bool) \
+                or not isinstance(self.imbalance_threshold, (int, float)) \
+                or not self.imbalance_threshold >= 0:
+            raise ValueError(f"imbalance_threshold must be a number >= 0, "
+                             f"got {self.imbalance_threshold!r}")
+
+    @property
+    def recompute(self) -> bool:
+        """Whether backward recomputes each chunk (PipelinedLLEP) instead of saving it."""
+        return self.mode == "pipelined"
+
+    @classmethod
+    def from_flat_config(cls, flat: Any, **overrides) -> "DispatchOptions":
+        """From a ``FlatConfig`` whose ``dispatch`` is ``llep`` or ``pipelined``."""
+        if flat.dispatch not in MODES:
+            raise ValueError(f"FlatConfig.dispatch is {flat.dispatch!r}: no flat dispatch engine")
+        values = dict(mode=flat.dispatch, chunk_tokens=flat.dispatch_chunk_tokens,
+                      max_chunks=flat.dispatch_max_chunks, membership=flat.dispatch_membership,
+                      alpha=flat.llep_alpha, min_tokens_per_gemm=flat.llep_min_tokens_per_gemm,
+                      imbalance_threshold=flat.llep_imbalance_threshold)
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class StepStats:
+    """What the last call did on this rank (for tests, benchmarks and logs)."""
+
+    plan: LLEPPlan
+    num_chunks: int
+    c_eff: int
+    max_tokens: int
+    receive_bound: int
+    received: list[int]          # routes received in each chunk
+    sent: list[int]              # routes sent in each chunk
+    helper_experts: list[int]    # experts computed here for another owner
+    llep: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.llep = self.plan.llep
+
+
+# ---------------------------------------------------------------------------- collectives
+def _group_geometry(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _Pending:
+    """Outputs of all-to-alls in flight; ``wait()`` returns them once complete.
+
+    Holds the inputs until then (an asynchronous collective reads them on its own stream).
+    ``unpack`` turns the received buffers into the caller's tensors (see ``_exchange``)."""
+
+    def __init__(self, outputs: list[torch.Tensor], works: list[Any],
+                 inputs: Optional[list[torch.Tensor]] = None,
+                 unpack: Optional[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = None):
+        self.outputs, self.works, self.inputs, self.unpack = outputs, works, inputs, unpack
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        outputs, self.outputs, self.works, self.inputs = self.outputs, [], [], None
+        return self.unpack(outputs) if self.unpack is not None else outputs
+
+
+def _exchange(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits: list[int],
+              group: Optional[dist.ProcessGroup], ep_size: int, async_op: bool = False,
+              widths: Optional[list[int]] = None) -> _Pending:
+    """``all_to_all_single`` of each tensor along dim 0 with the same split sizes.
+
+    With ``widths`` the single tensor is a packed ``[rows, Σ widths]`` buffer (see
+    ``_Step._pack``) and ``wait()`` returns its column views (width 0: a 1-D column).
+    """
+    if ep_size == 1:
+        return _Pending(list(tensors), [])
+    outputs, works, inputs = [], [], []
+    for t in tensors:
+        t = t.contiguous()
+        out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
+        works.append(dist.all_to_all_single(out, t, out_splits, in_splits, group=group,
+                                            async_op=async_op))
+        outputs.append(out)
+        inputs.append(t)
+    unpack = None
+    if widths is not None:
+        def unpack(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return _columns(outs[0], widths)
+    return _Pending(outputs, works, inputs if async_op else None, unpack)
+
+
+def _columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """Column views of a packed buffer (width 0: one column, as a 1-D view)."""
+    parts, col = [], 0
+    for w in widths:
+        parts.append(buf[:, col] if w == 0 else buf[:, col:col + w])
+        col += max(w, 1)
+    return parts
+
+
+def _main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient buffer of a parameter under Megatron-Core's DDP (``main_grad``, with the
+    ``grad_added_to_main_grad`` flag of its fused-accumulation protocol), else None.
+
+    The engine then adds each chunk's weight gradient straight into it and marks it added, as
+    Megatron's fused linear layers do, so no full-size gradient per expert is held until the
+    end of backward; without DDP the gradients are summed in accumulators and returned."""
+    if not isinstance(param, torch.nn.Parameter) or not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    return getattr(param, "main_grad", None)
+
+
+# ---------------------------------------------------------------------------- one step
+class _Step:
+    """Everything one call knows: schedules, plan, the bank; runs forward and backward."""
+
+    def __init__(self, *, bank: ExpertBank, group, ep_size: int, rank: int, num_experts: int,
+                 weights_per_expert: int, n_tokens: int, route_token: torch.Tensor,
+                 send: SendSchedule, recv: ReceiveSchedule, wsched: WeightSchedule,
+                 transfers: int, overlap: bool, save: bool):
+        self.bank, self.group, self.p, self.rank = bank, group, ep_size, rank
+        self.e_local = num_experts // ep_size
+        self.first = rank * self.e_local
+        self.w = weights_per_expert
+        self.n, self.route_token = n_tokens, route_token
+        self.send, self.recv, self.wsched = send, recv, wsched
+        self.transfers = transfers  # weight transfers in the whole group (collective or not)
+        self.overlap, self.save = overlap, save
+        self.saved: list[Optional[tuple]] = []
+        self.helper: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    # -- weights ---------------------------------------------------------------------
+    def _own(self, e: int, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        j = e - self.first
+        return tuple(weights[j * self.w:(j + 1) * self.w])
+
+    def _weights_of(self, e: int, weights: Sequence[torch.Tensor],
+                    helper: dict) -> tuple[torch.Tensor, ...]:
+        if self.first <= e < self.first + self.e_local:
+            return self._own(e, weights)
+        try:
+            return helper[e]
+        except KeyError:
+            raise RuntimeError(f"PipelinedLLEP bug: rank {self.rank} received routes of expert {e} "
+                               f"without its weights") from None
+
+    def _fetch_helper_weights(self, weights: Sequence[torch.Tensor]) -> dict:
+        """Owners send spilled experts' weights to their helpers (one all-to-all)."""
+        if not self.transfers:  # the same on every rank (from the plan), unlike wsched.empty
+            return {}
+        template = self._own(self.first, weights)
+        numel = sum(w.numel() for w in template)
+        parts = [torch.cat([w.detach().reshape(-1) for w in self._own(e, weights)])
+                 for experts in self.wsched.send for e in experts]
+        buf = torch.cat(parts) if parts else template[0].new_empty(0)
+        (got,) = _exchange([buf], [len(x) * numel for x in self.wsched.recv],
+                           [len(x) * numel for x in self.wsched.send], self.group, self.p).wait()
+        helper, offset = {}, 0
+        for e in self.wsched.helper_experts:
+            views = []
+            for w in template:
+                views.append(got[offset:offset + w.numel()].view(w.shape))
+                offset += w.numel()
+            helper[e] = tuple(views)
+        return helper
+
+    # -- per-chunk pieces --------------------------------------------------------------
+    def _group(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        index = self.recv.group[i]
+        return t if index is None else t.index_select(0, index)
+
+    def _ungroup(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        index = self.recv.group[i]
+        if index is None:
+            return t
+        return torch.empty_like(t).index_copy_(0, index, t)
+
+    def _compute(self, i: int, xg: torch.Tensor, pg: torch.Tensor,
+                 weight_of: Callable[[int], tuple], for_grad: bool = False) -> torch.Tensor:
+        run = self.bank.run
+        if for_grad and hasattr(self.bank, "run_for_grad"):
+            run = self.bank.run_for_grad  # recompute: the output's values are not needed
+        segments = self.recv.segments[i]
+        if not segments:
+            return xg.new_empty((0,) + tuple(xg.shape[1:]))
+        if len(segments) == 1:
+            return run(weight_of(segments[0][0]), xg, pg)
+        # torch.split, not slicing: split's backward is one cat, a slice's a full-size zeros.
+        sizes = [t - s for _, s, t in segments]
+        outs = [run(weight_of(e), x, p) for (e, _, _), x, p in
+                zip(segments, torch.split(xg, sizes), torch.split(pg, sizes))]
+        return torch.cat(outs)
+
+    def _leaves(self, i: int, weights, helper) -> dict:
+        """Weights of the experts computed in chunk i, as autograd inputs: a native expert's
+        own parameters (``autograd.grad`` w.r.t. them returns the gradient without
+        accumulating it, so no gradient hook fires here), detached leaves of helper copies."""
+        leaves = {}
+        for e, _, _ in self.recv.segments[i]:
+            if self.first <= e < self.first + self.e_local:
+                leaves[e] = self._own(e, weights)
+            else:
+                leaves[e] = tuple(w.detach().requires_grad_() for w in helper[e])
+        return leaves
+
+    def _packable(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return self.p > 1 and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
+
+    def _pack(self, parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]],
+              group: Optional[torch.Tensor] = None):
+        """Rows of several tensors as what one all-to-all sends: ``(tensors, widths)``.
+
+        ``parts`` are ``(source, index)``: with ``group=None`` the rows ``source[index]``
+        (``index=None``: all rows); with ``group``, ``source`` scattered to rows ``group``
+        (the inverse of ``_group``). Sources of one dtype are written straight into one
+        ``[rows, Σ widths]`` buffer — one collective per round instead of one per tensor (the
+        rounds are latency-bound at small chunks), and no temporary per tensor.
+        """
+        sources = [src for src, _ in parts]
+        if not self._packable(sources):
+            out = []
+            for src, index in parts:
+                if group is not None:
+                    out.append(torch.empty_like(src).index_copy_(0, group, src))
+                else:
+                    out.append(src if index is None else src.index_select(0, index))
+            return out, None
+        widths = [src.shape[1] if src.dim() == 2 else 0 for src in sources]
+        rows = sources[0].shape[0] if parts[0][1] is None else parts[0][1].numel()
+        buf = sources[0].new_empty((rows, sum(max(w, 1) for w in widths)))
+        for (src, index), view in zip(parts, _columns(buf, widths)):
+            if group is not None:
+                view.index_copy_(0, group, src)
+            elif index is None:
+                view.copy_(src)
+            else:
+                torch.index_select(src, 0, index, out=view)
+        return [buf], widths
+
+    def _a2a(self, packed, i: int, *, back: bool) -> _Pending:
+        tensors, widths = packed
+        recv, send = self.recv.splits[i], self.send.splits[i]
+        out_splits, in_splits = (send, recv) if back else (recv, send)
+        return _exchange(tensors, out_splits, in_splits, self.group, self.p,
+                         async_op=self.overlap and not back, widths=widths)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, probs: torch.Tensor,
+                weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        k = self.send.num_chunks
+        hidden = tokens.shape[1]
+        helper = self._fetch_helper_weights(weights)
+        out = tokens.new_zeros((self.n, hidden))
+
+        def dispatch(i: int) -> _Pending:
+            idx = self.send.chunk(i)
+            tok = self.route_token.index_select(0, idx)
+            return self._a2a(self._pack([(tokens, tok), (probs, idx)]), i, back=False)
+
+        pending = dispatch(0)
+        for i in range(k):
+            x_recv, p_recv = pending.wait()
+            pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
+            xg, pg = self._group(x_recv, i), self._group(p_recv, i)
+            del x_recv, p_recv
+            if self.save:
+                xg, pg = xg.detach().requires_grad_(), pg.detach().requires_grad_()
+                leaves = self._leaves(i, weights, helper)
+                with torch.enable_grad():
+                    yg = self._compute(i, xg, pg, leaves.__getitem__)
+                self.saved.append((xg, pg, leaves, yg))
+                y = yg.detach()
+                del leaves, yg
+            else:
+                y = self._compute(i, xg, pg, lambda e: self._weights_of(e, weights, helper))
+            del xg, pg
+            y_recv = self._ungroup(y, i)
+            del y
+            (y_send,) = self._a2a(([y_recv], None), i, back=True).wait()
+            del y_recv
+            restore = self.send.restore[i]
+            y_em = y_send.index_select(0, restore)
+            del y_send
+            tok = self.route_token.index_select(0, self.send.chunk(i).index_select(0, restore))
+            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, hidden), y_em)
+            del y_em, tok
+            if not self.overlap and i + 1 < k:
+                pending = dispatch(i + 1)
+        if self.save:
+            self.helper = helper
+        return out
+
+    # -- backward ------------------------------------------------------------------------
+    def backward(self, grad_out: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor,
+                 weights: Sequence[torch.Tensor]):
+        k = self.send.num_chunks
+        grad_out = grad_out.contiguous()
+        helper = self.helper if self.save else self._fetch_helper_weights(weights)
+        self.helper = {}
+        acc: dict[int, list[torch.Tensor]] = {}
+        grad_tokens = torch.zeros_like(tokens)
+        grad_probs = torch.zeros_like(probs)
+
+        def dispatch(i: int) -> _Pending:
+            idx = self.send.chunk(i)
+            tok = self.route_token.index_select(0, idx)
+            if self.save:
+                return self._a2a(self._pack([(grad_out, tok)]), i, back=False)
+            return self._a2a(self._pack([(tokens, tok), (probs, idx), (grad_out, tok)]), i,
+                             back=False)
+
+        pending = dispatch(0)
+        for i in range(k):
+            received = pending.wait()
+            pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
+            gg = self._group(received[-1], i)
+            if self.save:
+                xg, pg, leaves, yg = self.saved[i]
+                self.saved[i] = None
+            else:
+                xg = self._group(received[0], i).detach().requires_grad_()
+                pg = self._group(received[1], i).detach().requires_grad_()
+                leaves = self._leaves(i, weights, helper)
+                with torch.enable_grad():
+                    yg = self._compute(i, xg, pg, leaves.__getitem__, for_grad=True)
+            del received
+            if self.recv.segments[i]:
+                experts = [e for e, _, _ in self.recv.segments[i]]
+                wanted = [w for e in experts for w in leaves[e] if w.requires_grad]
+                grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
+                dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
+                dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
+                found = iter(grads[2:])
+                for e in experts:
+                    self._accumulate(acc, e, [next(found) if w.requires_grad else None
+                                              for w in leaves[e]], leaves[e])
+                del grads, found
+            else:
+                dxg, dpg = xg.detach(), pg.detach()  # empty
+            del xg, pg, yg, gg, leaves
+            index = self.recv.group[i]
+            if index is None:
+                back = self._pack([(dxg, None), (dpg, None)])
+            else:
+                back = self._pack([(dxg, None), (dpg, None)], group=index)
+            del dxg, dpg
+            dx_send, dp_send = self._a2a(back, i, back=True).wait()
+            del back
+            idx = self.send.chunk(i)
+            restore = self.send.restore[i]
+            tok = self.route_token.index_select(0, idx.index_select(0, restore))
+            grad_tokens.index_add_(0, tok, dx_send.index_select(0, restore))
+            grad_probs.index_copy_(0, idx, dp_send.to(grad_probs.dtype))
+            del dx_send, dp_send, tok
+            if not self.overlap and i + 1 < k:
+                pending = dispatch(i + 1)
+        del helper
+        self._return_helper_grads(acc, weights)
+        grad_weights = []
+        for j in range(self.e_local):
+            e = self.first + j
+            own = self._own(e, weights)
+            got = acc.pop(e, None)
+            for n, w in enumerate(own):
+                if _main_grad(w) is not None:
+                    # Already in main_grad: a placeholder keeps DDP's per-parameter hooks
+                    # firing (they skip the add: grad_added_to_main_grad), one element of
+                    # memory instead of a full gradient per parameter.
+                    w.grad_added_to_main_grad = True
+                    grad_weights.append(w.new_empty(1).expand_as(w))
+                else:
+                    grad_weights.append(torch.zeros_like(w) if got is None
+                                        else got[n].to(w.dtype))
+        return grad_tokens, grad_probs, grad_weights
+
+    @staticmethod
+    def _accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
+                    leaves: Sequence[torch.Tensor]) -> None:
+        """Sum an expert's weight gradients over chunks: straight into ``main_grad`` for a
+        parameter under Megatron's DDP (see ``_main_grad``), else into fp32 accumulators."""
+        if all(_main_grad(w) is not None for w in leaves):
+            for w, g in zip(leaves, grads):
+                if g is not None:
+                    w.main_grad.add_(g)
+                w.grad_added_to_main_grad = True
+            return
+        grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves)]
+        if e not in acc:
+            acc[e] = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
+        else:
+            for a, g in zip(acc[e], grads):
+                a.add_(g)
+
+    def _return_helper_grads(self, acc: dict, weights: Sequence[torch.Tensor]) -> None:
+        """Helpers send spilled experts' weight gradients to the owners, who add them."""
+        if not self.transfers:
+            return
+        template = self._own(self.first, weights)
+        numel = sum(w.numel() for w in template)
+        dtype = template[0].dtype
+        gdtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        parts = []
+        for e in self.wsched.helper_experts:
+            got = acc.pop(e, None)
+            if got is None:
+                parts.append(template[0].new_zeros(numel, dtype=gdtype))
+            else:
+                parts.append(torch.cat([g.reshape(-1) for g in got]))
+        buf = torch.cat(parts) if parts else template[0].new_empty(0, dtype=gdtype)
+        (got,) = _exchange([buf], [len(x) * numel for x in self.wsched.send],
+                           [len(x) * numel for x in self.wsched.recv], self.group, self.p).wait()
+        del buf, parts
+        offset = 0
+        for helper_experts in self.wsched.send:  # helpers in rank order, experts sorted
+            for e in helper_experts:
+                pieces = []
+                for w in template:
+                    pieces.append(got[offset:offset + w.numel()].view(w.shape))
+                    offset += w.numel()
+                own = self._own(e, weights)
+                if all(_main_grad(w) is not None for w in own):
+                    for w, g in zip(own, pieces):
+                        w.main_grad.add_(g)
+                        w.grad_added_to_main_grad = True
+                elif e in acc:
+                    for a, g in zip(acc[e], pieces):
+                        a.add_(g)
+                else:
+                    acc[e] = [g.clone() for g in pieces]
+
+
+class PipelinedLLEPFunction(torch.autograd.Function):
+    """Dispatch → expert compute → combine of one MoE layer, in K chunks, over an EP group.
+
+    ``apply(step, tokens, route_probs, *weights) -> out``: ``tokens`` ``[N, H]`` (this rank's
+    tokens), ``route_probs`` ``[R]`` (router probability of each of this rank's R routes, in
+    the step's expert-major order), ``weights`` the E_local experts' weights (each expert's
+    tuple in bank order); ``out`` ``[N, H]`` is ``Σ_routes of token t expert(x_t) · p``.
+
+    Communication (P = EP size, S = weight elements per expert; every ``all_to_all_single``
+    has uneven, possibly zero splits; tensors of one dtype are packed into one collective),
+    forward: when the plan spills, one all-to-all of the spilled experts' weights to their
+      helpers (Σ spills · S elements); then per chunk one all-to-all of the chunk's routes
+      (H values + 1 probability each) to their compute ranks and one of the expert outputs (H
+      each) back.
+    Backward, ``pipelined`` (recompute): the weights again, then per chunk one all-to-all of the
+      routes with their probabilities and output gradients (2H + 1 per route) out and one of
+      input and probability gradients (H + 1) back; the chunk's expert graph is rebuilt from
+      them (the last linear layer's forward GEMM skipped when the bank has ``run_for_grad``)
+      and differentiated; finally helpers return weight gradients to owners (fp32, one
+      all-to-all) and the owners add them.
+    Backward, ``llep`` (saved): per chunk only output gradients out and input/probability
+      gradients back, then the weight-gradient return.
+
+    Saved: ``tokens``, ``route_probs`` and the weights (references, no copies) plus int64 route
+    metadata (≈ 3 · 8 bytes per route). ``llep`` also keeps each chunk's expert graph (inputs,
+    activations) and the helper weights from forward to backward, as plain autograd would.
+
+    Memory: each destination receives at most ``P · k · c_eff`` routes per chunk
+    (:func:`~megatron_flat.dispatch.plan.receive_bound`, checked at run time), so the dispatch
+    working set is O(P · k · c_eff · (H + F)) per chunk instead of O(k · N · H) per layer:
+    at most the chunk being computed plus, with ``overlap``, the next one's receive buffer.
+    Backward holds one chunk's recomputed graph at a time and ``N · H`` for the input gradient.
+    Weight gradients go straight into Megatron DDP's ``main_grad`` buffers when the weights
+    have them (the fused-accumulation protocol; see ``_main_grad``); otherwise fp32
+    accumulators of the E_local experts' size are held until the end of backward. Helpers hold
+    fp32 accumulators for the experts they computed until those are returned.
+
+    Exactness: per-token outputs are the unchunked computation (a token's routes stay in one
+    chunk and are summed in expert order, as Megatron's ``unpermute``); rows of a GEMM may
+    differ in the last bits when the GEMM's row count changes, so outputs are bitwise equal to
+    Megatron's alltoall dispatcher when the experts see the same rows (K = 1, no spill), else
+    equal to fp32 rounding. Weight gradients are sums over chunks and helpers: equal within fp32
+    reduction-order tolerance.
+    """
+
+    @staticmethod
+    def forward(ctx, step: _Step, tokens: torch.Tensor, route_probs: torch.Tensor,
+                *weights: torch.Tensor) -> torch.Tensor:
+        out = step.forward(tokens, route_probs, weights)
+        ctx.step = step
+        ctx.save_for_backward(tokens, route_probs, *weights)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        tokens, route_probs, *weights = ctx.saved_tensors
+        step, ctx.step = ctx.step, None
+        grad_tokens, grad_probs, grad_weights = step.backward(grad_out, tokens, route_probs,
+                                                              weights)
+        return (None, grad_tokens, grad_probs, *grad_weights)
+
+
+# ---------------------------------------------------------------------------- the engine
+class PipelinedLLEP:
+    """The dispatch engine of one MoE layer on one rank of an expert-parallel group.
+
+    ``experts`` is this rank's :class:`~megatron_flat.dispatch.experts.ExpertBank` (expert
+    ``e`` is native to rank ``e // E_local``); ``group`` the EP process group (``None``: the
+    default group, or a group of one when torch.distributed is not initialized).
+
+    Call with this rank's tokens ``[N, H]`` and routes in expert-major order
+    (:func:`~megatron_flat.dispatch.schedule.routes_from_map` / ``routes_from_topk``): token
+    index, expert id and router probability of each route (at most ``topk`` per token). Every
+    rank of the group must call it together (it runs collectives); N may differ per rank.
+    Returns ``[N, H]``: each token's sum of its experts' probability-weighted outputs.
+    ``last`` holds the :class:`StepStats` of the latest call.
+    """
+
+    def __init__(self, experts: ExpertBank, *, num_experts: int, topk: int,
+                 options: Optional[DispatchOptions] = None,
+                 group: Optional[dist.ProcessGroup] = None):
+        self.options = options if options is not None else DispatchOptions()
+        for name, value in (("num_experts", num_experts), ("topk", topk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.ep_size, self.rank = _group_geometry(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"number of experts ({num_experts}) must be divisible by the "
+                             f"expert-parallel size ({self.ep_size})")
+        if topk > num_experts:
+            raise ValueError(f"topk ({topk}) > num_experts ({num_experts})")
+        self.experts, self.group = experts, group
+        self.num_experts, self.topk = num_experts, topk
+        self.signature = check_bank(experts, num_experts // self.ep_size)
+        self.last: Optional[StepStats] = None
+        self._group_checked = False
+
+    # -- validation --------------------------------------------------------------------
+    def _validate(self, tokens, route_token, route_expert, route_probs) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
+                or not tokens.is_floating_point():
+            raise ValueError("tokens must be a floating-point [N, H] tensor")
+        n = tokens.shape[0]
+        for name, t in (("route_token", route_token), ("route_expert", route_expert)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.long:
+                raise ValueError(f"{name} must be a 1-D int64 tensor")
+        if not isinstance(route_probs, torch.Tensor) or route_probs.dim() != 1 \
+                or not route_probs.is_floating_point():
+            raise ValueError("route_probs must be a 1-D floating-point tensor")
+        r = route_token.numel()
+        if route_expert.numel() != r or route_probs.numel() != r:
+            raise ValueError(f"route_token, route_expert and route_probs must have one entry per "
+                             f"route; got {r}, {route_expert.numel()} and {route_probs.numel()}")
+        if r:
+            if int(route_expert.min()) < 0 or int(route_expert.max()) >= self.num_experts:
+                raise ValueError(f"route_expert must lie in [0, {self.num_experts}): inconsistent "
+                                 f"expert count (got ids up to {int(route_expert.max())})")
+            if int(route_token.min()) < 0 or int(route_token.max()) >= n:
+                raise ValueError(f"route_token must lie in [0, N={n})")
+            key = route_expert * max(n, 1) + route_token
+            if r > 1 and not bool((key[1:] > key[:-1]).all()):
+                raise ValueError("routes must be expert-major (sorted by expert, then token) and "
+                                 "unique per (token, expert); build them with routes_from_map "
+                                 "or routes_from_topk")
+            per_token = int(torch.bincount(route_token, minlength=n).max())
+            if per_token > self.topk:
+                raise ValueError(f"a token has {per_token} routes, more than topk={self.topk}")
+        devices = {t.device for t in (tokens, route_token, route_expert, route_probs)}
+        if len(devices) != 1:
+            raise ValueError(f"tokens and routes must be on one device, "
+                             f"got {sorted(map(str, devices))}")
+
+    def _check_group(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Once per engine: every rank agrees on the settings (one all-gather)."""
+        if self._group_checked or self.ep_size == 1:
+            self._group_checked = True
+            return
+        o = self.options
+        fields = ["num_experts", "topk", "hidden size", "chunk_tokens", "max_chunks",
+                  "membership", "mode", "dtype", "alpha", "min_tokens_per_gemm",
+                  "imbalance_threshold", "expert weight elements"]
+        mine = torch.tensor([
+            self.num_experts, self.topk, hidden, o.chunk_tokens, o.max_chunks,
+            MEMBERSHIPS.index(o.membership), MODES.index(o.mode),
+            _DTYPES.index(dtype) if dtype in _DTYPES else 99, round(o.alpha * 1e6),
+            o.min_tokens_per_gemm, round(o.imbalance_threshold * 1e6),
+            sum(math.prod(s) for s, _ in self.signature)], dtype=torch.long, device=device)
+        every = mine.new_empty(self.ep_size * mine.numel())
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        every = every.cpu().view(self.ep_size, -1)
+        bad = [name for c, name in enumerate(fields)
+               if not bool((every[:, c] == every[0, c]).all())]
+        if bad:
+            raise ValueError("PipelinedLLEP: the ranks of the expert-parallel group disagree on "
+                             + ", ".join(f"{name} ({every[:, fields.index(name)].tolist()})"
+                                         for name in bad))
+        self._group_checked = True
+
+    # -- the call ----------------------------------------------------------------------
+    def __call__(self, tokens: torch.Tensor, route_token: torch.Tensor,
+                 route_expert: torch.Tensor, route_probs: torch.Tensor) -> torch.Tensor:
+        self._validate(tokens, route_token, route_expert, route_probs)
+        o, p, rank, e = self.options, self.ep_size, self.rank, self.num_experts
+        device, n = tokens.device, tokens.shape[0]
+        bank = self.experts
+        weights = [w for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
+        self._check_group(tokens.shape[1], tokens.dtype, device)
+
+        # Global counts: every rank's per-expert route counts and token count.
+        counts = torch.zeros((p, e + 1), dtype=torch.long, device=device)
+        counts[rank, :e] = torch.bincount(route_expert, minlength=e)
+        counts[rank, e] = n
+        if p > 1:
+            dist.all_reduce(counts, group=self.group)
+        counts = counts.cpu()
+        by_rank, max_n = counts[:, :e], int(counts[:, e].max())
+        plan = plan_dispatch(by_rank.sum(0), p, alpha=o.alpha,
+                             min_tokens_per_gemm=o.min_tokens_per_gemm,
+                             imbalance_threshold=o.imbalance_threshold)
+        if o.mode == "pipelined":
+            k_chunks, c_eff = num_chunks(max_n, o.chunk_tokens, o.max_chunks)
+        else:
+            k_chunks, c_eff = 1, max_n
+        dest = route_destinations(route_expert.view(-1, 1), by_rank.to(device), plan,
+                                  rank).view(-1)
+        send = send_schedule(route_token, route_expert, dest,
+                             token_chunks(n, k_chunks, o.membership, device),
+                             num_chunks=k_chunks, ep_size=p, num_experts=e)
+        del dest
+        (got,) = _exchange([send.counts.reshape(-1)], [k_chunks * e] * p, [k_chunks * e] * p,
+                           self.group, p).wait()
+        recv = receive_schedule(got.view(p, k_chunks, e))
+        recv.group = [None if g is None else g.to(device) for g in recv.group]
+        bound = receive_bound(ep_size=p, topk=self.topk, c_eff=c_eff)
+        for i, total in enumerate(recv.totals):
+            if total > bound:
+                raise RuntimeError(
+                    f"PipelinedLLEP bug: rank {rank} would receive {total} routes in chunk {i} "
+                    f"of {k_chunks}, above the receive bound P·k·c_eff = {p}·{self.topk}·{c_eff} "
+                    f"= {bound}")
+        wsched = weight_schedule(plan, rank)
+        foreign = recv.experts - set(range(rank * (e // p), (rank + 1) * (e // p))) \
+            - set(wsched.helper_experts)
+        if foreign:
+            raise RuntimeError(f"PipelinedLLEP bug: rank {rank} receives routes of experts "
+                               f"{sorted(foreign)} that are neither native nor spilled to it")
+
+        needs_grad = torch.is_grad_enabled() and (
+            tokens.requires_grad or route_probs.requires_grad
+            or any(w.requires_grad for w in weights))
+        overlap = o.overlap if o.overlap is not None else device.type == "cuda"
+        step = _Step(bank=bank, group=self.group, ep_size=p, rank=rank, num_experts=e,
+                     weights_per_expert=len(self.signature), n_tokens=n,
+                     route_token=route_token, send=send, recv=recv, wsched=wsched,
+                     transfers=len(plan.weight_transfers),
+                     overlap=overlap,
+                     save=needs_grad and not o.recompute)
+        self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
+                              receive_bound=bound, received=recv.totals,
+                              sent=[sum(s) for s in send.splits],
+                              helper_experts=wsched.helper_experts)
+        return PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)

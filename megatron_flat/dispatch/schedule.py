@@ -1,0 +1,200 @@
+"""Per-step communication schedule of LLEP / PipelinedLLEP: pure index arithmetic.
+
+Given this rank's routes, the plan (:mod:`megatron_flat.dispatch.plan`) and the chunking, these
+functions say what goes where in every round, without touching a process group:
+
+* :func:`routes_from_map` / :func:`routes_from_topk` — this rank's routes in *expert-major*
+  order (by expert, then token): the order of Megatron's ``permute`` and of the expert's global
+  token list restricted to this rank.
+* :func:`send_schedule` — per chunk, the routes sent to each destination (expert-major within a
+  destination), the all-to-all split sizes, the per-(destination, chunk, expert) counts the
+  receivers need, and how to restore expert-major order for the combine.
+* :func:`receive_schedule` — from the counts each source sent: per chunk, the receive split
+  sizes and the permutation that groups the received routes by expert (expert, then source
+  rank, then source order: each expert's global token list order, which is also the order of
+  Megatron's alltoall dispatcher after ``sort_chunks_by_idxs``).
+* :func:`weight_schedule` — which expert weights go from owners to helpers (and gradients back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_flat.dispatch.plan import LLEPPlan, chunk_indices
+
+__all__ = ["ReceiveSchedule", "SendSchedule", "WeightSchedule", "receive_schedule",
+           "routes_from_map", "routes_from_topk", "send_schedule", "token_chunks",
+           "weight_schedule"]
+
+
+def routes_from_map(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token, expert)`` int64 of every ``True`` of a ``[N, E]`` routing map, expert-major."""
+    if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+        raise ValueError("routing_map must be a [N, E] bool tensor")
+    expert, token = routing_map.t().nonzero(as_tuple=True)
+    return token, expert
+
+
+def routes_from_topk(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(token, expert, flat_index)`` of ``[N, k]`` expert ids, expert-major.
+
+    ``flat_index`` is each route's position in ``expert_ids.reshape(-1)`` (to reorder per-slot
+    tensors such as router probabilities). Raises ``ValueError`` if a token names one expert
+    twice (a route must be unique per (token, expert), as Megatron's top-k guarantees).
+    """
+    if expert_ids.dim() != 2:
+        raise ValueError("expert_ids must be a [N, k] tensor")
+    n, k = expert_ids.shape
+    flat = expert_ids.reshape(-1).to(torch.long)
+    token = torch.arange(n, device=flat.device).repeat_interleave(k)
+    key = flat * max(n, 1) + token
+    order = torch.argsort(key, stable=True)
+    if order.numel() > 1 and bool((key[order][1:] == key[order][:-1]).any()):
+        raise ValueError("expert_ids routes a token to the same expert twice")
+    return token[order], flat[order], order
+
+
+def token_chunks(n_tokens: int, num_chunks: int, membership: str,
+                 device: Optional[torch.device] = None) -> torch.Tensor:
+    """``[N]`` int64: the chunk of each token under ``chunk_indices``' membership rule."""
+    out = torch.empty(n_tokens, dtype=torch.long)
+    for i, idx in enumerate(chunk_indices(n_tokens, num_chunks, membership)):
+        out[idx] = i
+    return out.to(device) if device is not None else out
+
+
+@dataclass
+class SendSchedule:
+    """What this source rank sends in each of K rounds.
+
+    * ``order``: expert-major route indices grouped by (chunk, destination); within a
+      (chunk, destination) block still expert-major. Block of chunk i is
+      ``order[bounds[i]:bounds[i + 1]]``.
+    * ``splits[i][d]``: routes sent to destination d in chunk i (all_to_all input splits).
+    * ``restore[i]``: positions within chunk i's block, in expert-major order (the combine adds a
+      token's routes in this order, as Megatron's ``unpermute`` does).
+    * ``counts``: ``[P, K, E]`` routes per (destination, chunk, expert) — what the receivers
+      are told, so they can group what they receive by expert.
+    """
+
+    order: torch.Tensor
+    bounds: list[int]
+    splits: list[list[int]]
+    restore: list[torch.Tensor]
+    counts: torch.Tensor
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.splits)
+
+    def chunk(self, i: int) -> torch.Tensor:
+        return self.order[self.bounds[i]:self.bounds[i + 1]]
+
+
+def send_schedule(route_token: torch.Tensor, route_expert: torch.Tensor,
+                  destinations: torch.Tensor, token_chunk: torch.Tensor, *, num_chunks: int,
+                  ep_size: int, num_experts: int) -> SendSchedule:
+    """The :class:`SendSchedule` of expert-major routes ``(route_token, route_expert)`` whose
+    compute ranks are ``destinations``, tokens chunked by ``token_chunk``."""
+    k, p, e = num_chunks, ep_size, num_experts
+    chunk = token_chunk[route_token] if route_token.numel() else route_token
+    key = chunk * p + destinations
+    order = torch.argsort(key, stable=True)
+    per_cd = torch.bincount(key, minlength=k * p).view(k, p)
+    counts = torch.bincount(key * e + route_expert, minlength=k * p * e).view(k, p, e)
+    sizes = per_cd.sum(1).tolist()
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    restore = [torch.argsort(order[bounds[i]:bounds[i + 1]]) for i in range(k)]
+    return SendSchedule(order=order, bounds=bounds, splits=per_cd.tolist(), restore=restore,
+                        counts=counts.permute(1, 0, 2).contiguous())
+
+
+@dataclass
+class ReceiveSchedule:
+    """What this destination rank receives in each of K rounds.
+
+    * ``splits[i][s]``: routes received from source s in chunk i (all_to_all output splits).
+    * ``group[i]``: for each grouped row (expert, then source, then source order), the row of
+      the received buffer it comes from; ``None`` when that is the identity.
+    * ``segments[i]``: ``(expert, start, end)`` of each expert with routes, in the grouped buffer.
+    * ``counts``: ``[P, K, E]`` as received (routes from each source, per chunk and expert).
+    """
+
+    splits: list[list[int]]
+    group: list[Optional[torch.Tensor]]
+    segments: list[list[tuple[int, int, int]]]
+    counts: torch.Tensor
+
+    @property
+    def totals(self) -> list[int]:
+        """Routes received in each chunk."""
+        return [sum(s) for s in self.splits]
+
+    @property
+    def experts(self) -> set[int]:
+        """Every expert this rank computes in some chunk."""
+        return {e for seg in self.segments for e, _, _ in seg}
+
+
+def receive_schedule(counts: torch.Tensor) -> ReceiveSchedule:
+    """The :class:`ReceiveSchedule` from ``[P_src, K, E]`` counts (each source's ``counts[me]``)."""
+    counts = counts.to("cpu", torch.long)
+    p, k, e = counts.shape
+    splits, group, segments = [], [], []
+    for i in range(k):
+        block = counts[:, i, :]                      # [P, E], received order: source-major
+        splits.append(block.sum(1).tolist())
+        flat = block.reshape(-1)
+        offsets = (torch.cumsum(flat, 0) - flat).view(p, e)
+        starts, lens = offsets.t().reshape(-1), block.t().reshape(-1)  # grouped: expert-major
+        total = int(lens.sum())
+        grouped_start = torch.cumsum(lens, 0) - lens
+        index = torch.repeat_interleave(starts - grouped_start, lens) + torch.arange(total)
+        group.append(None if torch.equal(index, torch.arange(total)) else index)
+        per_expert = block.sum(0).tolist()
+        seg, cursor = [], 0
+        for ex, n in enumerate(per_expert):
+            if n:
+                seg.append((ex, cursor, cursor + n))
+                cursor += n
+        segments.append(seg)
+    return ReceiveSchedule(splits=splits, group=group, segments=segments, counts=counts)
+
+
+@dataclass
+class WeightSchedule:
+    """Expert weights moved for one step: ``send[h]`` the experts this rank (their owner)
+    sends to helper h, ``recv[o]`` the experts this rank (a helper) receives from owner o;
+    both sorted by expert id. Gradients travel the reverse way."""
+
+    send: list[list[int]]
+    recv: list[list[int]]
+
+    @property
+    def empty(self) -> bool:
+        """Nothing moves to or from *this* rank (other ranks may still exchange weights:
+        whether to run the collective is decided from the plan, the same on every rank)."""
+        return not any(self.send) and not any(self.recv)
+
+    @property
+    def helper_experts(self) -> list[int]:
+        """Experts this rank computes for their owners, in receive-buffer order."""
+        return [e for experts in self.recv for e in experts]
+
+
+def weight_schedule(plan: LLEPPlan, rank: int) -> WeightSchedule:
+    """Which spilled experts' weights ``rank`` sends and receives under ``plan``."""
+    p = plan.ep_size
+    send: list[list[int]] = [[] for _ in range(p)]
+    recv: list[list[int]] = [[] for _ in range(p)]
+    for expert, owner, helper in plan.weight_transfers:  # sorted by expert
+        if owner == rank:
+            send[helper].append(expert)
+        if helper == rank:
+            recv[owner].append(expert)
+    return WeightSchedule(send=send, recv=recv)

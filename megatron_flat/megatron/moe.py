@@ -1,0 +1,239 @@
+"""``FlatMoELayer``: Megatron-Core's ``MoELayer`` with LLEP / PipelinedLLEP dispatch.
+
+Everything up to the routing decision is Megatron's: the router (top-k, score function, aux
+loss, z-loss, expert bias, token dropping) runs untouched through ``MoELayer.route``, and the
+experts are Megatron's ``SequentialMLP`` modules, whose own ``MLP.forward`` computes every
+expert (see :class:`SequentialMLPBank`). Only dispatch → expert compute → combine is replaced,
+by :class:`~megatron_flat.dispatch.llep.PipelinedLLEP` over the layer's expert-parallel group.
+With ``FlatConfig.dispatch == "off"`` the layer is the stock ``MoELayer``.
+
+Select it through the layer spec (:mod:`megatron_flat.megatron.spec`), which also passes the
+``FlatConfig``; without one the layer uses the installed config (``megatron_flat.install``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence, Tuple
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.utils import get_pg_size
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from megatron_flat.config import FlatConfig
+from megatron_flat.dispatch.experts import GradOnlyLinear
+from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
+from megatron_flat.dispatch.schedule import routes_from_map
+from megatron_flat.megatron import compat
+
+__all__ = ["FlatMoELayer", "SequentialMLPBank", "replay_routing", "unsupported_settings"]
+
+
+class SequentialMLPBank:
+    """:class:`~megatron_flat.dispatch.experts.ExpertBank` over Megatron's ``SequentialMLP``.
+
+    ``run`` calls Megatron's own ``MLP.forward(x, per_token_scale=probs)``: a native expert's
+    module when given that expert's parameters, else the first local expert's module with the
+    given weights swapped in (``torch.func.functional_call``; spilled experts on a helper). So
+    every expert runs Megatron's code path for the configured activation, GLU, bias and fusions
+    — the same kernels the alltoall dispatcher's experts use. ``moe_apply_probs_on_input`` is
+    applied first, as ``SequentialMLP.forward`` does.
+    """
+
+    def __init__(self, experts: SequentialMLP, config):
+        self.experts = experts
+        self.apply_probs_on_input = bool(getattr(config, "moe_apply_probs_on_input", False))
+        template = experts.local_experts[0]
+        self.names = [name for name, _ in template.named_parameters()]
+        self._index: dict = {}
+        for expert in experts.local_experts:
+            # The experts' weight gradients leave through PipelinedLLEPFunction, so the linears
+            # must return them rather than fuse them into ``main_grad`` themselves.
+            for module in expert.modules():
+                if getattr(module, "gradient_accumulation_fusion", False):
+                    module.gradient_accumulation_fusion = False
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.experts.local_experts)
+
+    def local_weights(self, j: int) -> Tuple[torch.Tensor, ...]:
+        params = dict(self.experts.local_experts[j].named_parameters())
+        return tuple(params[name] for name in self.names)
+
+    def run(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+            probs: torch.Tensor) -> torch.Tensor:
+        if self.apply_probs_on_input:
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        module = self._owner_of(weights)
+        if module is not None:  # a native expert with its own parameters: call it directly
+            out, bias = module(x, probs)
+        else:  # a spilled expert's weights (or detached copies): run them in expert 0's code
+            out, bias = torch.func.functional_call(self.experts.local_experts[0],
+                                                   dict(zip(self.names, weights)), (x, probs))
+        if bias is not None:  # MLP folds the bias in when given per_token_scale
+            raise RuntimeError("expert MLP returned a separate bias; expected it folded in")
+        return out
+
+    def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                     probs: torch.Tensor) -> torch.Tensor:
+        """``run`` for a graph that is only differentiated (backward recompute): ``linear_fc2``
+        skips its forward GEMM (:class:`GradOnlyLinear`, whose backward has the formulas of
+        Megatron's non-fused linear backward). Falls back to ``run`` for any other fc2."""
+        module = self._owner_of(weights) or self.experts.local_experts[0]
+        fc2 = module.linear_fc2
+        if type(fc2) is not RowParallelLinear or get_pg_size(fc2.tp_group) != 1:
+            return self.run(weights, x, probs)
+
+        def forward(input_, *args, **kwargs):
+            out = GradOnlyLinear.apply(input_, fc2.weight)
+            if fc2.bias is not None and not fc2.skip_bias_add:
+                out = out + fc2.bias
+            return out, (fc2.bias if fc2.skip_bias_add else None)
+
+        fc2.forward = forward  # instance attribute: shadows the class's forward
+        try:
+            return self.run(weights, x, probs)
+        finally:
+            del fc2.forward
+
+    def _owner_of(self, weights: Sequence[torch.Tensor]):
+        """The local expert module whose parameters ``weights`` are, else None."""
+        for attempt in range(2):
+            j = self._index.get(id(weights[0]))
+            if j is not None:
+                own = self.local_weights(j)
+                if all(a is b for a, b in zip(own, weights)):
+                    return self.experts.local_experts[j]
+            if attempt == 0:  # parameters may have been replaced since: index them again
+                self._index = {id(self.local_weights(j)[0]): j
+                               for j in range(self.num_local_experts)}
+        return None
+
+
+def unsupported_settings(config, layer: Optional[MoELayer] = None) -> list[str]:
+    """Why the flat dispatch cannot run an MoE layer with ``config`` (empty: it can)."""
+    problems = []
+    checks = [
+        ("moe_latent_size", "MoE latent projections (moe_latent_size)"),
+        ("moe_shared_expert_overlap", "shared-expert overlap with the dispatcher "
+                                      "(moe_shared_expert_overlap); shared experts without "
+                                      "overlap are supported"),
+        ("moe_pad_expert_input_to_capacity", "padding expert inputs to capacity "
+                                             "(moe_pad_expert_input_to_capacity)"),
+        ("moe_router_padding_for_quantization", "router padding for quantization"),
+        ("fp8", "fp8 expert compute"),
+        ("fp4", "fp4 expert compute"),
+        ("delay_wgrad_compute", "delayed weight-gradient compute (delay_wgrad_compute)"),
+        ("overlap_dispatch_backward_with_experts_wgrad",
+         "overlap_dispatch_backward_with_experts_wgrad"),
+        ("moe_grouped_gemm", "grouped-GEMM experts (moe_grouped_gemm); use SequentialMLP "
+                             "experts"),
+    ]
+    for attr, what in checks:
+        if getattr(config, attr, None):
+            problems.append(f"{what} is not supported")
+    etp = getattr(config, "expert_tensor_parallel_size", None) or 1
+    if etp != 1:
+        problems.append(f"expert tensor parallelism (expert_tensor_parallel_size={etp}) is not "
+                        "supported; set it to 1")
+    if layer is not None and not isinstance(layer.experts, SequentialMLP) \
+            and not getattr(config, "moe_grouped_gemm", False):
+        problems.append(f"expert module {type(layer.experts).__name__} is not supported: use "
+                        "SequentialMLP experts (moe_grouped_gemm=False)")
+    return problems
+
+
+class FlatMoELayer(MoELayer):
+    """``MoELayer`` whose dispatch is LLEP (``flat.dispatch == "llep"``) or PipelinedLLEP
+    (``"pipelined"``); ``"off"`` is the stock layer.
+
+    Accepts every ``MoELayer`` argument of the installed release (0.19 adds ``is_mtp_layer``
+    and ``name``) plus ``flat``. Raises ``ValueError`` at construction, naming every setting
+    the flat dispatch does not support (see :func:`unsupported_settings`).
+    """
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
+                 pg_collection=None, flat: Optional[FlatConfig] = None, **kwargs):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection, **kwargs)
+        if flat is None:
+            from megatron_flat.megatron.install import installed
+
+            flat = installed() or FlatConfig()
+        self.flat = flat
+        self.flat_dispatch: Optional[PipelinedLLEP] = None
+        if flat.dispatch == "off":
+            return
+        problems = unsupported_settings(config, self)
+        if problems:
+            raise ValueError(f"FlatMoELayer (--flat-dispatch {flat.dispatch}) cannot run this MoE "
+                             "layer:\n  - " + "\n  - ".join(problems))
+        self.flat_dispatch = PipelinedLLEP(
+            SequentialMLPBank(self.experts, config), num_experts=config.num_moe_experts,
+            topk=config.moe_router_topk, options=DispatchOptions.from_flat_config(flat),
+            group=self.ep_group)
+
+    def routed_experts_flat(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                            routing_map: torch.Tensor) -> torch.Tensor:
+        """Dispatch, expert compute and combine of the routed experts (Megatron's
+        preprocess → dispatch → routed_experts_compute → combine → postprocess)."""
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        token, expert = routes_from_map(routing_map)
+        out = self.flat_dispatch(tokens, token, expert, probs[token, expert])
+        return out.view(shape)
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        if self.flat_dispatch is None:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if intermediate_tensors is not None:
+            raise NotImplementedError("FlatMoELayer does not support partial CUDA-graph capture "
+                                      "of the MoE layer (intermediate_tensors)")
+        if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
+            raise ValueError(
+                "During training, performance may degrade if MoE and tensor parallelism"
+                "are enabled without also enabling sequence parallelism."
+            )
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+
+        def custom_forward(hidden_states, padding_mask=None):
+            shared_expert_output = self.shared_experts_compute(hidden_states)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            output = self.routed_experts_flat(hidden_states, probs, routing_map)
+            if shared_expert_output is not None:
+                output = output + shared_expert_output
+            return output, None
+
+        if compat.moe_layer_recompute(self):
+            return tensor_parallel.checkpoint(custom_forward, False, hidden_states, padding_mask)
+        return custom_forward(hidden_states, padding_mask)
+
+
+@contextlib.contextmanager
+def replay_routing(layer: MoELayer, expert_ids: torch.Tensor) -> Iterator[None]:
+    """Route ``layer``'s forwards inside the block to ``expert_ids`` (``[N, k]`` int64, this
+    rank's tokens in ``[s * b]`` order) through Megatron's own ``RouterReplay``.
+
+    The router still computes its logits and scores, so probabilities, aux losses and router
+    gradients are Megatron's; only the top-k choice is fixed. For tests and benchmarks with
+    synthetic routing profiles; the layer must be built with ``moe_enable_routing_replay=True``.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replay = getattr(layer.router, "router_replay", None)
+    if replay is None:
+        raise ValueError("replay_routing needs a layer built with moe_enable_routing_replay=True")
+    replay.set_target_indices(expert_ids)
+    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        replay.clear_indices()
+        replay.clear_router_replay_action()

@@ -1,0 +1,91 @@
+"""Shared by the multi-rank Megatron MoE-layer tests (loaded by path; not a test module).
+
+Builds Megatron's stock ``MoELayer`` (alltoall dispatcher) and ``FlatMoELayer``s with the same
+weights, forces the routing through Megatron's RouterReplay, runs forward + backward on the
+same inputs and compares output, input gradient and every parameter gradient (router and
+this rank's experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_flat.testing.tiny_gpt import TinyMoE, transformer_config
+
+# fp32 rounding only: GEMM rows can differ in the last bits when the GEMM's row count
+# changes (chunks, spills) and expert-weight gradients are summed over chunks and helpers in
+# another order. Values are O(1e-3..1); an error of the method (a lost route, a wrong weight,
+# a missing gradient return) is O(value).
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def layer_config(tiny: TinyMoE, ep: int):
+    """The tiny model's MoE config with routing replay and Megatron's aux loss and z-loss on
+    (they must be untouched by the flat dispatch)."""
+    return transformer_config(tiny, ep=ep, moe_enable_routing_replay=True,
+                              moe_router_load_balancing_type="aux_loss",
+                              moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                              moe_router_pre_softmax=tiny.topk == 1)  # Megatron requires it
+
+
+def build_pair(tiny: TinyMoE, ep: int, flats: dict, seed: int = 7):
+    """(stock alltoall MoELayer, {name: FlatMoELayer}) with identical weights."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    from megatron_flat.megatron import compat
+    from megatron_flat.megatron.spec import flat_moe_spec
+
+    config = layer_config(tiny, ep)
+    spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(),
+                                           num_experts=tiny.num_experts)
+    torch.manual_seed(seed)
+    stock = compat.build_moe_layer(spec, config)
+    stock.set_layer_number(1)
+    layers = {}
+    for name, flat in flats.items():
+        layer = compat.build_moe_layer(flat_moe_spec(spec, flat), config)
+        layer.load_state_dict(stock.state_dict())
+        layer.set_layer_number(1)
+        layers[name] = layer
+    return stock, layers
+
+
+def run(layer, x: torch.Tensor, grad: torch.Tensor, expert_ids: torch.Tensor):
+    """Forward + backward of ``layer`` on ``x`` ([s, b, H]) with routing ``expert_ids``."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_flat.megatron.moe import replay_routing
+
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    # The aux-loss backward creates a process-wide loss scale when no schedule set one; put
+    # it back so a later training schedule can set its own.
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        with replay_routing(layer, expert_ids):
+            out, bias = layer(x)
+        assert bias is None
+        out.backward(grad)
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()
+             if p.grad is not None}
+    return out.detach(), x.grad.detach(), grads
+
+
+def differences(want, got, *, exact: bool) -> list:
+    """Human-readable differences between two ``run`` results (empty: equal)."""
+    names = ["output", "input grad"]
+    problems = []
+    pairs = list(zip(names, want[:2], got[:2]))
+    if set(want[2]) != set(got[2]):
+        problems.append(f"parameters with grads differ: {sorted(set(want[2]) ^ set(got[2]))}")
+    pairs += [(f"grad {n}", want[2][n], got[2][n]) for n in sorted(set(want[2]) & set(got[2]))]
+    for name, a, b in pairs:
+        if exact:
+            if not torch.equal(a, b):
+                problems.append(f"{name}: not bitwise equal (max abs {(a - b).abs().max():.3g})")
+        elif not torch.allclose(b, a, rtol=RTOL, atol=ATOL):
+            problems.append(f"{name}: max abs error {(a - b).abs().max():.3g}")
+    return problems
