@@ -25,24 +25,13 @@ tokens is 29, not 28).
 
 from __future__ import annotations
 
-import operator
 from fractions import Fraction
 
 import torch
 
+from megatron_flat.dispatch.plan import _check_int
+
 __all__ = ["routing_profile"]
-
-
-def _positive_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _parse(profile: str, num_experts: int) -> tuple[Fraction, int]:
@@ -77,9 +66,9 @@ def routing_profile(profile: str, n_tokens: int, num_experts: int, topk: int) ->
     """
     if not isinstance(profile, str):
         raise ValueError(f"routing profile must be a string, got {profile!r}")
-    n = _positive_int("n_tokens", n_tokens, 0)
-    e = _positive_int("num_experts", num_experts, 1)
-    k = _positive_int("topk", topk, 1)
+    n = _check_int("n_tokens", n_tokens, 0)
+    e = _check_int("num_experts", num_experts, 1)
+    k = _check_int("topk", topk, 1)
     if k > e:
         raise ValueError(f"topk ({k}) > num_experts ({e}): a token needs k distinct experts")
     i = torch.arange(n, dtype=torch.long).unsqueeze(1)
