@@ -511,6 +511,9 @@ class MemoryMeter:
     def __enter__(self) -> "MemoryMeter":
         if self._scope is not None:
             raise RuntimeError("a MemoryMeter can be entered only once")
+        # Garbage left in reference cycles by earlier code would otherwise be freed by
+        # Python's collector at some point inside the block and show as negative bytes.
+        gc.collect()
         self._scope = _TRACKER.open(
             self.device, self.timeline if self._want_timeline else None
         )
