@@ -5,15 +5,19 @@ time of projection + per-token cross-entropy, forward and backward, for
 
 * ``dense``: full ``N_local x V`` logits on every rank (``x @ W.T``, upcast, cross-entropy;
   needs the whole ``V x H`` weight and produces its whole gradient) — the baseline;
+* ``megatron-vp-ce``: Megatron's own output layer + loss at TP = P with sequence
+  parallelism — ``ColumnParallelLinear``'s function (all-gather of the P ranks' tokens,
+  ``[N, V/P]`` logits from the rank's shard, ``N = P * N_local``) and
+  ``tensor_parallel.vocab_parallel_cross_entropy`` over the group — the second baseline;
 * ``ring-weights`` / ``ring-activations`` / ``ring-auto``: :func:`ring_dtp_cross_entropy`
   over the P ranks, each holding ``V/P`` rows, one strip per shard (the paper's schedule);
   ``ring-auto-B/4``: the same with each shard cut into 4 strips (``block_size``).
   P = 1: ``ring-blocked`` (the single-device version, 8192-row strips by default) and
   ``ring-blocked-B/4``.
 
-Baselines live in ``BASELINES`` and the methods under test in ``METHODS``: a new column
-(Megatron's vocab-parallel cross-entropy, say) is one more ``Method`` appended to
-``BASELINES``; every method is reported against every baseline.
+Baselines live in ``BASELINES`` and the methods under test in ``METHODS``: a new column is
+one more ``Method`` appended to ``BASELINES``; every method is reported against every
+baseline.
 
 Shapes are the paper's per-rank shapes (H = 7168, V = 200,000 over P = 8, so V/P = 25,000,
 and N = 16K / 32K tokens per rank) divided by ``--scale``, so that one strip
@@ -62,6 +66,7 @@ class Inputs:
     vocab_size: int
     vocab_per_rank: int
     block_size: Optional[int]
+    labels_full: Optional[torch.Tensor] = None  # [P * N_local]: every rank's, in rank order
 
     def leaves(self) -> tuple[torch.Tensor, ...]:
         return (self.x, self.w_shard, self.w_full)
@@ -93,9 +98,38 @@ def ring(mode: str, strips_per_shard: int = 0) -> Callable[[Inputs], torch.Tenso
     return run
 
 
+def megatron_vocab_parallel_ce(inp: Inputs) -> torch.Tensor:
+    """Megatron's output layer + loss at TP = P, sequence parallel (GPTModel's path without
+    Ring-DTP); returns this rank's tokens' loss (every rank computes all N = P * N_local).
+
+    Needs Megatron's parallel state with TP = P (``main`` sets it up). The all-gather goes
+    into Megatron's global memory buffer, which a real model already holds for its decoder's
+    sequence-parallel layers: it is warmed up before the meter opens, so not counted here.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_grad_accumulation_and_async_allreduce,
+    )
+
+    from megatron_flat.megatron import compat
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    logits = linear_with_grad_accumulation_and_async_allreduce(
+        inp.x.unsqueeze(1), inp.w_shard, None, gradient_accumulation_fusion=False,
+        allreduce_dgrad=False, sequence_parallel=inp.world > 1, tp_group=tp_group,
+    )  # [N, 1, V/P]
+    loss = compat.vocab_parallel_cross_entropy(logits, inp.labels_full.unsqueeze(1), tp_group)
+    del logits  # consumed in place by the loss
+    n = inp.x.shape[0]
+    return loss[inp.rank * n: (inp.rank + 1) * n, 0]
+
+
 BASELINES: list[Method] = [
     Method("dense", dense_cross_entropy, "full N_local x V logits and V x H weight grad"),
 ]
+BASELINES.append(Method(
+    "megatron-vp-ce", megatron_vocab_parallel_ce,
+    "Megatron at TP=P with SP: all-gather tokens, N x V/P logits, vocab-parallel CE"))
 METHODS: list[Method] = [
     Method("ring-weights", ring("weights"), "weight shards circulate"),
     Method("ring-activations", ring("activations"), "tokens circulate, one return hop"),
@@ -156,11 +190,16 @@ def make_inputs(shape: Shape, dtype: torch.dtype, group, rank: int,
     def leaf(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).requires_grad_()
 
+    labels = labels.to(device)
+    labels_full = labels
+    if group is not None:
+        labels_full = labels.new_empty(shape.world * shape.tokens)
+        dist.all_gather_into_tensor(labels_full, labels, group=group)
     return Inputs(
-        x=leaf(x), w_shard=leaf(w_shard), w_full=leaf(w_full), labels=labels.to(device),
+        x=leaf(x), w_shard=leaf(w_shard), w_full=leaf(w_full), labels=labels,
         group=group, rank=rank,
         world=shape.world, vocab_size=shape.vocab, vocab_per_rank=shape.vocab_per_rank,
-        block_size=block_size,
+        block_size=block_size, labels_full=labels_full,
     )
 
 
@@ -217,6 +256,8 @@ def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device) -> lis
     inp = make_inputs(shape, dtype, group, rank, block_size, device)
     blocked = [Method("ring-blocked", ring("auto")), Method("ring-blocked-B/4", ring("auto", 4))]
     methods = BASELINES + (METHODS if shape.world > 1 else blocked)
+    for m in methods:  # one-time buffers (Megatron's all-gather buffer) outside the meter
+        time_once(m, inp)
     peaks = [measure_peak(m, inp) for m in methods]
     times = [[] for _ in methods]
     for _ in range(reps):
@@ -240,15 +281,16 @@ def print_table(shape: Shape, dtype_name: str, rows: list[Row]) -> None:
     names = [b.name for b in BASELINES]
     head = f"{'method':18s}{'peak':>12s}{'strips':>8s}{'fwd':>12s}{'bwd':>12s}{'time s':>9s}"
     for n in names:
-        head += f"{'peak/' + n:>12s}{'-%':>7s}{'time/' + n:>12s}"
+        w = max(12, len(n) + 6)
+        head += f"{'peak/' + n:>{w}s}{'-%':>7s}{'time/' + n:>{w}s}"
     print(head)
     for r in rows:
         line = (f"{r.method:18s}{format_bytes(r.peak_bytes):>12s}{r.strips:8.2f}"
                 f"{format_bytes(r.forward_bytes):>12s}{format_bytes(r.backward_bytes):>12s}"
                 f"{r.seconds:9.3f}")
         for n in names:
-            v = r.vs[n]
-            line += f"{v['peak']:12.3f}{100 * (1 - v['peak']):6.1f}%{v['time']:12.2f}"
+            v, w = r.vs[n], max(12, len(n) + 6)
+            line += f"{v['peak']:{w}.3f}{100 * (1 - v['peak']):6.1f}%{v['time']:{w}.2f}"
         print(line)
 
 
@@ -281,15 +323,21 @@ def main() -> None:
     torch.manual_seed(0)
     results = []
     shapes = scaled_shapes(args.scale, world, args.tokens, args.hidden, args.vocab_per_rank)
-    for shape in shapes:
-        rows = run_shape(shape, DTYPES[args.dtype], group, rank, args.reps, args.block_size,
-                         device)
-        if rank == 0:
-            print_table(shape, args.dtype, rows)
-        auto = resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world)
-        results.append({"shape": asdict(shape) | {"vocab": shape.vocab, "auto": auto,
-                                                  "strip_bytes": shape.strip_bytes},
-                        "rows": [asdict(r) for r in rows]})
+    # Megatron's parallel state at TP = P over the world (the megatron-vp-ce baseline).
+    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.testing.distributed import megatron_layout
+
+    enable_cpu_backend()
+    with megatron_layout(tp=world):
+        for shape in shapes:
+            rows = run_shape(shape, DTYPES[args.dtype], group, rank, args.reps,
+                             args.block_size, device)
+            if rank == 0:
+                print_table(shape, args.dtype, rows)
+            auto = resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world)
+            results.append({"shape": asdict(shape) | {"vocab": shape.vocab, "auto": auto,
+                                                      "strip_bytes": shape.strip_bytes},
+                            "rows": [asdict(r) for r in rows]})
     if rank == 0 and args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -52,6 +52,10 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
         if granularity != "full":
             problems.append("--flat-sco offloads the boundaries of full recompute: it needs "
                             f"--recompute-granularity full (got {granularity!r})")
+    if flat.vocab:
+        from megatron_flat.megatron.vocab import unsupported_settings
+
+        problems += [f"--flat-vocab: {reason}" for reason in unsupported_settings(megatron)]
     if flat.optimizer_offload:
         optimizer = _get(megatron, "optimizer", default="adam")
         if optimizer != "adam":
@@ -88,6 +92,30 @@ def _wire_dispatch(flat: FlatConfig, megatron: Any) -> None:
 
 
 WIRING["dispatch"] = _wire_dispatch
+
+
+def _wire_vocab(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-vocab: every GPTModel computes projection + loss through Ring-DTP (megatron.vocab)."""
+    from megatron_flat.megatron.vocab import wire_vocab
+
+    try:
+        wire_vocab(flat, megatron)
+    except ValueError as exc:
+        raise FlatConfigError(f"megatron-flat cannot be installed:\n  - {exc}") from None
+
+
+WIRING["vocab"] = _wire_vocab
+
+
+def _wire_optimizer_offload(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-optimizer-offload: get_megatron_optimizer builds OffloadStreamAdamW inner
+    optimizers (megatron.optimizer); raises FlatConfigError itself."""
+    from megatron_flat.megatron.optimizer import wire_optimizer_offload
+
+    wire_optimizer_offload(flat, megatron)
+
+
+WIRING["optimizer_offload"] = _wire_optimizer_offload
 
 _ENABLED = {
     "dispatch": lambda f: f.dispatch != "off",
@@ -135,5 +163,15 @@ def installed() -> Optional[FlatConfig]:
 
 
 def _reset_for_tests() -> None:
+    """Forget the installed FlatConfig and undo the process-wide wiring (tests only)."""
     global _INSTALLED
     _INSTALLED = None
+    import sys
+
+    optimizer = sys.modules.get("megatron_flat.megatron.optimizer")
+    if optimizer is not None:
+        optimizer.unwire_optimizer_offload()
+    sco = sys.modules.get("megatron_flat.megatron.sco")
+    if sco is not None and sco.enabled() is not None:
+        sco.disable()
+    # dispatch and vocab wiring read installed() at model build / forward time: inert now.

@@ -5,7 +5,8 @@ one section per component (peaks relative to the live bytes when the section sta
 
 - ``expert dispatch``: each MoE layer, forward (routing, dispatch, experts, combine) and
   backward (from the layer's output grad to its input grad); recompute included.
-- ``vocabulary projection + loss``: output layer and cross-entropy, forward and backward.
+- ``vocabulary projection + loss``: output layer and cross-entropy, forward and backward
+  (with Ring-DTP on: its output module, ``megatron_flat.megatron.vocab``).
 - ``checkpoint boundaries``: what the decoder keeps alive from its forward to its
   backward (with full recompute, the saved layer inputs), measured as live bytes at the
   decoder's exit minus at its entry. Recorded as a held amount, not a transient.
@@ -16,6 +17,7 @@ output (fires first in backward) and input (fires once the layer's input grad ex
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable, List
 
 import torch
@@ -62,17 +64,26 @@ def _grad_hook(tensor, fn: Callable[[], None]) -> None:
 
 
 def _forward_and_backward(module, switch: _Switch) -> List[Any]:
-    """Section around ``module``'s forward and its backward (see module docstring)."""
-    inputs: List[Any] = []
+    """Section around ``module``'s forward and its backward (see module docstring).
+
+    Recompute runs the forward again inside backward. With a non-reentrant checkpoint
+    (SCO) the backward section is already open then, and the recompute may stop early
+    (torch's checkpoint early stop), so a pre-hook can fire without its post-hook: the
+    hooks keep only the latest call's state (nothing piles up across calls) and a forward
+    that starts inside an open section leaves it open.
+    """
+    call: dict = {}
 
     def pre(mod, args):
+        call["was_open"] = switch.cm is not None
+        call["input"] = _first_tensor(args)
         switch.on()
-        inputs.append(_first_tensor(args))
 
     def post(mod, args, output):
-        switch.off()
+        if not call.pop("was_open", False):
+            switch.off()
         _grad_hook(_first_tensor(output), switch.on)
-        _grad_hook(inputs.pop() if inputs else None, switch.off)
+        _grad_hook(call.pop("input", None), switch.off)
 
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
@@ -119,16 +130,28 @@ def attach_peak_sections(model: torch.nn.Module, meter) -> PeakSections:
             _grad_hook(hidden.pop(), vocab.off)
 
         handles.append(model.output_layer.register_forward_pre_hook(out_pre))
+        # With Ring-DTP on, a forward with labels runs its output module instead of the
+        # output layer (which then only serves logits without labels).
+        from megatron_flat.megatron.vocab import ring_dtp_output
+
+        ring = ring_dtp_output(model)
+        if ring is not None:
+            handles.append(ring.register_forward_pre_hook(out_pre))
         handles.append(model.register_forward_hook(model_post))
 
     decoder = model.decoder
     held = meter.sections.setdefault(BOUNDARIES, SectionStats(BOUNDARIES))
     entry: List[int] = []
 
+    # Tensors caught in reference cycles live until Python's collector runs, whose timing
+    # depends on unrelated allocations; collect at both ends so the held amount counts
+    # only what the forward really keeps for the backward.
     def dec_pre(mod, args):
+        gc.collect()
         entry.append(meter.current_device_bytes())
 
     def dec_post(mod, args, output):
+        gc.collect()
         if entry:
             kept = meter.current_device_bytes() - entry.pop()
             held.peak_device_bytes = max(held.peak_device_bytes, kept)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234) -> Iterator[None]:
+def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234,
+                    etp: Optional[int] = None) -> Iterator[None]:
     """Megatron parallel state for one layout over the whole world; DP is what remains.
+
+    ``etp``: the experts' tensor-parallel size (Megatron's default, None, is ``tp``).
 
     Seeds Megatron's RNG tracker (data-, model- and expert-parallel states) from ``seed``.
     Raises ``ValueError`` (before any group is created) if the sizes don't divide the world.
@@ -58,13 +61,16 @@ def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234) -> 
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = dist.get_world_size()
-    if world % (tp * pp) != 0 or world % (ep * pp) != 0:
-        raise ValueError(f"layout tp={tp} ep={ep} pp={pp} does not divide world size {world}")
+    experts = ep * (tp if etp is None else etp) * pp
+    if world % (tp * pp) != 0 or world % experts != 0:
+        raise ValueError(f"layout tp={tp} ep={ep} pp={pp} etp={etp} does not divide world "
+                         f"size {world}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        **({} if etp is None else {"expert_tensor_parallel_size": etp}),
     )
     model_parallel_cuda_manual_seed(seed)
     try:

@@ -51,6 +51,9 @@ class RunResult:
     grads: Optional[Dict[str, torch.Tensor]]
     params: Dict[str, torch.Tensor]
     initial_params: Dict[str, torch.Tensor]
+    # This rank's AdamW state after the last step ("<inner>.<param index>.<key>" for the
+    # moments and step count of each inner optimizer); only layout runs record it.
+    optimizer_state: Optional[Dict[str, torch.Tensor]] = None
 
 
 # --------------------------------------------------------------------------- shards
@@ -200,17 +203,20 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
 # --------------------------------------------------------------------------- layouts
 def run_layout(tiny: TinyMoE, layout: Layout, reference: RunResult, *, steps: int = 2,
                config_overrides: Optional[dict] = None,
-               wrap_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
-               ) -> RunResult:
+               wrap_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
+               flat=None, inspect: Optional[Callable[[Trainer], None]] = None) -> RunResult:
     """Train the tiny model split by ``layout`` from the reference's initial weights.
 
     Uses Megatron's DDP (grads reduced in fp32), ``get_megatron_optimizer`` (distributed
     when the layout says so), ``finalize_model_grads`` and the schedule for the pipeline
-    size (1F1B when PP > 1). Collective over the world.
+    size (1F1B when PP > 1). ``flat``: a ``FlatConfig`` whose techniques the trainer turns
+    on (see ``Trainer``). ``inspect(trainer)`` runs after the last step (to check what the
+    run used). Collective over the world.
     """
-    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed):
+    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, etp=layout.etp):
         trainer = Trainer(tiny, layout, config_overrides=config_overrides, wrap_model=wrap_model,
-                          init=lambda model: load_full([model], reference.initial_params))
+                          init=lambda model: load_full([model], reference.initial_params),
+                          flat=flat)
         losses, grads = [], None
         for step in range(steps):
             losses.append(trainer.forward_backward(step))
@@ -220,7 +226,30 @@ def run_layout(tiny: TinyMoE, layout: Layout, reference: RunResult, *, steps: in
                 grads = full_tensors([trainer.ddp], grads=True)
             trainer.optimizer_step()
         params = full_tensors([trainer.ddp])
-    return RunResult(losses, grads, params, reference.initial_params)
+        state = optimizer_state(trainer.optimizer)
+        if inspect is not None:
+            inspect(trainer)
+    return RunResult(losses, grads, params, reference.initial_params, state)
+
+
+_ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+
+def optimizer_state(megatron_optimizer) -> Dict[str, torch.Tensor]:
+    """This rank's AdamW state under Megatron's optimizer: for every inner optimizer (one per
+    parameter kind), each parameter's moments and step count, keyed by position. The same
+    layout gives the same positions, so two runs' states compare key by key (no collective).
+    """
+    from megatron_flat.megatron.optimizer import inner_optimizers
+
+    out = {}
+    for i, inner in enumerate(inner_optimizers(megatron_optimizer)):
+        for index, entry in inner.state_dict()["state"].items():
+            for key in _ADAM_STATE:
+                if key in entry:
+                    value = torch.as_tensor(entry[key])
+                    out[f"{i}.{index}.{key}"] = value.detach().float().cpu().clone()
+    return out
 
 
 # --------------------------------------------------------------------------- comparing

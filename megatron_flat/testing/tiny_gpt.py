@@ -37,6 +37,9 @@ class TinyMoE:
     # "zipf": token k drawn with probability proportional to 1/(k+1), a skew a model
     # learns within a few steps, so the loss visibly falls.
     data: str = "random"
+    # Tie the output layer to the word embedding (GPTModel's
+    # share_embeddings_and_output_weights).
+    share_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -132,6 +135,7 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
         vocab_size=tiny.vocab_size,
         max_sequence_length=tiny.seq_length,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=tiny.share_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )

@@ -8,8 +8,10 @@ hides Megatron: the attributes are the real Megatron objects.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,10 +41,13 @@ class Layout:
     recompute: Optional[str] = None  # None, "full" or "selective"
     recompute_method: str = "uniform"  # full recompute: "uniform" or "block"
     recompute_modules: tuple = ()  # selective recompute: Megatron's module names
+    etp: Optional[int] = None  # experts' tensor-parallel size (None: Megatron's default, tp)
 
     @property
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"ep{self.ep}", f"pp{self.pp}", self.dispatcher]
+        if self.etp is not None:
+            parts.insert(2, f"etp{self.etp}")
         if self.distributed_optimizer:
             parts.append("distopt")
         if self.recompute == "full":
@@ -66,11 +71,20 @@ def forward_step(data_iterator, model):
 
 
 class Trainer:
-    """Model + DDP + optimizer + schedule for one layout. Call inside ``megatron_layout``."""
+    """Model + DDP + optimizer + schedule for one layout. Call inside ``megatron_layout``.
+
+    ``flat`` (a ``FlatConfig``, optional) turns on, for this trainer only, every technique
+    it enables: the flat MoE layer (``dispatch``), Ring-DTP's output module (``vocab``),
+    SCO for the full-recompute boundaries while this trainer's steps run (``sco``; needs
+    ``layout.recompute == "full"``) and OffloadStreamAdamW as Megatron's inner optimizer
+    (``optimizer_offload``). ``Trainer(flat=None)`` and ``Trainer(flat=FlatConfig())`` are
+    stock Megatron.
+    """
 
     def __init__(self, tiny: TinyMoE, layout: Layout, *, config_overrides: Optional[dict] = None,
                  wrap_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
-                 init: Optional[Callable[[torch.nn.Module], None]] = None, lr: float = LR):
+                 init: Optional[Callable[[torch.nn.Module], None]] = None, lr: float = LR,
+                 flat=None):
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -84,9 +98,26 @@ class Trainer:
         self.config = transformer_config(
             tiny, tp=layout.tp, ep=layout.ep, pp=layout.pp, dispatcher=layout.dispatcher,
             recompute=layout.recompute, recompute_method=layout.recompute_method,
-            recompute_modules=layout.recompute_modules, **(config_overrides or {}),
+            recompute_modules=layout.recompute_modules,
+            **({} if layout.etp is None else {"expert_tensor_parallel_size": layout.etp}),
+            **(config_overrides or {}),
         )
-        model = build_tiny_gpt(tiny, self.config)
+        self.flat = flat
+        if flat is not None and flat.sco and layout.recompute != "full":
+            raise ValueError("FlatConfig.sco offloads full-recompute boundaries: the layout "
+                             f"needs recompute='full' (got {layout.recompute!r})")
+        with _flat_specs(flat):
+            model = build_tiny_gpt(tiny, self.config)
+        if flat is not None and flat.vocab:
+            from megatron_flat.megatron.vocab import enable_ring_dtp
+
+            enable_ring_dtp(model, flat)
+        self._sco = None
+        if flat is not None and flat.sco:
+            from megatron_flat.checkpoint import SelectiveCheckpointOffload
+
+            self._sco = SelectiveCheckpointOffload(flat.sco_host_budget_bytes,
+                                                   prefetch=flat.sco_prefetch)
         if wrap_model is not None:
             model = wrap_model(model)
         if init is not None:
@@ -101,7 +132,13 @@ class Trainer:
             ),
             module=model,
         )
-        self.optimizer = get_megatron_optimizer(
+        # With ``flat.optimizer_offload`` Megatron's inner optimizer is OffloadStreamAdamW.
+        build_optimizer = get_megatron_optimizer
+        if flat is not None:
+            from megatron_flat.megatron.optimizer import get_megatron_offload_optimizer
+
+            build_optimizer = functools.partial(get_megatron_offload_optimizer, flat=flat)
+        self.optimizer = build_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                 adam_eps=1e-8, clip_grad=CLIP_GRAD, params_dtype=torch.float32,
@@ -122,11 +159,12 @@ class Trainer:
         afterwards attributes only per-step memory to the components.
         """
         mine = dp_share(global_batch(self.tiny, 0), self.dp_rank, self.dp_size)
-        self._forward_backward(
-            forward_step_func=forward_step, data_iterator=iter(mine), model=[self.ddp],
-            num_microbatches=len(mine), seq_length=self.tiny.seq_length,
-            micro_batch_size=self.tiny.micro_batch_size, forward_only=True,
-        )
+        with self._sco_scope():
+            self._forward_backward(
+                forward_step_func=forward_step, data_iterator=iter(mine), model=[self.ddp],
+                num_microbatches=len(mine), seq_length=self.tiny.seq_length,
+                micro_batch_size=self.tiny.micro_batch_size, forward_only=True,
+            )
 
     def forward_backward(self, step: int) -> float:
         """Zero grads, run every microbatch of this rank's share; returns the step's mean loss
@@ -134,21 +172,56 @@ class Trainer:
         mine = dp_share(global_batch(self.tiny, step), self.dp_rank, self.dp_size)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_dicts = self._forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(mine),
-            model=[self.ddp],
-            num_microbatches=len(mine),
-            seq_length=self.tiny.seq_length,
-            micro_batch_size=self.tiny.micro_batch_size,
-            forward_only=False,
-        )
+        with self._sco_scope():
+            loss_dicts = self._forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(mine),
+                model=[self.ddp],
+                num_microbatches=len(mine),
+                seq_length=self.tiny.seq_length,
+                micro_batch_size=self.tiny.micro_batch_size,
+                forward_only=False,
+            )
         return step_loss(loss_dicts)
+
+    @contextlib.contextmanager
+    def _sco_scope(self) -> Iterator[None]:
+        """SCO routes this trainer's full-recompute boundaries while its steps run (SCO is a
+        process-wide patch; whatever was in force before comes back afterwards)."""
+        if self._sco is None:
+            yield
+            return
+        from megatron_flat.megatron import sco
+
+        previous = sco.enabled()
+        sco.enable(0, sco=self._sco)
+        try:
+            yield
+        finally:
+            if previous is None:
+                sco.disable()
+            else:
+                sco.enable(0, sco=previous)
+
+    @property
+    def sco(self):
+        """This trainer's ``SelectiveCheckpointOffload`` (None without ``flat.sco``)."""
+        return self._sco
 
     def optimizer_step(self) -> None:
         ok, _, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"{self.layout.name}: optimizer step was skipped")
+
+
+def _flat_specs(flat):
+    """Megatron's stock spec functions build the flat MoE layer while the model is built
+    (when ``flat.dispatch`` is on)."""
+    if flat is None or flat.dispatch == "off":
+        return contextlib.nullcontext()
+    from megatron_flat.megatron.spec import flat_moe_specs
+
+    return flat_moe_specs(flat)
 
 
 def step_loss(loss_dicts: List[dict]) -> float:
@@ -166,16 +239,28 @@ def step_loss(loss_dicts: List[dict]) -> float:
     return sum(present) / len(present)
 
 
-def measure_peaks(trainer: Trainer, steps: int,
-                  on_step: Optional[Callable[[int, float, float], None]] = None) -> dict:
+@dataclass
+class PeakReport:
+    """What ``measure`` recorded: per-component peaks (worst rank) and rank 0's timeline."""
+
+    device: dict  # {component or "step": peak device bytes above the section's entry}
+    host: dict  # the same for pinned host-pool bytes in use
+    timeline: list  # [(seconds since the meter opened, live device bytes)], rank 0 only
+
+
+def measure(trainer: Trainer, steps: int,
+            on_step: Optional[Callable[[int, float, float], None]] = None, *,
+            timeline: bool = False) -> PeakReport:
     """Train ``steps`` steps under a ``MemoryMeter`` with one section per peak component.
 
     A forward-only warm-up runs first, outside the meter (see ``Trainer.warm_up``); the
     first step's optimizer-state allocation is inside it, as it is in a real run.
 
-    Returns ``{component: bytes}`` for every name in ``peaks.COMPONENTS`` plus ``"step"``
-    (the whole step), each the worst rank's peak (collective over the world).
-    ``on_step(step, loss, seconds)`` is called after every step.
+    Peaks are reported for every name in ``peaks.COMPONENTS`` plus ``"step"`` (the whole
+    step), each the worst rank's (collective over the world), for device memory and for
+    the pinned host pool (SCO's boundaries, OffloadStreamAdamW's state).
+    ``on_step(step, loss, seconds)`` is called after every step. ``timeline``: also keep
+    rank 0's device-memory samples.
     """
     import time
 
@@ -183,7 +268,7 @@ def measure_peaks(trainer: Trainer, steps: int,
     from megatron_flat.runtime.memory import MemoryMeter
 
     trainer.warm_up()
-    with MemoryMeter() as meter:
+    with MemoryMeter(timeline=timeline and dist.get_rank() == 0) as meter:
         sections = attach_peak_sections(trainer.model, meter)
         try:
             for step in range(steps):
@@ -197,7 +282,16 @@ def measure_peaks(trainer: Trainer, steps: int,
         finally:
             sections.remove()
     names = list(COMPONENTS) + ["step"]
-    peaks = torch.tensor([meter.sections[n].peak_device_bytes if n in meter.sections else 0
-                          for n in names], dtype=torch.int64)
+    stats = [meter.sections.get(n) for n in names]
+    peaks = torch.tensor([[0, 0] if st is None else [st.peak_device_bytes, st.peak_host_bytes]
+                          for st in stats], dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank binds
-    return dict(zip(names, peaks.tolist()))
+    device = dict(zip(names, peaks[:, 0].tolist()))
+    host = dict(zip(names, peaks[:, 1].tolist()))
+    return PeakReport(device, host, list(meter.timeline))
+
+
+def measure_peaks(trainer: Trainer, steps: int,
+                  on_step: Optional[Callable[[int, float, float], None]] = None) -> dict:
+    """``measure(...).device``: ``{component: peak device bytes}`` plus ``"step"``."""
+    return measure(trainer, steps, on_step).device

@@ -83,3 +83,20 @@ def test_sco_is_wired_by_install(megatron_cpu):
     finally:
         sco.disable()
     assert sco.enabled() is None
+
+
+def test_vocab_and_optimizer_offload_are_wired_by_install(megatron_cpu):
+    from megatron_flat.megatron import optimizer, vocab
+
+    args = megatron_args("--flat-vocab", "--flat-optimizer-offload")
+    megatron_flat.install(args)
+    assert inst.installed().vocab and optimizer._active_flat() == inst.installed()
+    assert vocab._installed_vocab() == inst.installed()
+    inst._reset_for_tests()
+    assert optimizer._active_flat() is None and vocab._installed_vocab() is None
+
+
+def test_vocab_refuses_multi_token_prediction():
+    with pytest.raises(inst.FlatConfigError, match="multi-token prediction"):
+        megatron_flat.install(megatron_args("--flat-vocab", mtp_num_layers=1))
+    assert inst.installed() is None

@@ -1,0 +1,520 @@
+"""OffloadStreamAdamW as the inner optimizer of Megatron-Core's optimizers (0.16.1 and 0.19.x).
+
+Megatron wraps a plain torch optimizer (its "inner" optimizer) in one of three
+``MegatronOptimizer`` classes, chained per parameter kind (dense, expert):
+
+* ``DistributedOptimizer`` — each data-parallel rank owns a shard of every gradient bucket;
+  its inner optimizer holds this rank's fp32 *main param shards*;
+* ``Float16OptimizerWithFloat16Params`` — bf16/fp16 model, every rank holds fp32 copies of
+  all params (the main params) in its inner optimizer;
+* ``FP32Optimizer`` — fp32 model; the inner optimizer holds the model params themselves.
+
+This module makes that inner optimizer a :class:`MegatronOffloadStreamAdamW` (an
+:class:`~megatron_flat.optim.OffloadStreamAdamW`), selected by ``FlatConfig.optimizer_offload``
+with ``optimizer_bucket_numel`` and ``optimizer_num_slots``:
+
+* :func:`get_megatron_offload_optimizer` — ``get_megatron_optimizer`` with the offloaded inner
+  optimizer, for code that builds its optimizer itself;
+* :func:`wire_optimizer_offload` — for ``megatron_flat.install``: every later
+  ``get_megatron_optimizer`` call (Megatron-LM's training loop makes one) builds it;
+  :func:`unwire_optimizer_offload` undoes it, :func:`optimizer_offload` is the scoped form.
+
+Which parameters the inner optimizer holds
+    Megatron's own: the fp32 main params (main param shards with the distributed optimizer,
+    so each data-parallel rank streams only its shard). Their fp32 values stay where Megatron
+    keeps them — an fp32 parameter is its own master in OffloadStreamAdamW, uploaded from
+    there and written back in place — and both moments (8 of the 12 bytes per parameter of
+    AdamW state) live in host memory and are streamed bucket by bucket. The model↔main
+    copies, the gradient copies, the parameter all-gather and Megatron's checkpoint formats
+    are Megatron's, unchanged. Offloading the fp32 master too (bf16 shards in the inner
+    optimizer, fp32 gradients by attribute) would go through Megatron's precision-aware
+    optimizer seam (``decoupled_grad``, ``get_unscaled_state``/``set_scaled_state``), which
+    Megatron gates on transformer-engine's FusedAdam; it is not wired here.
+
+Exactness
+    The update is torch's AdamW kernel (``torch.optim.adamw.adamw``) with the stock inner
+    optimizer's hyperparameters, per group, and its ``foreach``/``fused`` choice. Where
+    Megatron's stock inner optimizer is ``torch.optim.AdamW`` (no transformer-engine or apex,
+    as on CPU machines), training is bitwise equal to stock Megatron. With transformer-engine
+    or apex installed Megatron uses their FusedAdam, whose arithmetic differs from torch's
+    (bias correction and weight decay are applied in another order), so runs agree to fp32
+    rounding, not bitwise; the offloaded step stays bitwise equal to ``torch.optim.AdamW``.
+
+Skipped steps
+    Megatron's ``step`` runs ``prepare_grads`` (copy grads to the main params; with a grad
+    scaler, unscale and the inf/nan check), returns ``(False, None, None)`` when inf/nan was
+    found, else clips by the global norm, then calls the inner ``step``. Every global
+    operation therefore finishes before the first bucket is uploaded, and a skipped step
+    never reaches the inner optimizer: every byte of state and every parameter is unchanged.
+    Without a grad scaler (bf16, fp32) stock Megatron has no inf/nan check at all; the
+    wrappers built here add one to ``prepare_grads`` (one fused non-finite check over the
+    main grads, all-reduced over Megatron's grad-stats group as the scaler path's is: all
+    ranks of a distributed optimizer; the model-parallel ranks otherwise, whose
+    data-parallel replicas hold the same all-reduced gradients), so a non-finite gradient
+    skips the step on every rank, reported as Megatron reports a skip
+    (``update_successful=False``), instead of writing NaN into the weights. It reads the
+    gradients only: finite steps are unchanged.
+
+Checkpoints
+    The inner state is shaped like ``torch.optim.AdamW``'s (per parameter ``step``,
+    ``exp_avg``, ``exp_avg_sq``) and ``optimizer.state[p]`` holds views of the host buffers,
+    so Megatron's ``state_dict``/``load_state_dict``/``sharded_state_dict`` read and write it
+    as they do torch's AdamW state, and checkpoints saved with Megatron's stock inner
+    optimizer load into the offloaded one. Megatron's distributed optimizer, though, was
+    written for transformer-engine's FusedAdam, which keeps one step per group and none per
+    parameter; with torch's AdamW layout (stock torch AdamW included, i.e. every CPU run) it
+    cannot resume: ``state_dict`` asserts on an optimizer without state, its loaders hand one
+    shared ``step`` tensor to every parameter (which torch's AdamW then increments once per
+    parameter), ``dp_reshardable`` writes the load template's per-parameter step back over
+    the saved one, and the legacy ``load_parameter_state`` raises ``KeyError: 'step'``. For
+    the offloaded inner optimizer these are handled: state is created (in host memory, not
+    as Megatron's device placeholders) before a load, ``step`` tensors are never aliased, a
+    missing per-parameter ``step`` keeps the current one and the step Megatron saved in its
+    param groups is re-applied after every load; the state dict also carries each group's
+    ``step`` as FusedAdam does, which the distributed optimizer's TE/apex code path reads.
+    Megatron's ``init_state_fn`` (placeholder state before a load) creates host state too.
+
+Loading a checkpoint without optimizer state (``--no-load-optim``, ``--finetune``)
+    The model weights change outside the optimizer, so the fp32 masters must follow them or
+    the next step would write the old weights back. Megatron-LM calls
+    ``optimizer.reload_model_params()`` after such a load (for fp16/bf16; with fp32 models the
+    main params *are* the model params or views of them, so nothing can go stale). The
+    wrappers built here keep that contract: Megatron copies the model params into its main
+    params, then every offloaded inner optimizer refreshes the host master of any
+    low-precision parameter it holds (:meth:`OffloadStreamAdamW.reload_model_params`). The
+    moments and step counts are left as they are (Megatron's behaviour: a fresh optimizer
+    has none; to restart them, build a new optimizer).
+
+Memory
+    One OffloadStreamAdamW per Megatron sub-optimizer (dense, and expert when the model has
+    experts), each with its own ``num_slots x largest bucket x 16`` bytes of device staging,
+    allocated when it first plans (its first step, or a checkpoint load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from megatron_flat.config import FlatConfig
+from megatron_flat.megatron import compat
+from megatron_flat.optim import OffloadStreamAdamW
+from megatron_flat.optim.offload_adamw import _check_hyperparameters, _check_param
+
+__all__ = [
+    "MegatronOffloadStreamAdamW",
+    "get_megatron_offload_optimizer",
+    "inner_optimizers",
+    "offload_inner_optimizer",
+    "optimizer_offload",
+    "unsupported_optimizer_settings",
+    "unwire_optimizer_offload",
+    "wire_optimizer_offload",
+]
+
+# Keys of a stock inner optimizer's param groups that describe *its* implementation, not the
+# AdamW hyperparameters or Megatron's bookkeeping (wd_mult, lr_mult, is_expert_parallel, ...,
+# which are kept: Megatron's scheduler and checkpoint matching read them).
+_IMPLEMENTATION_KEYS = frozenset({
+    "amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable",
+    "decoupled_weight_decay", "bias_correction", "adam_w_mode", "set_grad_none", "step",
+    "master_weights", "use_decoupled_grad", "master_weight_dtype", "exp_avg_dtype",
+    "exp_avg_sq_dtype", "store_param_remainders",
+})
+
+
+class MegatronOffloadStreamAdamW(OffloadStreamAdamW):
+    """:class:`OffloadStreamAdamW` speaking Megatron's inner-optimizer conventions.
+
+    Adds ``init_state`` (Megatron's ``init_state_fn``: zero state for every parameter, made
+    in host memory), un-aliases ``step`` tensors on load, and mirrors the step count into
+    each group of the state dict (transformer-engine FusedAdam's convention, which the
+    distributed optimizer follows when TE or apex is installed); on load, entries without
+    a ``step`` take their group's.
+    """
+
+    @classmethod
+    def over_param_groups(cls, param_groups: List[Dict[str, Any]],
+                          **kwargs: Any) -> "MegatronOffloadStreamAdamW":
+        """An optimizer over ``param_groups`` *as given* (same dicts' keys, same tensors).
+
+        Megatron's distributed optimizer hands its inner optimizer views of the parameter
+        buffer (fp32 main param shards), which are not leaf tensors and so cannot pass
+        ``torch.optim.Optimizer.add_param_group``; like Megatron, the groups are assigned
+        directly, after the same checks OffloadStreamAdamW makes (the parameters must be
+        the very tensors Megatron maps its shards to).
+        """
+        opt = cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        groups = []
+        for given in param_groups:
+            group = {**opt.defaults, **given, "params": list(given["params"])}
+            group["betas"] = tuple(group["betas"])
+            _check_hyperparameters(group)
+            for p in group["params"]:
+                _check_param(p)
+            groups.append(group)
+        params = [p for g in groups for p in g["params"]]
+        if len(set(params)) != len(params):
+            raise ValueError("a parameter appears more than once in param_groups")
+        opt.param_groups = groups
+        opt.state.clear()
+        return opt
+
+    def init_state(self) -> None:
+        """Give every parameter without state its initial state (step 0, zero moments,
+        master from the parameter), in host memory. Idempotent."""
+        self.prepare()
+        self._reconcile(init=[True] * len(self._params))
+
+    def state_dict(self) -> Dict[str, Any]:
+        packed = super().state_dict()
+        for group in packed["param_groups"]:
+            steps = {float(packed["state"][i]["step"]) for i in group["params"]
+                     if i in packed["state"]}
+            if len(steps) == 1:
+                group["step"] = int(steps.pop())
+        return packed
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        groups = state_dict.get("param_groups", [])
+        group_step = {i: g["step"] for g in groups if g.get("step") is not None
+                      for i in g["params"]}
+        state = {}
+        for key, entry in state_dict.get("state", {}).items():
+            entry = dict(entry)
+            step = entry.get("step")
+            if step is None and entry and key in group_step:
+                step = group_step[key]
+            if step is not None:
+                # A fresh tensor per parameter: the step is incremented in place.
+                entry["step"] = torch.tensor(float(step))
+            state[key] = entry
+        state_dict["state"] = state
+        state_dict["param_groups"] = [{k: v for k, v in g.items() if k != "step"} for g in groups]
+        super().load_state_dict(state_dict)
+
+
+# ------------------------------------------------------------------------------- checks
+def unsupported_optimizer_settings(config: Any) -> List[str]:
+    """Why an ``OptimizerConfig`` (or Megatron-LM args) cannot use the offloaded inner
+    optimizer; empty when it can. Only settings present on ``config`` are checked."""
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(config, name, default)
+
+    problems = []
+    if get("optimizer", "adam") != "adam":
+        problems.append(f"OffloadStreamAdamW implements AdamW: it needs optimizer 'adam' "
+                        f"(got {get('optimizer')!r})")
+    if not get("decoupled_weight_decay", True):
+        problems.append("OffloadStreamAdamW applies decoupled weight decay (AdamW); "
+                        "decoupled_weight_decay=False asks for Adam with L2 regularisation")
+    if get("optimizer_cpu_offload", False):
+        problems.append("optimizer_cpu_offload is Megatron's own optimizer offload: "
+                        "use one of the two")
+    if get("use_precision_aware_optimizer", False):
+        problems.append("use_precision_aware_optimizer (transformer-engine FusedAdam state "
+                        "dtypes) is not supported with the offloaded optimizer")
+    if compat.optimizer_capturable(config):
+        problems.append("optimizer_cuda_graph (a capturable optimizer step) cannot stream "
+                        "host-resident state")
+    if get("use_megatron_fsdp", False) or get("use_torch_fsdp2", False):
+        problems.append("Megatron-FSDP / torch FSDP2 keep their own optimizer shards "
+                        "(DTensors); use the distributed optimizer")
+    return problems
+
+
+# ------------------------------------------------------------------------------- the swap
+def inner_optimizers(megatron_optimizer: Any) -> List[torch.optim.Optimizer]:
+    """The inner (torch) optimizers of a Megatron optimizer, chained or not (stubs skipped)."""
+    chained = getattr(megatron_optimizer, "chained_optimizers", None)
+    wrappers = chained if chained is not None else [megatron_optimizer]
+    return [w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None]
+
+
+def _offload_group(group: Dict[str, Any]) -> Dict[str, Any]:
+    for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if group.get(key):
+            raise ValueError(f"the stock inner optimizer has {key}=True, which "
+                             "OffloadStreamAdamW does not implement")
+    if group.get("adam_w_mode") is False or group.get("bias_correction") is False:
+        raise ValueError("the stock inner optimizer is not AdamW with bias correction")
+    return {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+
+
+def _init_state_fn(opt: torch.optim.Optimizer, config: Any = None) -> None:
+    """Megatron's ``init_state_fn`` for the offloaded inner optimizer (host-resident state)."""
+    opt.init_state()
+
+
+def _found_non_finite(wrapper: Any) -> bool:
+    """Whether any main grad of ``wrapper`` is inf/nan, agreed over its grad-stats group.
+
+    Collective (every rank of the group calls it, stub optimizers too, as Megatron's own
+    scaler check does). Reads the gradients only.
+    """
+    inner = getattr(wrapper, "optimizer", None)
+    grads = [] if inner is None else [
+        p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        device = grads[0].device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, tensors in by_device.items():
+        local = torch.zeros(1, dtype=torch.float32, device=dev)
+        # Megatron's own check (inv_scale 1: the grads are read, not changed); one fused
+        # kernel per device and dtype.
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            tensors, local, torch.ones(1, dtype=torch.float32, device=dev))
+        found += local.to(device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
+                                     group=wrapper.get_grad_stats_parallel_group())
+    return bool(found.item() > 0)
+
+
+def _with_non_finite_check(wrapper: Any) -> None:
+    """Give a scaler-less Megatron optimizer an inf/nan check in ``prepare_grads``."""
+    if getattr(wrapper, "grad_scaler", None) is not None:
+        return  # Megatron's own unscale-and-check runs in prepare_grads
+    stock = wrapper.prepare_grads
+
+    @functools.wraps(stock)
+    def prepare_grads(self) -> bool:
+        found = stock()
+        return _found_non_finite(self) or bool(found)
+
+    wrapper.prepare_grads = types.MethodType(prepare_grads, wrapper)
+
+
+def _reloading_masters(wrapper: Any) -> None:
+    """``reload_model_params`` that also refreshes the offloaded host masters."""
+    stock = wrapper.reload_model_params
+
+    @functools.wraps(stock)
+    def reload_model_params(self, *args: Any, **kwargs: Any) -> None:
+        stock(*args, **kwargs)
+        if isinstance(getattr(self, "optimizer", None), OffloadStreamAdamW):
+            self.optimizer.reload_model_params()
+
+    wrapper.reload_model_params = types.MethodType(reload_model_params, wrapper)
+
+
+def _distributed_loads(wrapper: Any) -> None:
+    """Distributed optimizer: host-resident placeholders before a load, and the step after.
+
+    * Before loading, Megatron's distributed optimizer reads a step count from every
+      parameter's state (``sharded_state_dict(is_loading=True)`` calls ``state_dict``) and,
+      when the inner optimizer has no state yet, allocates placeholder moments on the
+      device. The Float16/FP32 wrappers call ``init_state_fn`` there instead; this does the
+      same for the distributed optimizer, so the placeholders are the host state itself.
+    * The distributed optimizer saves the step count once, in its param groups. Its
+      per-parameter state loaders were written for transformer-engine's FusedAdam, which
+      has no per-parameter ``step``; with torch's AdamW layout (ours) the ``dp_reshardable``
+      format writes back the *template's* per-parameter step (a local, non-persistent
+      object) after ``load_state_dict`` has set the saved one, and the legacy
+      ``load_parameter_state`` (dp_zero) fails on the ``step`` key its files do not carry
+      (``_set_main_param_and_optimizer_states`` copies every state key). A missing ``step``
+      keeps the current one, and the saved step is re-applied after every load.
+    """
+    stock_sharded, stock_load = wrapper.sharded_state_dict, wrapper.load_state_dict
+    stock_set = wrapper._set_main_param_and_optimizer_states
+
+    def inner_of(self: Any) -> Optional["MegatronOffloadStreamAdamW"]:
+        inner = getattr(self, "optimizer", None)
+        return inner if isinstance(inner, MegatronOffloadStreamAdamW) else None
+
+    @functools.wraps(stock_sharded)
+    def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           *args: Any, **kwargs: Any) -> Any:
+        inner = inner_of(self)
+        if is_loading and inner is not None and not inner.state:
+            inner.init_state()
+        return stock_sharded(model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    @functools.wraps(stock_load)
+    def load_state_dict(self, state_dict: Any) -> Any:
+        inner = inner_of(self)
+        if inner is not None and not inner.state:
+            inner.init_state()
+        groups = (state_dict.get("optimizer") or {}).get("param_groups", []) \
+            if isinstance(state_dict, dict) else []
+        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+        result = stock_load(state_dict)
+        if inner is not None and len(steps) == 1:
+            step = steps.pop()
+            for st in inner.state.values():
+                if st:
+                    st["step"] = torch.tensor(step)
+        return result
+
+    @functools.wraps(stock_set)
+    def _set_main_param_and_optimizer_states(self, model_param: Any, tensors: Any) -> Any:
+        inner = inner_of(self)
+        if inner is not None and "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = inner.param_groups[group_index]["params"][group_order]
+            step = inner.state.get(main_param, {}).get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step.clone()}
+        return stock_set(model_param, tensors)
+
+    wrapper.sharded_state_dict = types.MethodType(sharded_state_dict, wrapper)
+    wrapper.load_state_dict = types.MethodType(load_state_dict, wrapper)
+    wrapper._set_main_param_and_optimizer_states = types.MethodType(
+        _set_main_param_and_optimizer_states, wrapper)
+
+
+def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
+    """Replace the inner optimizer of one Megatron optimizer (not chained) by
+    :class:`MegatronOffloadStreamAdamW` over the same param groups; returns ``wrapper``.
+
+    Called right after Megatron built ``wrapper`` (its inner optimizer has no state yet),
+    so the params are Megatron's final main params. A stub (no params on this rank) keeps
+    no inner optimizer but still gets the inf/nan check (a collective).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if getattr(wrapper, "chained_optimizers", None) is not None:
+        raise TypeError("offload_inner_optimizer takes one Megatron optimizer, not a chain")
+    if getattr(wrapper, "_megatron_flat_offload", False):
+        return wrapper
+    problems = unsupported_optimizer_settings(wrapper.config)
+    if getattr(getattr(wrapper, "ddp_config", None), "use_megatron_fsdp", False):
+        problems.append("Megatron-FSDP keeps its own optimizer shards (DTensors); "
+                        "use the distributed optimizer")
+    if problems:
+        raise ValueError("OffloadStreamAdamW cannot be Megatron's inner optimizer here:\n  - "
+                         + "\n  - ".join(problems))
+    inner = getattr(wrapper, "optimizer", None)
+    if inner is not None and not isinstance(inner, OffloadStreamAdamW):
+        if inner.state:
+            raise ValueError("the inner optimizer already has state; swap it before training")
+        defaults = inner.defaults
+        kernel = ({"foreach": defaults.get("foreach"), "fused": defaults.get("fused")}
+                  if isinstance(inner, torch.optim.AdamW) else {})
+        wrapper.optimizer = MegatronOffloadStreamAdamW.over_param_groups(
+            [_offload_group(g) for g in inner.param_groups],
+            lr=defaults["lr"], betas=tuple(defaults["betas"]), eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
+            bucket_numel=flat.optimizer_bucket_numel, num_slots=flat.optimizer_num_slots,
+            **kernel,
+        )
+        wrapper.init_state_fn = _init_state_fn
+        _reloading_masters(wrapper)
+        if isinstance(wrapper, DistributedOptimizer):
+            _distributed_loads(wrapper)
+    _with_non_finite_check(wrapper)
+    wrapper._megatron_flat_offload = True
+    return wrapper
+
+
+# ------------------------------------------------------------------------------- wiring
+# Megatron builds each sub-optimizer (inner optimizer + wrapper) in one module-level function
+# of ``megatron.core.optimizer`` that ``get_megatron_optimizer`` calls by its global name
+# (compat.inner_optimizer_builder). Wrapping that name swaps the inner optimizer of every
+# sub-optimizer built while a FlatConfig with ``optimizer_offload`` is active.
+_WIRED: Optional[FlatConfig] = None
+_ACTIVE: List[FlatConfig] = []
+_STOCK: Dict[str, Any] = {}
+
+
+def _active_flat() -> Optional[FlatConfig]:
+    flat = _ACTIVE[-1] if _ACTIVE else _WIRED
+    return flat if flat is not None and flat.optimizer_offload else None
+
+
+def _patch_builder() -> None:
+    if _STOCK:
+        return
+    module, name = compat.inner_optimizer_builder()
+    stock = getattr(module, name)
+
+    @functools.wraps(stock)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        result = stock(*args, **kwargs)
+        flat = _active_flat()
+        if flat is None or compat.builder_returns_unwrapped(kwargs):
+            return result
+        return offload_inner_optimizer(result, flat)
+
+    build._megatron_flat_stock = stock
+    _STOCK.update(module=module, name=name, stock=stock, build=build)
+    setattr(module, name, build)
+
+
+def _unpatch_builder() -> None:
+    if _STOCK and not _ACTIVE and _WIRED is None:
+        module, name = _STOCK["module"], _STOCK["name"]
+        if getattr(module, name) is _STOCK["build"]:
+            setattr(module, name, _STOCK["stock"])
+            _STOCK.clear()
+        # else someone wrapped the builder after us: ours stays in their chain, inert while
+        # nothing is active (and a later patch reuses it).
+
+
+@contextlib.contextmanager
+def optimizer_offload(flat: FlatConfig) -> Iterator[None]:
+    """Within the block, ``get_megatron_optimizer`` builds offloaded inner optimizers when
+    ``flat.optimizer_offload`` (nests; Megatron's builder is restored on exit)."""
+    compat.check_supported()
+    _patch_builder()
+    _ACTIVE.append(flat)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+        _unpatch_builder()
+
+
+def get_megatron_offload_optimizer(config: Any, model_chunks: List[torch.nn.Module],
+                                   flat: FlatConfig, **kwargs: Any) -> Any:
+    """``megatron.core.optimizer.get_megatron_optimizer(config, model_chunks, **kwargs)`` with
+    every inner optimizer an offloaded AdamW per ``flat`` (stock when
+    ``flat.optimizer_offload`` is off). Raises ``ValueError`` for settings it cannot run."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if flat.optimizer_offload:
+        problems = unsupported_optimizer_settings(config)
+        if problems:
+            raise ValueError("OffloadStreamAdamW cannot be Megatron's inner optimizer here:\n"
+                             "  - " + "\n  - ".join(problems))
+    with optimizer_offload(flat):
+        return get_megatron_optimizer(config, model_chunks, **kwargs)
+
+
+def wire_optimizer_offload(flat: FlatConfig, megatron: Any = None) -> None:
+    """``megatron_flat.install`` wiring for ``--flat-optimizer-offload``: from now on every
+    ``get_megatron_optimizer`` call builds offloaded inner optimizers per ``flat``.
+
+    ``megatron``: Megatron-LM args or an ``OptimizerConfig`` (optional); its optimizer
+    settings are checked first. Raises ``FlatConfigError`` (a ``ValueError``) listing every
+    problem, before anything is patched. Undo with :func:`unwire_optimizer_offload`.
+    """
+    global _WIRED
+    from megatron_flat.megatron.install import FlatConfigError
+
+    compat.check_supported()
+    problems = unsupported_optimizer_settings(megatron) if megatron is not None else []
+    if problems:
+        raise FlatConfigError("megatron-flat cannot be installed:\n  - --flat-optimizer-offload: "
+                              + "\n  - --flat-optimizer-offload: ".join(problems))
+    _WIRED = flat
+    _patch_builder()
+
+
+def unwire_optimizer_offload() -> None:
+    """Undo :func:`wire_optimizer_offload` (optimizers already built keep their inner one)."""
+    global _WIRED
+    _WIRED = None
+    _unpatch_builder()

@@ -1,0 +1,104 @@
+"""All four techniques on vs off in one Megatron training run (shared by the world-2 and
+world-4 files).
+
+Both runs start from the same weights (the single-rank reference's initial weights, loaded
+shard by shard) under the same layout and train the same steps; the flat run turns on
+PipelinedLLEP (LLEP forced on every step, chunk-capped), Ring-DTP, SCO and
+OffloadStreamAdamW through ``Trainer(flat=...)``. Compared: per-step loss, step-0
+gradients (gathered to full tensors; not with the distributed optimizer, whose ranks hold
+only their reduced shard), parameters after the last step, and every rank's AdamW state.
+
+Tolerances are the ones each technique established: PipelinedLLEP and Ring-DTP reorder
+fp32 reductions (experts' gradient sums, the vocabulary's log-sum-exp), so losses and
+gradients agree to ``RTOL``/``ATOL`` and parameters after AdamW to ``PARAM_ATOL``; SCO and
+OffloadStreamAdamW move data only, so they add no error of their own. The first moment is
+a sum of gradients (same tolerance as gradients); the second a sum of squared gradients,
+compared relative to its own size.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron_flat.config import FlatConfig
+
+# Every technique on, knobs sized to the tiny model so each does real work: chunks of 8
+# routed tokens (several chunks per step), LLEP on every step (threshold 0), Ring-DTP with
+# a vocab block smaller than the vocabulary (several strips at P = 1), SCO with room for
+# every boundary, optimizer buckets that split parameters.
+FLAT = FlatConfig(
+    dispatch="pipelined", dispatch_chunk_tokens=8, llep_imbalance_threshold=0.0,
+    vocab=True, vocab_mode="auto", vocab_block_size=48,
+    sco=True, sco_host_budget_gib=0.01, sco_prefetch=1,
+    optimizer_offload=True, optimizer_bucket_numel=10_000, optimizer_num_slots=2,
+)
+STEPS = 2  # the harness's parameter tolerance is set for two AdamW steps
+MOMENT_RTOL = 1e-4
+
+
+def state_mismatches(flat_state, stock_state, atol: float) -> List[str]:
+    """Differences between two runs' AdamW states on this rank (empty = equal)."""
+    out = []
+    if set(flat_state) != set(stock_state):
+        return [f"optimizer state keys differ: {sorted(set(flat_state) ^ set(stock_state))[:6]}"]
+    for key in sorted(stock_state):
+        got, want = flat_state[key], stock_state[key]
+        if key.endswith(".step"):
+            ok = torch.equal(got, want)
+        elif key.endswith(".exp_avg_sq"):
+            ok = torch.allclose(got, want, rtol=MOMENT_RTOL, atol=MOMENT_RTOL * want.abs().max())
+        else:
+            ok = torch.allclose(got, want, rtol=MOMENT_RTOL, atol=atol)
+        if not ok:
+            err = (got - want).abs().max().item()
+            out.append(f"rank {dist.get_rank()} {key}: max abs error {err:.3g}")
+    return out
+
+
+def run_composed(tiny, layout):
+    """Run the layout with every technique off, then on; returns (stock, flat, used), where
+    ``used`` says what the flat run really exercised on this rank."""
+    from megatron_flat.megatron.moe import FlatMoELayer
+    from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW, inner_optimizers
+    from megatron_flat.megatron.vocab import ring_dtp_output
+    from megatron_flat.testing.equivalence import run_layout, run_reference
+
+    reference = run_reference(tiny, steps=1)  # for its initial weights only
+    stock = run_layout(tiny, layout, reference, steps=STEPS)
+    used = {}
+
+    def inspect(trainer):
+        model = trainer.model
+        used["flat_moe_layers"] = sum(isinstance(m, FlatMoELayer) for m in model.modules())
+        used["chunks"] = max((m.flat_dispatch.last.num_chunks for m in model.modules()
+                              if isinstance(m, FlatMoELayer)), default=0)
+        used["ring_dtp"] = ring_dtp_output(model) is not None
+        used["post_process"] = bool(model.post_process)
+        used["boundaries_offloaded"] = trainer.sco.stats.boundaries_offloaded
+        inners = inner_optimizers(trainer.optimizer)
+        used["offload_inners"] = all(isinstance(o, MegatronOffloadStreamAdamW) for o in inners)
+
+    flat = run_layout(tiny, layout, reference, steps=STEPS, flat=FLAT, inspect=inspect)
+    return stock, flat, used
+
+
+def assert_composed_equal(tiny, layout) -> None:
+    from megatron_flat.testing.equivalence import ATOL, mismatches
+
+    stock, flat, used = run_composed(tiny, layout)
+    assert used["flat_moe_layers"] == tiny.num_layers // layout.pp, used
+    assert used["chunks"] > 1, used
+    assert used["ring_dtp"] == used["post_process"], used
+    assert used["boundaries_offloaded"] > 0, used
+    assert used["offload_inners"], used
+    problems = mismatches(flat, stock)
+    problems += state_mismatches(flat.optimizer_state, stock.optimizer_state, ATOL)
+    if not layout.distributed_optimizer:
+        assert stock.grads is not None and flat.grads is not None
+    everyone: List[List[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, problems)
+    found = sorted({p for rank in everyone for p in rank})
+    assert not found, "all four on differs from all four off:\n  " + "\n  ".join(found)

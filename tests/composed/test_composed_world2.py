@@ -1,0 +1,27 @@
+"""All four techniques on vs off at EP=2 (DP=2 for the dense part), with full recompute,
+with and without Megatron's distributed optimizer (2 ranks, gloo)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.world(2)
+
+_spec = importlib.util.spec_from_file_location(
+    "_composed", pathlib.Path(__file__).with_name("_composed.py"))
+composed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(composed)
+
+LAYOUTS = {
+    "ep2": dict(ep=2, recompute="full"),
+    "ep2-distopt": dict(ep=2, recompute="full", distributed_optimizer=True),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_all_four_on_equals_all_four_off(megatron_cpu, name):
+    from megatron_flat.testing.equivalence import Layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    composed.assert_composed_equal(TinyMoE(), Layout(**LAYOUTS[name]))

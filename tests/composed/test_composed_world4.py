@@ -1,0 +1,29 @@
+"""All four techniques on vs off over 4 ranks: TP=2 with sequence parallelism (Ring-DTP's
+ring is the TP group; experts at EP=2 without expert-TP, which PipelinedLLEP requires) and
+PP=2 with 1F1B (Ring-DTP on the last stage only), each with full recompute and Megatron's
+distributed optimizer (gloo)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.world(4)
+
+_spec = importlib.util.spec_from_file_location(
+    "_composed", pathlib.Path(__file__).with_name("_composed.py"))
+composed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(composed)
+
+LAYOUTS = {
+    "tp2-sp-etp1-ep2": dict(tp=2, etp=1, ep=2, recompute="full"),
+    "pp2-ep2-distopt": dict(pp=2, ep=2, recompute="full", distributed_optimizer=True),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_all_four_on_equals_all_four_off(megatron_cpu, name):
+    from megatron_flat.testing.equivalence import Layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    composed.assert_composed_equal(TinyMoE(), Layout(**LAYOUTS[name]))

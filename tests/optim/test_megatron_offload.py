@@ -1,0 +1,200 @@
+"""megatron_flat.megatron.optimizer in one process: the wiring (patch, scope, undo), the
+settings it refuses, and MegatronOffloadStreamAdamW's Megatron conventions (groups as
+given, host-resident init_state, step un-aliasing and transformer-engine-style steps).
+Multi-rank training, skipping and checkpoints: test_megatron_offload_world2.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_flat.config import FlatConfig
+from megatron_flat.megatron import optimizer as mopt
+from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW
+
+FLAT = FlatConfig(optimizer_offload=True, optimizer_bucket_numel=4096, optimizer_num_slots=2)
+
+
+@pytest.fixture
+def unwired():
+    mopt.unwire_optimizer_offload()
+    yield
+    mopt.unwire_optimizer_offload()
+
+
+def _builder():
+    import megatron.core.optimizer as m
+
+    return m._get_megatron_optimizer_based_on_param_groups
+
+
+def _inner_types(flat=None):
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+    from megatron_flat.testing.training import Layout, Trainer
+
+    tiny = TinyMoE(num_layers=1)
+    with megatron_layout():
+        trainer = Trainer(tiny, Layout(), flat=flat)
+        return [type(o).__name__ for o in mopt.inner_optimizers(trainer.optimizer)]
+
+
+def test_wiring_patches_megatron_and_is_undone(megatron_cpu, unwired):
+    stock = _builder()
+    assert _inner_types() == ["AdamW"]
+    mopt.wire_optimizer_offload(FLAT, argparse.Namespace(optimizer="adam"))
+    assert _builder()._megatron_flat_stock is stock
+    assert _inner_types() == ["MegatronOffloadStreamAdamW"]  # plain get_megatron_optimizer
+    mopt.wire_optimizer_offload(FLAT)  # again: still one patch
+    assert _builder()._megatron_flat_stock is stock
+    mopt.unwire_optimizer_offload()
+    assert _builder() is stock
+    assert _inner_types() == ["AdamW"]
+
+
+def test_scoped_offload_nests_and_restores(megatron_cpu, unwired):
+    stock = _builder()
+    with mopt.optimizer_offload(FLAT):
+        assert _inner_types() == ["MegatronOffloadStreamAdamW"]
+        with mopt.optimizer_offload(FlatConfig()):  # offload off inside: stock
+            assert _inner_types() == ["AdamW"]
+        assert _inner_types() == ["MegatronOffloadStreamAdamW"]
+    assert _builder() is stock
+    # The Trainer's own hook, with offload off: Megatron's optimizer.
+    assert _inner_types(flat=FlatConfig()) == ["AdamW"]
+    assert _builder() is stock
+
+
+def test_wiring_refuses_settings_it_cannot_run(megatron_cpu, unwired):
+    from megatron_flat.megatron.install import FlatConfigError
+
+    stock = _builder()
+    args = argparse.Namespace(optimizer="sgd", optimizer_cpu_offload=True,
+                              decoupled_weight_decay=False, use_precision_aware_optimizer=True)
+    with pytest.raises(FlatConfigError) as err:
+        mopt.wire_optimizer_offload(FLAT, args)
+    text = str(err.value)
+    for what in ("optimizer 'adam'", "optimizer_cpu_offload", "decoupled_weight_decay",
+                 "use_precision_aware_optimizer"):
+        assert what in text
+    assert _builder() is stock  # nothing patched
+    assert mopt.unsupported_optimizer_settings(argparse.Namespace(optimizer_cuda_graph=True))
+    assert mopt.unsupported_optimizer_settings(argparse.Namespace(optimizer="adam")) == []
+
+
+def test_programmatic_builder_refuses_sgd(megatron_cpu):
+    from megatron.core.optimizer import OptimizerConfig
+
+    with pytest.raises(ValueError, match="optimizer 'adam'"):
+        mopt.get_megatron_offload_optimizer(OptimizerConfig(optimizer="sgd", lr=1e-3), [], FLAT)
+
+
+# --------------------------------------------------------------- MegatronOffloadStreamAdamW
+def _views():
+    """Non-leaf fp32 views of one flat buffer, like the distributed optimizer's shards."""
+    buffer = torch.randn(300, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    return buffer, [buffer.view(-1)[:100], buffer.view(-1)[100:300]]
+
+
+def _twins(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(10, 7), (33,), (5, 5)]
+    mine = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+    ref = [p.detach().clone().requires_grad_() for p in mine]
+    return mine, ref
+
+
+def _grads(params, refs, seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    for p, r in zip(params, refs):
+        p.grad = torch.randn(p.shape, generator=gen)
+        r.grad = p.grad.clone()
+
+
+def test_groups_as_given_take_non_leaf_views():
+    _, views = _views()
+    with pytest.raises(ValueError, match="non-leaf"):
+        torch.optim.AdamW([{"params": views}])
+    groups = [{"params": [views[0]], "wd_mult": 1.0, "lr": 1e-2},
+              {"params": [views[1]], "wd_mult": 0.0, "weight_decay": 0.0}]
+    opt = MegatronOffloadStreamAdamW.over_param_groups(groups, lr=1e-3, bucket_numel=64,
+                                                       device="cpu")
+    assert [g["params"][0] for g in opt.param_groups] == views  # the very tensors
+    assert [g["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]  # Megatron's keys kept
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[1]["lr"] == 1e-3
+    assert not opt.state
+    with pytest.raises(ValueError, match="more than once"):
+        MegatronOffloadStreamAdamW.over_param_groups([{"params": [views[0], views[0]]}])
+
+
+def test_init_state_is_host_resident_and_changes_nothing():
+    mine, ref = _twins()
+    opt = MegatronOffloadStreamAdamW(mine, lr=1e-2, bucket_numel=64, device="cpu")
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    opt.init_state()
+    opt.init_state()  # idempotent
+    host = opt._host
+    for p in mine:
+        st = opt.state[p]
+        assert float(st["step"]) == 0.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            buf = getattr(host, key)
+            assert st[key].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            assert not st[key].any()
+    for step in range(3):
+        _grads(mine, ref, step)
+        opt.step()
+        torch_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+
+
+def test_steps_are_never_aliased_on_load():
+    """Megatron's distributed optimizer loads one shared step tensor into every entry;
+    torch's AdamW would then count a step once per parameter."""
+    mine, ref = _twins()
+    opt = MegatronOffloadStreamAdamW(mine, lr=1e-2, bucket_numel=64, device="cpu")
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    shared = torch.tensor(5.0)
+    state = {i: {"step": shared, "exp_avg": torch.zeros(p.shape),
+                 "exp_avg_sq": torch.zeros(p.shape)} for i, p in enumerate(mine)}
+    opt.load_state_dict({"state": state, "param_groups": [
+        {**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [0, 1, 2]}]})
+    ref_state = {i: {**s, "step": torch.tensor(5.0)} for i, s in state.items()}
+    torch_opt.load_state_dict({"state": ref_state, "param_groups": [
+        {**{k: v for k, v in torch_opt.param_groups[0].items() if k != "params"},
+         "params": [0, 1, 2]}]})
+    _grads(mine, ref, 0)
+    opt.step()
+    torch_opt.step()
+    assert [float(opt.state[p]["step"]) for p in mine] == [6.0, 6.0, 6.0]
+    assert float(shared) == 5.0  # the caller's tensor is untouched
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+
+
+def test_transformer_engine_style_steps_round_trip():
+    """The state dict carries each group's step (FusedAdam's place for it, which the
+    distributed optimizer reads when TE or apex is installed); entries without a step
+    take their group's on load."""
+    mine, ref = _twins()
+    opt = MegatronOffloadStreamAdamW(mine, lr=1e-2, bucket_numel=64, device="cpu")
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for step in range(2):
+        _grads(mine, ref, step)
+        opt.step()
+        torch_opt.step()
+    packed = opt.state_dict()
+    assert packed["param_groups"][0]["step"] == 2
+    te_style = {"state": {i: {k: v for k, v in st.items() if k != "step"}
+                          for i, st in packed["state"].items()},
+                "param_groups": packed["param_groups"]}
+    other = [p.detach().clone().requires_grad_() for p in mine]
+    fresh = MegatronOffloadStreamAdamW(other, lr=1e-2, bucket_numel=100, device="cpu")
+    fresh.load_state_dict(te_style)
+    assert [float(fresh.state[p]["step"]) for p in other] == [2.0, 2.0, 2.0]
+    assert "step" not in fresh.param_groups[0]
+    _grads(other, ref, 2)
+    fresh.step()
+    torch_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(other, ref))

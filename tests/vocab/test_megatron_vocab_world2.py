@@ -1,0 +1,98 @@
+"""Ring-DTP as GPTModel's output layer + loss at TP=2 (gloo), against Megatron itself.
+
+* The output module against Megatron's projection + ``vocab_parallel_cross_entropy`` at
+  TP=2: loss, hidden-state gradient, weight-shard gradient, every mode; with and without
+  sequence parallelism, loss mask, bf16, huge logits (``_megatron_vocab.py``).
+* A full tiny MoE GPT step through the equivalence harness with Ring-DTP on against the
+  stock single-rank model: loss, every gradient, the parameters after two AdamW steps —
+  untied and tied embeddings, at TP=2 with sequence parallelism (the ring) and at DP=2
+  (TP=1: the blocked version).
+"""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.world(2)
+
+_spec = importlib.util.spec_from_file_location(
+    "_megatron_vocab", pathlib.Path(__file__).with_name("_megatron_vocab.py"))
+helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(helpers)
+
+MODES = ("weights", "activations", "auto")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(helpers.CASES))
+def test_output_loss_matches_megatron_tp2(megatron_cpu, case, mode):
+    from megatron_flat.testing.distributed import megatron_layout
+
+    with megatron_layout(tp=2):
+        helpers.check_against_megatron(case, mode, tp=2)
+
+
+# ---------------------------------------------------------------------------- whole model
+@pytest.fixture(scope="module")
+def references(megatron_cpu):
+    from megatron_flat.testing.equivalence import run_reference
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    tinies = {tied: TinyMoE(share_embeddings=tied) for tied in (False, True)}
+    return {tied: (tiny, run_reference(tiny)) for tied, tiny in tinies.items()}
+
+
+STEPS = {
+    # name: (layout, mode, block size); 16 tokens x 2 per micro-batch: TP=2 gives each rank
+    # 16 tokens against 64 vocab rows (auto -> activations).
+    "tp2-sp-weights": (dict(tp=2), "weights", None),
+    "tp2-sp-activations": (dict(tp=2), "activations", None),
+    "dp2-blocked": (dict(), "auto", 48),  # 128 rows in strips of 48, 48, 32
+}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name", list(STEPS))
+def test_gpt_step_matches_stock_model(references, name, tied):
+    from megatron_flat.testing.equivalence import assert_equivalent
+
+    tiny, reference = references[tied]
+    layout, mode, block = STEPS[name]
+    result, seen = helpers.gpt_step(tiny, reference, layout, mode, block)
+    assert_equivalent(result, reference)
+    assert result.grads is not None
+    assert result.losses[1] != result.losses[0]
+    (ring, calls, last_stage), = seen  # one model chunk per rank, a last stage
+    assert last_stage
+    assert ring is not None and ring.tp == layout.get("tp", 1) and ring.mode == mode
+    # Every micro-batch went through Ring-DTP; the stock output layer never ran.
+    micro = tiny.global_batch_size // tiny.micro_batch_size // (2 // ring.tp)
+    assert calls == {"stock": 0, "ring": 2 * micro}
+    if tied:
+        assert "output_layer.weight" not in result.grads  # the embedding got the grad
+
+
+def test_without_labels_the_model_returns_megatron_logits(megatron_cpu):
+    """Inference/evaluation (no labels) keeps Megatron's logits path, bitwise."""
+    from megatron_flat.megatron.vocab import enable_ring_dtp, ring_dtp_output
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import (
+        TinyMoE,
+        build_tiny_gpt,
+        global_batch,
+        transformer_config,
+    )
+
+    tiny = TinyMoE()
+    with megatron_layout(tp=2, seed=tiny.seed):
+        model = build_tiny_gpt(tiny, transformer_config(tiny, tp=2))
+        mb = global_batch(tiny)[0]
+        with torch.no_grad():
+            stock = model(mb.tokens, mb.position_ids, None)
+            enable_ring_dtp(model)
+            assert ring_dtp_output(model) is not None
+            flat = model(mb.tokens, mb.position_ids, None)
+    assert stock.shape == (tiny.micro_batch_size, tiny.seq_length, tiny.vocab_size // 2)
+    assert torch.equal(stock, flat)
