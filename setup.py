@@ -22,6 +22,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7"],
+        # The demo's memory-timeline PNG.
+        "demo": ["matplotlib"],
         # GPU-only accelerations, picked up when importable.
         "gpu": ["transformer-engine", "triton"],
         "apex": [],  # NVIDIA apex is built from source; listed for discoverability.

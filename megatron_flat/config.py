@@ -152,13 +152,32 @@ class FlatConfig:
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        """One line naming each enabled technique with its main knobs (for logs)."""
+        parts = []
+        if self.dispatch != "off":
+            name = "PipelinedLLEP" if self.dispatch == "pipelined" else "LLEP"
+            parts.append(f"{name} (chunk cap {self.dispatch_chunk_tokens} tokens, "
+                         f"<= {self.dispatch_max_chunks} chunks)")
+        if self.vocab:
+            parts.append(f"Ring-DTP (mode {self.vocab_mode}, block {self.vocab_block_size})")
+        if self.sco:
+            parts.append(f"SCO (host budget {self.sco_host_budget_gib:g} GiB, "
+                         f"prefetch {self.sco_prefetch})")
+        if self.optimizer_offload:
+            parts.append(f"OffloadStreamAdamW (buckets of {self.optimizer_bucket_numel:,} "
+                         f"elements, {self.optimizer_num_slots} slots)")
+        return ", ".join(parts) if parts else "every technique off (stock Megatron)"
+
     # ------------------------------------------------------------------ CLI
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "FlatConfig":
         """Build from parsed ``--flat-*`` flags; attributes missing from ``args`` keep defaults.
 
-        With ``--flat-preset NAME`` the preset is the base and every flag given a value other
-        than its default overrides it.
+        With ``--flat-preset NAME`` the preset is the base and every flag given on the command
+        line overrides it, even when it repeats the flag's default (``--flat-preset paper
+        --no-flat-sco`` turns SCO off). For a namespace not parsed by ``add_flat_args``'s
+        flags, a value that differs from the default counts as given.
         """
         defaults = cls()
         values = {}
@@ -168,9 +187,34 @@ class FlatConfig:
                 values[f.name] = getattr(args, attr)
         preset = getattr(args, "flat_preset", None)
         if preset:
-            changed = {k: v for k, v in values.items() if v != getattr(defaults, k)}
+            given = getattr(args, _GIVEN, None)
+            if given is None:
+                changed = {k: v for k, v in values.items() if v != getattr(defaults, k)}
+            else:
+                changed = {k: v for k, v in values.items() if "flat_" + k in given}
             return cls.preset(preset, **changed)
         return cls(**values)
+
+
+# Namespace attribute listing the --flat-* destinations given on the command line.
+_GIVEN = "_flat_given"
+
+
+def _recording(action_class: type) -> type:
+    """``action_class`` that also records its destination in ``namespace._flat_given``."""
+
+    class Recording(action_class):  # type: ignore[misc, valid-type]
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            given = set(getattr(namespace, _GIVEN, None) or ())
+            setattr(namespace, _GIVEN, given | {self.dest})
+
+    Recording.__name__ = "Recording" + action_class.__name__
+    return Recording
+
+
+_STORE = _recording(argparse._StoreAction)
+_BOOL = _recording(argparse.BooleanOptionalAction)
 
 
 def add_flat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -189,12 +233,12 @@ def add_flat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         dest = "flat_" + f.name
         if f.type in ("bool", bool):
-            group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction,
-                               default=default, help=help_text)
+            group.add_argument(_flag(f.name), dest=dest, action=_BOOL, default=default,
+                               help=help_text)
             continue
         kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str)
                                                            else f.type.__name__, str)
-        group.add_argument(_flag(f.name), dest=dest, type=kind, default=default,
+        group.add_argument(_flag(f.name), dest=dest, action=_STORE, type=kind, default=default,
                            choices=f.metadata.get("choices"), help=help_text)
     group.add_argument("--flat-preset", dest="flat_preset", choices=sorted(PRESETS), default=None,
                        help="Start from a named bundle of knobs (paper: all four techniques on "

@@ -36,7 +36,7 @@ case "$MCORE" in
     "${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" ;;
 esac
 # The project itself; torch is already satisfied so nothing heavier is pulled.
-"${PIP[@]}" --no-build-isolation -e ".[test]"
+"${PIP[@]}" --no-build-isolation -e ".[test,demo]"
 # 0.19 appends the git commit of the working directory (+abc1234) to its version.
 PYTHONWARNINGS=ignore "$VENV/bin/python" - <<PY
 import torch, megatron.core

@@ -86,3 +86,15 @@ def test_paper_preset_turns_on_all_four_and_flags_override():
         FlatConfig.preset("fast")
     with pytest.raises(SystemExit):
         parser.parse_args(["--flat-preset", "fast"])
+
+
+def test_preset_flag_repeating_a_default_still_overrides():
+    parser = add_flat_args(argparse.ArgumentParser())
+    cfg = FlatConfig.from_args(parser.parse_args(
+        ["--flat-preset", "paper", "--no-flat-vocab", "--flat-dispatch", "off",
+         "--flat-sco-prefetch", "1"]))
+    assert not cfg.vocab and cfg.dispatch == "off"
+    assert cfg.sco and cfg.optimizer_offload  # untouched preset knobs stay on
+    # a namespace built by hand (no record of given flags): differing values override
+    manual = argparse.Namespace(flat_preset="paper", flat_optimizer_num_slots=3)
+    assert FlatConfig.from_args(manual).optimizer_num_slots == 3
