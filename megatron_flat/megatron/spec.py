@@ -4,15 +4,32 @@ Megatron builds a GPT model from specs: a ``TransformerLayer`` spec per layer (i
 MoE spec — a ``ModuleSpec`` in 0.16, a ``functools.partial`` in 0.19) collected in a decoder
 block spec. Here each megatron-flat technique that lives in a layer is a *layer-spec transform*
 ``(layer_spec, flat) -> layer_spec`` in :data:`LAYER_TRANSFORMS`; :func:`flat_layer_spec`
-applies all of them, and the ``gpt_*`` functions wrap Megatron's own spec functions.
+applies all of them, and the ``gpt_*`` functions wrap Megatron's own spec functions. Today the
+one transform is PipelinedLLEP's: the MoE layer becomes ``FlatMoELayer`` when
+``flat.dispatch != "off"``.
 
+Ways in, one transform behind all of them:
+
+* :class:`FlatSpecProvider` — a ``BackendSpecProvider`` (Megatron's local or transformer-engine
+  provider, wrapped): pass it wherever Megatron takes a ``backend``; its MoE specs build the
+  flat MoE layer. :func:`flat_gpt_spec` (or its ``layer_spec`` / ``decoder_block_spec``) gives
+  the GPT layer or decoder block spec.
+* :data:`flat_gpt_layer_spec` / :data:`flat_gpt_layer_te_spec` — layer specs for Megatron-LM's
+  ``--spec megatron_flat.megatron.spec flat_gpt_layer_spec`` (Megatron-Core modules) or
+  ``--spec megatron_flat.megatron.spec flat_gpt_layer_te_spec`` (transformer-engine modules).
+  Megatron-LM imports them before ``megatron_flat.install()`` has run, so they read the
+  installed FlatConfig when the model is built (:class:`LazyFlatLayerSpec`). One layer spec is
+  repeated over every layer: for mixed dense/MoE models leave ``--spec`` out (next item).
+* :func:`flat_moe_specs` / :func:`wire_dispatch` — Megatron's *stock* spec functions return the
+  flat MoE layer (how a model built by code we don't control, e.g. ``pretrain_gpt.py`` without
+  ``--spec``, or a test harness, gets it).
 * :func:`gpt_layer_local_spec`, :func:`gpt_layer_spec` (local or transformer-engine modules),
-  :func:`gpt_decoder_block_spec` — Megatron's spec with the flat layers.
-* :func:`flat_moe_specs` — a context in which Megatron's *stock* spec functions return the flat
-  MoE layer (how a model built by code we don't control, e.g. ``pretrain_gpt.py`` or a test
-  harness, gets it); :func:`wire_dispatch` does the same for ``megatron_flat.install``.
+  :func:`gpt_decoder_block_spec` — Megatron's spec with the flat layers of an explicit FlatConfig.
 
-Specs are copied, never mutated: Megatron shares spec objects between layers and calls.
+Which FlatConfig: an explicit one wins; else the innermost :func:`flat_moe_specs` block, else
+the one ``megatron_flat.install()`` installed, else ``FlatConfig()`` (everything off), see
+:func:`current_flat`. Specs are copied, never mutated: Megatron shares spec objects between
+layers and calls.
 """
 
 from __future__ import annotations
@@ -22,14 +39,34 @@ import dataclasses
 import functools
 from typing import Any, Callable, Iterator, List, Optional
 
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.transformer.spec_utils import ModuleSpec
+
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
+from megatron_flat.runtime import extras
 
-__all__ = ["LAYER_TRANSFORMS", "flat_layer_spec", "flat_moe_spec", "flat_moe_specs",
-           "gpt_decoder_block_spec", "gpt_layer_local_spec", "gpt_layer_spec", "is_moe_spec",
-           "wire_dispatch", "with_flat_moe"]
+__all__ = ["FlatSpecProvider", "LAYER_TRANSFORMS", "LazyFlatLayerSpec", "current_flat",
+           "flat_gpt_layer_spec", "flat_gpt_layer_te_spec", "flat_gpt_spec", "flat_layer_spec",
+           "flat_moe_spec", "flat_moe_specs", "gpt_decoder_block_spec", "gpt_layer_local_spec",
+           "gpt_layer_spec", "is_moe_spec", "wire_dispatch", "with_flat_moe"]
+
+_OFF = FlatConfig()
+_ACTIVE: List[FlatConfig] = []
+_PATCHED: dict = {}
 
 
+def current_flat() -> FlatConfig:
+    """The FlatConfig a spec built now follows: the innermost :func:`flat_moe_specs` block's,
+    else the installed one (``megatron_flat.install``), else ``FlatConfig()``."""
+    if _ACTIVE:
+        return _ACTIVE[-1]
+    from megatron_flat.megatron.install import installed
+
+    return installed() or _OFF
+
+
+# ---------------------------------------------------------------------------- layer transforms
 def is_moe_spec(spec: Any) -> bool:
     """Whether an ``mlp`` spec builds an ``MoELayer`` (or a subclass)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -46,6 +83,13 @@ def flat_moe_spec(moe_spec: Any, flat: FlatConfig) -> Any:
     if not is_moe_spec(moe_spec):
         raise ValueError(f"not an MoE layer spec: {moe_spec!r}")
     return compat.replace_moe_module(moe_spec, FlatMoELayer, flat=flat)
+
+
+def _moe_for(moe_spec: Any, flat: Optional[FlatConfig]) -> Any:
+    """``moe_spec`` as ``flat`` wants it: the flat MoE layer when its dispatch is on, else as is."""
+    if flat is None or flat.dispatch == "off":
+        return moe_spec
+    return flat_moe_spec(moe_spec, flat)
 
 
 def with_flat_moe(layer_spec: Any, flat: FlatConfig) -> Any:
@@ -80,11 +124,139 @@ def _flat_block(block_spec: Any, flat: FlatConfig) -> Any:
         block_spec, layer_specs=[flat_layer_spec(s, flat) for s in block_spec.layer_specs])
 
 
+# ---------------------------------------------------------------------------- backend provider
+class FlatSpecProvider(BackendSpecProvider):
+    """Megatron's backend spec provider, wrapped, whose MoE specs carry ``FlatMoELayer``.
+
+    ``flat``: the FlatConfig its specs follow; ``None`` reads :func:`current_flat` (the
+    installed one) each time a spec is built. ``backend``: the provider to wrap; default
+    ``TESpecProvider`` when transformer-engine is importable (or ``transformer_engine=True``),
+    else ``LocalSpecProvider``.
+
+    Every ``BackendSpecProvider`` method (and any other attribute, e.g. the transformer-engine
+    provider's ``linear``) is the wrapped provider's, so the linear, norm, attention and expert
+    modules are exactly Megatron's. What the plugin swaps is swapped in the MoE spec:
+
+    * Megatron's ``get_moe_module_spec_for_backend`` hard-codes ``MoELayer``; constructing a
+      provider wires it (process-wide, see :func:`flat_moe_specs`) so that, called with a
+      FlatSpecProvider as ``backend``, it returns this provider's MoE spec — and so does every
+      Megatron function that reaches it with ``backend`` (``get_mlp_module_spec_for_backend``,
+      the experimental-attention-variant specs).
+    * :meth:`moe_module_spec`, :meth:`mlp_module_spec`, :meth:`layer_spec`,
+      :meth:`decoder_block_spec` build the specs directly.
+
+    The GPT layer and block specs come from Megatron's spec functions for the wrapped kind
+    (local or transformer-engine), which choose their provider themselves; a custom ``backend``
+    only reaches the functions that take one.
+    """
+
+    def __init__(self, flat: Optional[FlatConfig] = None, *,
+                 backend: Optional[BackendSpecProvider] = None,
+                 transformer_engine: Optional[bool] = None):
+        if transformer_engine is None:
+            transformer_engine = extras.available("transformer_engine")
+        if backend is None:
+            backend = _megatron_backend(transformer_engine)
+        self._flat = flat
+        self.backend = backend
+        self.transformer_engine = bool(transformer_engine)
+        _patch_stock_moe_specs()
+
+    @property
+    def flat(self) -> FlatConfig:
+        """The FlatConfig this provider's specs follow (read now when none was given)."""
+        return self._flat if self._flat is not None else current_flat()
+
+    def __repr__(self) -> str:
+        given = "installed" if self._flat is None else repr(self._flat)
+        return f"FlatSpecProvider(flat={given}, backend={type(self.backend).__name__})"
+
+    # -- BackendSpecProvider, delegated (signatures differ between releases: pass through) --
+    def column_parallel_linear(self) -> type:
+        return self.backend.column_parallel_linear()
+
+    def row_parallel_linear(self) -> type:
+        return self.backend.row_parallel_linear()
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return self.backend.fuse_layernorm_and_linear()
+
+    def column_parallel_layer_norm_linear(self) -> Optional[type]:
+        return self.backend.column_parallel_layer_norm_linear()
+
+    def layer_norm(self, *args: Any, **kwargs: Any) -> Any:
+        return self.backend.layer_norm(*args, **kwargs)
+
+    def core_attention(self) -> type:
+        return self.backend.core_attention()
+
+    def grouped_mlp_modules(self, *args: Any, **kwargs: Any) -> Any:
+        return self.backend.grouped_mlp_modules(*args, **kwargs)
+
+    def activation_func(self) -> Any:
+        return self.backend.activation_func()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks: the wrapped provider's extras.
+        if name.startswith("_") or "backend" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["backend"], name)
+
+    # -- specs carrying the plugin's modules --
+    def moe_module_spec(self, num_experts: int, **kwargs: Any) -> Any:
+        """Megatron's MoE spec for this backend (``kwargs`` go to
+        ``get_moe_module_spec_for_backend``), with ``FlatMoELayer`` when dispatch is on."""
+        from megatron.core.models.gpt import moe_module_specs
+
+        return moe_module_specs.get_moe_module_spec_for_backend(
+            backend=self, num_experts=num_experts, **kwargs)
+
+    def mlp_module_spec(self, num_experts: Optional[int] = None, **kwargs: Any) -> Any:
+        """Megatron's dense MLP (``num_experts=None``) or MoE spec for this backend."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        return gpt_layer_specs.get_mlp_module_spec_for_backend(
+            backend=self, num_experts=num_experts, **kwargs)
+
+    def layer_spec(self, **kwargs: Any) -> Any:
+        """The GPT ``TransformerLayer`` spec (:func:`gpt_layer_spec`) for this provider's kind."""
+        return gpt_layer_spec(self.flat, use_transformer_engine=self.transformer_engine, **kwargs)
+
+    def decoder_block_spec(self, config: Any, **kwargs: Any) -> Any:
+        """The GPT decoder block spec (:func:`gpt_decoder_block_spec`) for this provider's kind:
+        dense and MoE layers as ``config`` says, this pipeline stage's slice. ``normalization``
+        and ``qk_l2_norm`` default to ``config``'s, as Megatron-LM's GPT builder passes them."""
+        for name in ("normalization", "qk_l2_norm"):
+            if hasattr(config, name):
+                kwargs.setdefault(name, getattr(config, name))
+        return gpt_decoder_block_spec(config, self.flat,
+                                      use_transformer_engine=self.transformer_engine, **kwargs)
+
+
+def _megatron_backend(transformer_engine: bool) -> BackendSpecProvider:
+    if not transformer_engine:
+        return LocalSpecProvider()
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    return TESpecProvider()
+
+
+# ---------------------------------------------------------------------------- GPT specs
+@contextlib.contextmanager
+def _stock_moe() -> Iterator[None]:
+    """Megatron's spec functions build the stock ``MoELayer`` inside the block, whatever is
+    installed, so a transform applied afterwards sees (and decides from) the stock spec."""
+    with flat_moe_specs(_OFF):
+        yield
+
+
 def gpt_layer_local_spec(flat: FlatConfig, **kwargs: Any) -> Any:
     """``get_gpt_layer_local_spec(**kwargs)`` (Megatron-Core modules only) with the flat layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return flat_layer_spec(get_gpt_layer_local_spec(**kwargs), flat)
+    with _stock_moe():
+        stock = get_gpt_layer_local_spec(**kwargs)
+    return flat_layer_spec(stock, flat)
 
 
 def gpt_layer_spec(flat: FlatConfig, *, use_transformer_engine: bool = False,
@@ -97,7 +269,9 @@ def gpt_layer_spec(flat: FlatConfig, *, use_transformer_engine: bool = False,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    return flat_layer_spec(get_gpt_layer_with_transformer_engine_spec(**kwargs), flat)
+    with _stock_moe():
+        stock = get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    return flat_layer_spec(stock, flat)
 
 
 def gpt_decoder_block_spec(config: Any, flat: FlatConfig, *, use_transformer_engine: bool = False,
@@ -106,7 +280,103 @@ def gpt_decoder_block_spec(config: Any, flat: FlatConfig, *, use_transformer_eng
     layers per ``config``, this pipeline stage's slice) with the flat layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return _flat_block(get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs), flat)
+    with _stock_moe():
+        stock = get_gpt_decoder_block_spec(config, use_transformer_engine, **kwargs)
+    return _flat_block(stock, flat)
+
+
+def flat_gpt_spec(flat: Optional[FlatConfig] = None, config: Any = None, *,
+                  use_transformer_engine: Optional[bool] = None, **kwargs: Any) -> Any:
+    """The GPT spec built with ``FlatSpecProvider(flat)``: the decoder block spec for
+    ``config`` when given (what ``GPTModel(transformer_layer_spec=...)`` takes for mixed
+    dense/MoE layers), else one layer spec (``kwargs`` then go to Megatron's layer spec
+    function, e.g. ``num_experts=``). ``flat=None``: the installed FlatConfig;
+    ``use_transformer_engine=None``: transformer-engine modules when importable."""
+    provider = FlatSpecProvider(flat, transformer_engine=use_transformer_engine)
+    if config is not None:
+        return provider.decoder_block_spec(config, **kwargs)
+    return provider.layer_spec(**kwargs)
+
+
+# ---------------------------------------------------------------------------- --spec objects
+class LazyFlatLayerSpec(ModuleSpec):
+    """A ``TransformerLayer`` ``ModuleSpec`` whose fields are resolved each time they are read:
+    the stock layer spec (built once, on first read, by ``build_stock``) with the flat layers
+    of :func:`current_flat` — the FlatConfig installed *when the model is built*.
+
+    For Megatron-LM's ``--spec <module> <name>``, which imports the named object as it is and
+    uses it as ``transformer_layer_spec``, before ``megatron_flat.install()`` has run. With
+    nothing installed, or ``--flat-dispatch off``, every field is the stock spec's own object,
+    so the model is the stock one. The fields are read-only views: use :meth:`resolve` for a
+    plain ``ModuleSpec`` to edit.
+    """
+
+    def __init__(self, build_stock: Callable[[], ModuleSpec], name: str):
+        # Not ModuleSpec.__init__: it would assign the fields, which are views here.
+        self._build_stock = build_stock
+        self._name = name
+        self._stock: Optional[ModuleSpec] = None
+
+    def stock(self) -> ModuleSpec:
+        """The stock layer spec (``MoELayer`` whatever is installed); built on first call."""
+        if self._stock is None:
+            with _stock_moe():
+                self._stock = self._build_stock()
+        return self._stock
+
+    def resolve(self, flat: Optional[FlatConfig] = None) -> ModuleSpec:
+        """The plain ``ModuleSpec`` for ``flat`` (default :func:`current_flat`)."""
+        return flat_layer_spec(self.stock(), flat if flat is not None else current_flat())
+
+    module = property(lambda self: self.resolve().module)
+    params = property(lambda self: self.resolve().params)
+    submodules = property(lambda self: self.resolve().submodules)
+    metainfo = property(lambda self: self.resolve().metainfo)
+
+    def __repr__(self) -> str:
+        return f"megatron_flat.megatron.spec.{self._name}"
+
+
+# Megatron's layer spec functions only ask whether num_experts is None (MoE or dense); the
+# expert count itself comes from the TransformerConfig (--num-experts) when the layer is built.
+_MOE_LAYER = 1
+
+
+def _stock_local_moe_layer() -> ModuleSpec:
+    # "RMSNorm" selects WrappedTorchNorm, which builds LayerNorm or RMSNorm as the config says.
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=_MOE_LAYER, normalization="RMSNorm")
+
+
+def _stock_te_moe_layer() -> ModuleSpec:
+    if not extras.available("transformer_engine"):
+        raise RuntimeError("megatron_flat.megatron.spec.flat_gpt_layer_te_spec builds "
+                           "transformer-engine modules, and transformer-engine is not importable "
+                           "here; use flat_gpt_layer_spec (Megatron-Core modules) instead")
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=_MOE_LAYER,
+                                                      moe_grouped_gemm=False)
+
+
+flat_gpt_layer_spec = LazyFlatLayerSpec(_stock_local_moe_layer, "flat_gpt_layer_spec")
+"""``--spec megatron_flat.megatron.spec flat_gpt_layer_spec``: Megatron's local MoE layer spec
+(``get_gpt_layer_local_spec(num_experts, normalization="RMSNorm")``: Megatron-Core modules,
+``SequentialMLP`` experts) with ``FlatMoELayer`` when the installed ``--flat-dispatch`` is on.
+
+Megatron-LM repeats one layer spec over every layer, so every layer is MoE: for mixed dense/MoE
+models (``--moe-layer-freq``), a grouped-GEMM, MLA or qk-layernorm layer, leave ``--spec`` out
+— with ``--flat-dispatch`` the installed wiring (:func:`wire_dispatch`) puts ``FlatMoELayer``
+into Megatron's own block spec. The local attention does not support context parallelism."""
+
+flat_gpt_layer_te_spec = LazyFlatLayerSpec(_stock_te_moe_layer, "flat_gpt_layer_te_spec")
+"""``--spec megatron_flat.megatron.spec flat_gpt_layer_te_spec``: as
+:data:`flat_gpt_layer_spec` with transformer-engine modules
+(``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm=False)``); needs
+transformer-engine when the model is built (fused attention, context parallelism)."""
 
 
 # ---------------------------------------------------------------------------- stock specs
@@ -114,11 +384,8 @@ def gpt_decoder_block_spec(config: Any, flat: FlatConfig, *, use_transformer_eng
 # ``moe_module_specs.get_moe_module_spec_for_backend``, imported by name into ``gpt_layer_specs``
 # (0.16.1 and 0.19.x; ``get_moe_module_spec`` and the experimental-attention specs look it up on
 # ``moe_module_specs`` at call time). Wrapping those two names makes every stock spec function
-# return the flat MoE layer while a FlatConfig is active.
-_ACTIVE: List[FlatConfig] = []
-_PATCHED: dict = {}
-
-
+# return the flat MoE layer while a FlatConfig is active, or when its backend is a
+# FlatSpecProvider.
 def _active_flat() -> Optional[FlatConfig]:
     if _ACTIVE:
         return _ACTIVE[-1]
@@ -138,10 +405,10 @@ def _patch_stock_moe_specs() -> None:
     @functools.wraps(stock)
     def get_moe_module_spec_for_backend(*args: Any, **kwargs: Any) -> Any:
         spec = stock(*args, **kwargs)
-        flat = _active_flat()
-        if flat is None or flat.dispatch == "off":
-            return spec
-        return flat_moe_spec(spec, flat)
+        backend = kwargs.get("backend", args[0] if args else None)
+        if isinstance(backend, FlatSpecProvider):
+            return _moe_for(spec, backend.flat)
+        return _moe_for(spec, _active_flat())
 
     get_moe_module_spec_for_backend._megatron_flat_stock = stock
     for module in (moe_module_specs, gpt_layer_specs):
