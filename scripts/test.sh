@@ -24,7 +24,7 @@ check "single-process tests" $?
 for n in 2 4; do
   echo "== multi-rank tests, world size $n (torchrun, gloo)"
   logs="$JUNIT/logs$n"
-  "$VENV/bin/torchrun" --nproc-per-node "$n" --log-dir "$logs" --redirects 3 --tee 3 \
+  "$VENV/bin/torchrun" --standalone --nproc-per-node "$n" --log-dir "$logs" --redirects 3 --tee 3 \
     --local-ranks-filter 0 -m pytest -q -p no:cacheprovider "$@" tests
   rc=$?
   if [ $rc -ne 0 ]; then  # show what the silent ranks said
