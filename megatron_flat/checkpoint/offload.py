@@ -364,6 +364,7 @@ class SelectiveCheckpointOffload:
         kwargs: Optional[dict] = None,
         *,
         offload_args: Optional[Container[int]] = None,
+        checkpoint_fn: Optional[Callable[..., Any]] = None,
         context_fn: ContextFn = noop_context_fn,
         determinism_check: str = "default",
         debug: bool = False,
@@ -375,6 +376,15 @@ class SelectiveCheckpointOffload:
         ``offload_args``: positions in ``args`` whose tensors may be offloaded
         (None: every tensor in ``args`` and ``kwargs``); the others are saved
         as plain checkpoint saves them.
+
+        ``checkpoint_fn``: another checkpoint to run instead of torch's
+        non-reentrant one, called as ``checkpoint_fn(function, *args, **kwargs)``
+        inside SCO's saved-tensor hooks. It must save the region's inputs with
+        ``ctx.save_for_backward`` and run the forward without saving anything
+        else (a reentrant checkpoint such as Megatron's ``CheckpointFunction``):
+        the inputs are then the only tensors SCO packs, and recompute, RNG
+        replay and backward are that checkpoint's own. The torch options
+        (``context_fn`` and the rest) do not apply then.
         """
         kwargs = dict(kwargs or {})
         options = dict(
@@ -385,8 +395,12 @@ class SelectiveCheckpointOffload:
             early_stop=early_stop,
             preserve_rng_state=preserve_rng_state,
         )
+        if checkpoint_fn is not None:
+            plain = functools.partial(checkpoint_fn, function)
+        else:
+            plain = functools.partial(torch_checkpoint, function, **options)
         if not torch.is_grad_enabled():
-            return torch_checkpoint(function, *args, **options, **kwargs)
+            return plain(*args, **kwargs)
         if _foreign_hooks_active():
             self._counters.add(plain_fallbacks=1)
             if not self._warned_hooks:
@@ -396,16 +410,19 @@ class SelectiveCheckpointOffload:
                     "(nested checkpoint, save_on_cpu, ...); running plain checkpoint there",
                     stacklevel=3,
                 )
-            return torch_checkpoint(function, *args, **options, **kwargs)
+            return plain(*args, **kwargs)
 
         leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
         eligible = self._eligible(args, kwargs, leaves, offload_args)
         region = self._offload(leaves, eligible)
-        inner = functools.partial(_call_unflattened, function, spec)
         with torch.autograd.graph.saved_tensors_hooks(
             functools.partial(self._pack, region), self._unpack
         ):
-            out = torch_checkpoint(inner, *leaves, **options)
+            if checkpoint_fn is not None:
+                out = checkpoint_fn(function, *args, **kwargs)
+            else:
+                inner = functools.partial(_call_unflattened, function, spec)
+                out = torch_checkpoint(inner, *leaves, **options)
         region.plan = {}
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:

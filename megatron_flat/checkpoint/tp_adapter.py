@@ -87,8 +87,20 @@ def tensor_parallel_checkpoint(
     get_rng_tracker: Optional[Callable[[], Any]] = None,
     offload_args: Sequence[int] = (0,),
     fallback: Optional[Callable[..., Any]] = None,
+    reentrant: bool = False,
 ) -> Callable[..., Any]:
-    """``checkpoint(function, distribute_saved_activations, *args)`` routed through ``sco``."""
+    """``checkpoint(function, distribute_saved_activations, *args)`` routed through ``sco``.
+
+    ``reentrant=True`` (needs ``fallback``): the region runs as ``fallback`` itself —
+    Megatron's reentrant ``CheckpointFunction``, forward without grad, recompute and RNG
+    replay its own — and SCO only moves the inputs it saves to the host pool and back.
+    Its forward keeps nothing alive but those inputs, where torch's non-reentrant checkpoint
+    builds the forward graph of Megatron's layers (module attributes hold parts of it until
+    the next step). ``reentrant=False``: torch's non-reentrant checkpoint with the tracker's
+    states replayed through ``context_fn``.
+    """
+    if reentrant and fallback is None:
+        raise ValueError("the reentrant SCO checkpoint runs the fallback checkpoint; pass one")
     rng = rng_tracker_context_fn(get_rng_tracker) if get_rng_tracker else None
     positions = frozenset(offload_args)
 
@@ -105,6 +117,12 @@ def tensor_parallel_checkpoint(
         nested = getattr(_inside, "depth", 0) > 0
         if fallback is not None and (distribute_saved_activations or nested):
             return fallback(function, distribute_saved_activations, *args)
+        if reentrant:
+            # Calls nested in this forward go to the fallback, as in its recompute (the
+            # recompute runs in backward, outside the integration's routing).
+            with _region(nullcontext()):
+                return sco.run(function, args, offload_args=positions,
+                               checkpoint_fn=lambda f, *a: fallback(f, False, *a))
         return sco.run(function, args, offload_args=positions, context_fn=context_fn)
 
     return checkpoint

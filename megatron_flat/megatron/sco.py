@@ -21,12 +21,16 @@ its calls go to Megatron's checkpoint too). The fp8/fp4 path (``te_checkpoint``)
 touched.
 
 What SCO changes: only ``hidden_states`` (argument 0, the per-layer boundary) is offloaded;
-masks and rotary tables are shared by every layer and stay where they are. Megatron's
-``CheckpointFunction`` is reentrant; SCO runs torch's non-reentrant checkpoint with
-Megatron's CUDA RNG tracker states replayed in the recompute (``get_cuda_rng_tracker``), so
-dropout recomputes identically and loss and gradients are bitwise those of plain full
-recompute (tests/checkpoint/test_megatron_sco*.py). ``distribute_saved_activations=True``
-is refused: SCO offloads boundaries whole instead of sharding them over TP ranks.
+masks and rotary tables are shared by every layer and stay where they are. Each layer (or
+group of layers) still runs as Megatron's own reentrant ``CheckpointFunction`` — forward
+without grad, recompute and RNG-tracker replay in backward — inside SCO's saved-tensor
+hooks, so the boundary it saves waits in the host pool and comes back (prefetched) when its
+backward starts; loss and gradients are bitwise those of plain full recompute
+(tests/checkpoint/test_megatron_sco*.py). Megatron's reentrant region matters: under torch's
+non-reentrant checkpoint the forward builds the layers' autograd graph, and Megatron's
+modules keep references into it (attention and MoE intermediates stayed alive after
+backward and the step peak rose). ``distribute_saved_activations=True`` is refused: SCO
+offloads boundaries whole instead of sharding them over TP ranks.
 """
 
 from __future__ import annotations
@@ -95,17 +99,16 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
     ``stats`` count the offloaded boundaries).
     """
     import megatron.core.tensor_parallel as real_tp
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     compat.check_supported()
     if sco is None:
         sco = SelectiveCheckpointOffload(int(host_budget_bytes), prefetch=prefetch)
     adapter = tensor_parallel_checkpoint(
         sco,
-        get_rng_tracker=get_cuda_rng_tracker,
         offload_args=(0,),
         # Megatron's own checkpoint, looked up at call time (other patches compose).
         fallback=lambda *a: real_tp.checkpoint(*a),
+        reentrant=True,
     )
 
     def route(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:

@@ -150,3 +150,41 @@ def test_distribute_saved_activations_refused(built, tiny):
             _step(tiny, model, init)
     finally:
         model.config.distribute_saved_activations = False
+
+
+def test_step_peak_and_leftovers_not_above_plain_recompute(megatron_cpu):
+    """SCO moves boundaries only: a training step's peak and the bytes alive after its
+    backward are at most plain full recompute's, and the decoder holds less from forward to
+    backward. (Guards the reentrant region: under torch's non-reentrant checkpoint the
+    forward graph of Megatron's layers stayed alive through module attributes — about one
+    layer's attention activations per layer after backward, and a higher step peak.)"""
+    from megatron_flat.config import FlatConfig
+    from megatron_flat.runtime.memory import MemoryMeter
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+    from megatron_flat.testing.training import Layout, Trainer
+
+    tiny = TinyMoE(num_layers=4, seq_length=128, micro_batch_size=1, global_batch_size=1,
+                   hidden_size=64, vocab_size=256)
+    layout = Layout(recompute="full")
+    figures = {}
+    for name, flat in (("plain", None), ("sco", FlatConfig(sco=True, sco_host_budget_gib=0.01))):
+        with megatron_layout(seed=tiny.seed):
+            trainer = Trainer(tiny, layout, flat=flat)
+            trainer.warm_up()
+            held = []
+            trainer.model.decoder.register_forward_hook(
+                lambda *_: held.append(meter.current_device_bytes()))
+            before = trainer.sco.stats.boundaries_offloaded if flat is not None else 0
+            with MemoryMeter() as meter:
+                trainer.forward_backward(0)
+                left = meter.current_device_bytes()
+            figures[name] = (meter.peak_device_bytes, left, held[-1])
+            if flat is not None:  # one checkpoint per layer, every boundary in the pool
+                assert trainer.sco.stats.boundaries_offloaded - before == LAYERS
+    (peak, left, held), (sco_peak, sco_left, sco_held) = figures["plain"], figures["sco"]
+    assert sco_peak <= peak, figures
+    assert sco_left <= left, figures
+    # Every layer input but the first (alive before the decoder) went to the host pool.
+    boundary = tiny.seq_length * tiny.micro_batch_size * tiny.hidden_size * 4
+    assert sco_held <= held - (LAYERS - 1) * boundary, figures
