@@ -9,8 +9,9 @@ export MCORE
 setup:
 	@scripts/bootstrap.sh
 
+# ARGS: extra flags for the demo script, e.g. make demo ARGS="--steps 5 --no-flat-sco".
 demo:
-	@scripts/demo.sh
+	@scripts/demo.sh $(ARGS)
 
 test:
 	@scripts/test.sh

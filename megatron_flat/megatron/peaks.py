@@ -9,7 +9,8 @@ one section per component (peaks relative to the live bytes when the section sta
   (with Ring-DTP on: its output module, ``megatron_flat.megatron.vocab``).
 - ``checkpoint boundaries``: what the decoder keeps alive from its forward to its
   backward (with full recompute, the saved layer inputs), measured as live bytes at the
-  decoder's exit minus at its entry. Recorded as a held amount, not a transient.
+  decoder's exit minus at its entry. Recorded as a held amount, not a transient; the
+  pinned host bytes held the same way (SCO's boundaries) as its host figure.
 
 Forward sections use module hooks; backward sections use tensor hooks on the layer's
 output (fires first in backward) and input (fires once the layer's input grad exists).
@@ -148,13 +149,15 @@ def attach_peak_sections(model: torch.nn.Module, meter) -> PeakSections:
     # only what the forward really keeps for the backward.
     def dec_pre(mod, args):
         gc.collect()
-        entry.append(meter.current_device_bytes())
+        entry.append((meter.current_device_bytes(), meter.current_host_bytes()))
 
     def dec_post(mod, args, output):
         gc.collect()
         if entry:
-            kept = meter.current_device_bytes() - entry.pop()
-            held.peak_device_bytes = max(held.peak_device_bytes, kept)
+            device, host = entry.pop()
+            held.peak_device_bytes = max(held.peak_device_bytes,
+                                         meter.current_device_bytes() - device)
+            held.peak_host_bytes = max(held.peak_host_bytes, meter.current_host_bytes() - host)
             held.entries += 1
 
     handles.append(decoder.register_forward_pre_hook(dec_pre))
