@@ -1,43 +1,20 @@
 """PipelinedLLEP: least-loaded, chunk-capped MoE dispatch (DESIGN.md §2.1).
 
 ``plan`` holds the pure planning API (LLEP plan, chunk counts and membership, route
-destinations, send matrices); ``profiles`` the synthetic routings used by benchmarks.
+destinations, send matrices, the receive bound); ``schedule`` turns a plan into per-chunk
+send/receive/weight schedules; ``llep`` executes them (``PipelinedLLEP``, unchunked LLEP
+with ``mode="llep"``); ``experts`` is the expert-bank protocol the engine computes with;
+``profiles`` the synthetic routings used by benchmarks. The Megatron MoE layer built on
+this is ``megatron_flat.megatron.moe.FlatMoELayer``. The package namespace re-exports each
+module's ``__all__``.
 """
 
-from megatron_flat.dispatch.plan import (
-    MEMBERSHIPS,
-    LLEPPlan,
-    chunk_indices,
-    imbalance,
-    llep_capacity,
-    llep_plan,
-    native_rank_loads,
-    num_chunks,
-    plain_ep_plan,
-    plan_dispatch,
-    receive_bound,
-    route_destinations,
-    send_counts,
-    send_matrix,
-    use_llep,
-)
-from megatron_flat.dispatch.profiles import routing_profile
+from megatron_flat.dispatch import experts, llep, plan, profiles, schedule
+from megatron_flat.dispatch.experts import *  # noqa: F401,F403
+from megatron_flat.dispatch.llep import *  # noqa: F401,F403
+from megatron_flat.dispatch.plan import *  # noqa: F401,F403
+from megatron_flat.dispatch.profiles import *  # noqa: F401,F403
+from megatron_flat.dispatch.schedule import *  # noqa: F401,F403
 
-__all__ = [
-    "MEMBERSHIPS",
-    "LLEPPlan",
-    "chunk_indices",
-    "imbalance",
-    "llep_capacity",
-    "llep_plan",
-    "native_rank_loads",
-    "num_chunks",
-    "plain_ep_plan",
-    "plan_dispatch",
-    "receive_bound",
-    "route_destinations",
-    "routing_profile",
-    "send_counts",
-    "send_matrix",
-    "use_llep",
-]
+__all__ = sorted({name for module in (experts, llep, plan, profiles, schedule)
+                  for name in module.__all__})

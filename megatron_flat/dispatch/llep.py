@@ -683,6 +683,30 @@ class PipelinedLLEP:
                                          for name in bad))
         self._group_checked = True
 
+    def _check_receive_bound(self, totals: Sequence[int], bound: int, k_chunks: int,
+                             c_eff: int, device: torch.device) -> None:
+        """Raise on every rank if any rank would receive more than ``bound`` routes in a
+        chunk (a bug, never bad input). Each rank knows only what it receives, so the worst
+        chunk of every rank is gathered first (one small all-gather): a rank raising alone
+        would leave the others waiting in the dispatch."""
+        worst = max(range(len(totals)), key=lambda i: totals[i]) if totals else 0
+        mine = torch.tensor([totals[worst] if totals else 0, worst], dtype=torch.long,
+                            device=device)
+        if self.ep_size > 1:
+            every = mine.new_empty(self.ep_size * 2)
+            dist.all_gather_into_tensor(every, mine, group=self.group)
+            every = every.cpu().view(self.ep_size, 2).tolist()
+        else:
+            every = [mine.cpu().tolist()]
+        over = [(r, total, chunk) for r, (total, chunk) in enumerate(every) if total > bound]
+        if over:
+            r, total, chunk = over[0]
+            raise RuntimeError(
+                f"PipelinedLLEP bug: rank {r} would receive {total} routes in chunk {chunk} "
+                f"of {k_chunks}, above the receive bound P·k·c_eff = "
+                f"{self.ep_size}·{self.topk}·{c_eff} = {bound}"
+                + (f" ({len(over)} ranks over it)" if len(over) > 1 else ""))
+
     # -- the call ----------------------------------------------------------------------
     def __call__(self, tokens: torch.Tensor, route_token: torch.Tensor,
                  route_expert: torch.Tensor, route_probs: torch.Tensor) -> torch.Tensor:
@@ -719,12 +743,7 @@ class PipelinedLLEP:
         recv = receive_schedule(got.view(p, k_chunks, e))
         recv.group = [None if g is None else g.to(device) for g in recv.group]
         bound = receive_bound(ep_size=p, topk=self.topk, c_eff=c_eff)
-        for i, total in enumerate(recv.totals):
-            if total > bound:
-                raise RuntimeError(
-                    f"PipelinedLLEP bug: rank {rank} would receive {total} routes in chunk {i} "
-                    f"of {k_chunks}, above the receive bound P·k·c_eff = {p}·{self.topk}·{c_eff} "
-                    f"= {bound}")
+        self._check_receive_bound(recv.totals, bound, k_chunks, c_eff, device)
         wsched = weight_schedule(plan, rank)
         foreign = recv.experts - set(range(rank * (e // p), (rank + 1) * (e // p))) \
             - set(wsched.helper_experts)

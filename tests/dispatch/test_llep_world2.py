@@ -81,3 +81,33 @@ def test_bad_input_fails_everywhere_before_a_collective(dist_world):
         eng(b["tokens"], b["route_token"], b["route_expert"] + E, b["route_probs"])
     out = eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
     assert out.shape == (5, H) and eng.last.num_chunks == 3
+
+
+def test_receive_bound_violation_raises_on_every_rank(dist_world, monkeypatch):
+    """A receive-bound violation is a bug; every rank reports it (none is left waiting in
+    the dispatch), naming the rank that would receive too much, and the group stays usable."""
+    import megatron_flat.dispatch.llep as llep
+
+    rank = dist.get_rank()
+    full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(1))
+    bank = llep_local_bank(full, rank)
+    eng = PipelinedLLEP(bank, num_experts=E, topk=2, options=DispatchOptions(chunk_tokens=4))
+    # Rank 0's routes all go to expert 0 (native to rank 0); rank 1's spread out.
+    b = RankCase(8, H, E, 2, "0.95/1" if rank == 0 else "balanced", seed=rank).build()
+    args = (b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
+    bound = {"value": 10**9}
+    monkeypatch.setattr(llep, "receive_bound", lambda **kw: bound["value"])
+    eng(*args)
+    totals = [torch.tensor(max(eng.last.received)) for _ in range(P)]
+    dist.all_gather(totals, torch.tensor(max(eng.last.received)))
+    worst = max(range(P), key=lambda r: int(totals[r]))
+    bound["value"] = int(totals[worst]) - 1  # exactly one rank (the worst) is over
+    with pytest.raises(RuntimeError, match=f"PipelinedLLEP bug: rank {worst} would receive"):
+        eng(*args)
+    dist.barrier()
+
+
+def llep_local_bank(full, rank):
+    from megatron_flat.dispatch.reference import local_bank_from
+
+    return local_bank_from(full, rank * (E // P), E // P)
