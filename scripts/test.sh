@@ -21,19 +21,33 @@ echo "== single-process tests ($("$PY" -c 'import megatron.core as m; print("meg
 "$PY" -m pytest -q -p no:cacheprovider "$@" tests
 check "single-process tests" $?
 
+# One torchrun per multi-rank test file (files end in _world2.py / _world4.py): every
+# Megatron layout creates fresh gloo process groups, whose transport threads live as long
+# as the process, so one process per file keeps their number (and the CPU they steal) small.
 for n in 2 4; do
-  echo "== multi-rank tests, world size $n (torchrun, gloo)"
-  logs="$JUNIT/logs$n"
-  "$VENV/bin/torchrun" --standalone --nproc-per-node "$n" --log-dir "$logs" --redirects 3 --tee 3 \
-    --local-ranks-filter 0 -m pytest -q -p no:cacheprovider "$@" tests
-  rc=$?
-  if [ $rc -ne 0 ]; then  # show what the silent ranks said
-    for f in "$logs"/*/attempt_0/*/stdout.log; do
-      case "$f" in */0/stdout.log) continue ;; esac
-      echo "---- $f"; tail -n 40 "$f"
-    done
-  fi
-  check "world-$n tests" $rc
+  echo "== multi-rank tests, world size $n (torchrun, gloo, one run per file)"
+  files=(tests/*/*_world$n.py)
+  [ -e "${files[0]}" ] || { echo "FAILED: no world-$n test files"; status=1; continue; }
+  ran=0
+  for file in "${files[@]}"; do
+    tag="$(basename "$(dirname "$file")")-$(basename "$file" .py)"
+    logs="$JUNIT/logs-$tag"
+    FLAT_JUNIT_TAG="$tag" "$VENV/bin/torchrun" --standalone --nproc-per-node "$n" \
+      --log-dir "$logs" --redirects 3 --tee 3 --local-ranks-filter 0 \
+      -m pytest -q -p no:cacheprovider "$@" "$file"
+    rc=$?
+    if [ $rc -ne 0 ]; then  # show what the silent ranks said
+      for f in "$logs"/*/attempt_0/*/stdout.log; do
+        case "$f" in */0/stdout.log) continue ;; esac
+        echo "---- $f"; tail -n 40 "$f"
+      done
+    fi
+    # A file with no test selected (e.g. by -k) is fine; the world size as a whole must run some.
+    if [ $rc -eq 5 ]; then continue; fi
+    ran=1
+    check "world-$n tests in $file" $rc
+  done
+  [ $ran -eq 1 ] || { echo "FAILED: world-$n tests ran no test"; status=1; }
 done
 
 "$PY" - "$JUNIT" <<'PY'

@@ -23,7 +23,9 @@ def pytest_configure(config):
     junit_dir = os.environ.get("FLAT_JUNIT_DIR")
     if junit_dir:
         world = launched_world()
-        name = "single" if world is None else f"world{world}-rank{os.environ['RANK']}"
+        tag = os.environ.get("FLAT_JUNIT_TAG")  # one torchrun per test file: keep each report
+        name = "single" if world is None else "-".join(
+            [f"world{world}"] + ([tag] if tag else []) + [f"rank{os.environ['RANK']}"])
         config.option.xmlpath = os.path.join(junit_dir, f"junit-{name}.xml")
 
 
