@@ -388,8 +388,12 @@ class Layout:
     ``microbatches_in_flight``: microbatches whose checkpoint boundaries the first pipeline
     stage holds at once; 1F1B holds PP of them on the first stage (PP − s on stage s), which
     is the default. ``fused_kernels``: production GPU kernels (fused SwiGLU, gradient-
-    accumulation fusion straight into the fp32 grad buffer); False models Megatron's
-    unfused reference path (what the CPU validation runs). ``grad_fp32``: gradient buffer in
+    accumulation fusion straight into the fp32 grad buffer, fused AdamW and gradient
+    clipping, fp32-output matmuls); False models Megatron's
+    unfused reference path (what the CPU validation runs). ``overlap``: communication runs
+    beside compute, as on CUDA (PipelinedLLEP dispatches chunk i+1 while chunk i computes, so
+    two chunks' rows are in flight); False: nothing overlaps, one chunk at a time (what
+    PipelinedLLEP does on CPU). ``grad_fp32``: gradient buffer in
     fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``), else in the model dtype.
     ``gpus_per_node``: devices sharing one host's memory (pinned-host accounting).
     Full activation recompute (per-layer checkpoints) is assumed throughout.
@@ -406,6 +410,7 @@ class Layout:
     distributed_optimizer: bool = True
     grad_fp32: bool = True
     fused_kernels: bool = True
+    overlap: bool = True
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:

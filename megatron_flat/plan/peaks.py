@@ -23,9 +23,12 @@ Symbols (per device, one microbatch unless noted):
 Every formula below models Megatron-Core's implementation (megatron-core 0.16, the
 alltoall dispatcher with per-expert GEMMs, ``vocab_parallel_cross_entropy``, full per-layer
 recompute, the distributed optimizer). The dispatch and vocabulary formulas of the baseline
-are validated against the memory meter on the tiny MoE GPT (``tests/plan/test_validation.py``);
-the "flat" formulas follow DESIGN.md §2 and are to be checked against the techniques' own
-measurements as they land.
+are validated against the memory meter on the tiny MoE GPT (``tests/plan/test_validation.py``),
+and so are the "flat" ones where one process can run them (``test_validation_flat.py``:
+PipelinedLLEP at EP = 1, Ring-DTP on one rank, SCO's boundaries on device and host,
+OffloadStreamAdamW's staging and host state). Their multi-rank parts (all-to-all rows,
+LLEP spills, the Ring-DTP ring, sub-optimizers per parameter kind) follow DESIGN.md §2
+and the techniques' documented bounds.
 """
 
 from __future__ import annotations
@@ -54,18 +57,40 @@ ROUTER_BYTES_PER_TOKEN = 8
 CE_BYTES_PER_TOKEN = 29
 # RMSNorm keeps one fp32 rsqrt per token.
 NORM_BYTES_PER_TOKEN = 4
+# PipelinedLLEP backward, per route of the chunk: the int64 route, token and restore-order
+# indices it selects the chunk's rows with.
+CHUNK_INDEX_BYTES_PER_ROUTE = 24
+# PipelinedLLEP moves each route's router probability in fp32 beside its rows.
+PROB_BYTES = 4
 
 # --- optimizer state
 ADAM_BYTES_PER_PARAM = 12          # fp32 master + m + v (mixed precision)
 ADAM_BYTES_PER_PARAM_FP32 = 8      # m + v only: fp32 parameters are their own master
-HOST_BYTES_PER_PARAM = 16          # OffloadStreamAdamW on host: master, m, v, fp32 grad
+# OffloadStreamAdamW on host for low-precision parameters: master, m, v, fp32 grad (DESIGN
+# §2.4's placement; under Megatron's mixed-precision optimizer the master and the gradient
+# stay on the device today, see tests/plan/test_validation_flat.py's known problems).
+HOST_BYTES_PER_PARAM = 16
+# OffloadStreamAdamW on host for fp32 parameters: m and v only. An fp32 parameter is its
+# own master (uploaded from where it lives and written back in place) and its gradient is
+# read from the device grad buffer (counted in ``grads``), so neither has a host copy.
+HOST_BYTES_PER_PARAM_FP32 = 8
 STAGING_BYTES_PER_PARAM = 16       # one staged parameter: master, m, v, grad (fp32)
+# AdamW kernel scratch per element updated at once: torch's single-tensor kernel keeps
+# sqrt(v) and the step's quotient (8 B/element of the largest parameter or bucket piece),
+# its foreach kernel (what OffloadStreamAdamW resolves to on CUDA) sqrt(v) for the whole
+# bucket (4 B/element); fused kernels none.
+ADAM_SCRATCH_SINGLE_TENSOR = 8
+ADAM_SCRATCH_FOREACH = 4
+# Megatron's gradient clipping without apex/transformer-engine (local_multi_tensor_scale)
+# writes each scaled fp32 gradient to a temporary before copying it back.
+CLIP_SCRATCH_BYTES_PER_PARAM = 4
 
 COMPONENTS = ("dispatch", "vocab", "boundaries", "optimizer", "other")
 # The memory meter's section names (megatron_flat.megatron.peaks), for ``sections``.
 METER_DISPATCH = "expert dispatch"
 METER_VOCAB = "vocabulary projection + loss"
 METER_BOUNDARIES = "checkpoint boundaries"
+METER_OPTIMIZER = "optimizer step"
 
 
 @dataclass
@@ -76,7 +101,8 @@ class PeakReport:
     max(dispatch + other, vocab)``; ``binding`` names the largest of ``dispatch`` / ``vocab``
     (whichever transient wins), ``boundaries``, ``optimizer`` (weights + grads + optimizer
     state on device) and ``other``. ``sections`` gives the figures in the memory meter's
-    definitions (per-section peaks relative to the section's entry), for validation.
+    definitions (per-section peaks relative to the section's entry, the boundaries as held
+    bytes, the optimizer step's as its first step), for validation.
     """
 
     model: str
@@ -222,12 +248,31 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
 
     PipelinedLLEP (``flat.dispatch == "pipelined"``): K = min(ceil(N_sp/c), K_max),
     c_eff = ceil(N_sp/K) (``dispatch.plan.num_chunks``);
-    per chunk r_s = k·c_eff sent, r_r = σ'·k·c_eff received (σ' after LLEP), at most two
-    chunks' buffers in flight, one chunk's expert compute (per-chunk recompute in backward)::
+    per chunk r_s = k·c_eff sent, r_r = σ'·k·c_eff received (σ' after LLEP); f = min(2, K)
+    chunks' rows in flight when communication overlaps compute (``layout.overlap``), else 1;
+    rows received from several sources are regrouped by expert (only when EP > 1 and
+    E_l > 1: from one source they arrive grouped). The forward runs without autograd, one
+    chunk at a time; it is bounded by the chunk's whole expert graph, as if every route of
+    the chunk went to one expert (their activations then live together)::
 
-        flat = small + b·N_sp·H (combined output) + b·min(2,K)·H·(r_s + [EP>1]·r_r)
-               + b·r_r·H·[E_l>1] + b·r_r·(w·F + 2·H) + shared
-               + [LLEP active]·3·H·F·(b + 4)   one borrowed expert's weights and fp32 grad
+        fwd  = small + b·N_sp·H (combined output) + b·f·H·(r_s + [EP>1]·r_r)
+               + [regroup]·b·r_r·H + b·r_r·(w·F + 2·H) + shared + borrowed
+        borrowed = [LLEP active]·3·H·F·(b + 4)   one borrowed expert's weights and fp32 grad
+
+    The backward recomputes one chunk at a time and differentiates it with one
+    ``autograd.grad`` over the chunk's experts, so each expert's weight gradient is a
+    transient returned before it is added into ``main_grad`` (whatever the kernels)::
+
+        row  = 2·b·H + 4                         token row, output-grad row, fp32 probability
+        bwd  = b·N_sp·H + 4·k·N_sp               input-grad and probability-grad accumulators
+               + 24·r_s                          the chunk's int64 indices
+               + f·row·(r_s + [EP>1]·r_r) + [regroup]·row·r_r
+               + max(b·r_r·(w·F + 2·H)           the recomputed chunk graph, outputs, concat,
+                       + b·H·F + 2·b·⌈r_r/E_l⌉·F     + the first expert's backward transient;
+                     E_l·M·b·H·F + 3·b·r_r·H)    every local expert's weight gradient (M
+                                                 matrices each), output, input grads + concat
+               + shared + borrowed
+        flat = max(fwd, bwd)
 
     ``bound``: the same with σ at its routing-independent maximum EP·min(k, E_l)/k (per
     chunk under PipelinedLLEP: EP·min(k, E_l)·c_eff routes received; a token's k routes land
@@ -275,18 +320,42 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
 
     # One definition of K and c_eff, shared with the dispatcher.
     K, c_eff = num_chunks(n_sp, flat.dispatch_chunk_tokens, flat.dispatch_max_chunks)
-
-    def chunked(sig: float) -> float:
-        r_s, r_r = k * c_eff, sig * k * c_eff
-        in_flight = min(2, K) * H * (r_s + (r_r if layout.ep > 1 else 0))
-        sort = r_r * H if e_local > 1 else 0
-        return (small + b * n_sp * H + b * in_flight + b * sort + b * r_r * (w * F + 2 * H)
-                + shared + borrowed)
-
+    chunked = _pipelined_transient(model, layout, n_sp, K, c_eff, small, shared + borrowed)
     value = chunked(sigma)
-    buffers = b * H * min(2, K) * k * c_eff * (1 + sigma)
+    buffers = b * H * (min(2, K) if layout.overlap else 1) * k * c_eff * (1 + sigma)
     return {"value": value, "buffers": buffers, "bound": chunked(sigma_max), "chunks": K,
             "c_eff": c_eff, "skew": sigma}
+
+
+def _pipelined_transient(model: ModelSpec, layout: Layout, n_sp: int, K: int, c_eff: int,
+                         small: float, extra: float):
+    """σ ↦ PipelinedLLEP's MoE-layer transient, max(forward, backward) (``dispatch_term``).
+
+    ``small``: router bookkeeping; ``extra``: shared experts + borrowed expert, live in both.
+    """
+    b, H, F, k = model.bytes_per_value, model.hidden, model.expert_ffn, model.topk
+    e_local = model.experts // layout.ep
+    w = _expert_act_width(model, layout.fused_kernels)
+    flight = min(2, K) if layout.overlap else 1
+    remote = layout.ep > 1
+    regroup = remote and e_local > 1
+    row = 2 * b * H + PROB_BYTES
+
+    def transient(sig: float) -> float:
+        r_s, r_r = k * c_eff, sig * k * c_eff
+        chunk_graph = b * r_r * (w * F + 2 * H)
+        fwd = (small + b * n_sp * H + b * flight * H * (r_s + (r_r if remote else 0))
+               + (b * r_r * H if regroup else 0) + chunk_graph)
+        # The first expert's backward adds its fc2 weight gradient and two F-wide
+        # activation gradients for its routes while the rest of the graph is still alive.
+        first_expert = b * H * F + 2 * b * math.ceil(r_r / e_local) * F
+        weight_grads = e_local * model.ffn_matrices * b * H * F + 3 * b * r_r * H
+        bwd = (b * n_sp * H + PROB_BYTES * k * n_sp + CHUNK_INDEX_BYTES_PER_ROUTE * r_s
+               + flight * row * (r_s + (r_r if remote else 0)) + (row * r_r if regroup else 0)
+               + max(chunk_graph + first_expert, weight_grads))
+        return max(fwd, bwd) + extra
+
+    return transient
 
 
 def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
@@ -310,14 +379,32 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
     DESIGN §1's "≈ 3·N·V fp32" describes an out-of-place loss; Megatron's in-place one keeps
     one fp32 copy (plus the model-dtype logits), which is what is measured.
 
-    Ring-DTP (``flat.vocab``; P = TP ring ranks, each with its own N_sp tokens; strip width
-    w = V/P, or ``vocab_block_size`` when P = 1)::
+    Ring-DTP over a ring of P = TP ranks (``flat.vocab``; each rank has its own N_sp tokens;
+    strip width w = V/P)::
 
         strips = 2·4·N_sp·w              the strip being folded + the next one in flight (fp32)
         state  = 4·N_sp·(3 + H)          (m, z, t) and the fp32 dX accumulator
-        ring   = weights mode:     2·w·H·b + [P>1]·2·4·w·H   shards in flight, dW_q travels
+        ring   = weights mode:     2·w·H·b + 2·4·w·H    shards in flight, dW_q travels
                  activations mode: 2·N_sp·(H·b + 12 + 8) + 2·4·N_sp·H   X, state, targets; dX
         vocab  = strips + state + ring + 29·N_sp
+
+    Ring-DTP on one rank (P = 1: the blocked version, nothing moves; ``vocab_block_size`` B
+    gives ceil(V/B) strips of equal width w = ceil(V / ceil(V/B))). One strip is live at a
+    time; the backward returns the weight gradient as a tensor (the autograd Function's
+    output, added into ``main_grad`` afterwards, with fused kernels too), written strip by
+    strip::
+
+        strip = 4·N·w + [b<4, unfused]·b·N·w/4   fp32 strip (+ its half-precision product,
+                                                 made a quarter of the rows at a time)
+        fwd   = strip + 29·N                     strip + online state (m, z, t), loss, masks
+        bwd   = b·V·H                            the weight gradient
+                + 4·N·H                          the fp32 dX accumulator
+                + 4·N·w + 29·N                   one recomputed strip, lse, coefficients
+                + [b<4]·(b·N·w/4 + 4·w·H + p·w·H)   half inputs: a quarter-strip of dlogits
+                                                 in the input dtype, the strip's fp32 dW
+                                                 block and its product (p = 4 with
+                                                 fp32-output matmuls, else b)
+        section = max(fwd, bwd);  vocab = max(fwd, 4·N + bwd)   (+ lse saved by the forward)
     """
     b, H, V, P = model.bytes_per_value, model.hidden, model.vocab, layout.tp
     gathered = layout.sp and layout.tp > 1
@@ -330,16 +417,35 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
         bwd = n * shard * cast + b * n * H * (2 if gathered else 1) \
             + (0 if layout.fused_kernels else shard * H * b)
         return {"value": max(fwd, saved + bwd), "section": max(fwd, bwd), "mode": "none"}
-    width = math.ceil(V / P) if P > 1 else min(V, flat.vocab_block_size)
-    mode = _ring_mode(flat, n_sp, math.ceil(V / P))
+    if P == 1:
+        return _blocked_vocab(model, layout, n, flat.vocab_block_size)
+    width = math.ceil(V / P)
+    mode = _ring_mode(flat, n_sp, width)
     strips = 2 * 4 * n_sp * width
     state = 4 * n_sp * (3 + H)
     if mode == "weights":
-        ring = 2 * width * H * b + (2 * 4 * width * H if P > 1 else 0)
+        ring = 2 * width * H * b + 2 * 4 * width * H
     else:
         ring = 2 * n_sp * (H * b + 12 + 8) + 2 * 4 * n_sp * H
     value = strips + state + ring + CE_BYTES_PER_TOKEN * n_sp
     return {"value": value, "section": value, "mode": mode}
+
+
+def _blocked_vocab(model: ModelSpec, layout: Layout, n: int, block: int) -> Dict[str, float]:
+    """Ring-DTP on one rank (``vocab_term``): strips of ``block`` rows at most, no ring."""
+    b, H, V = model.bytes_per_value, model.hidden, model.vocab
+    width = math.ceil(V / math.ceil(V / block))
+    half = b < 4
+    strip = 4 * n * width
+    fwd = strip + (b * n * width // 4 if half and not layout.fused_kernels else 0) \
+        + CE_BYTES_PER_TOKEN * n
+    bwd = b * V * H + 4 * n * H + strip + CE_BYTES_PER_TOKEN * n
+    if half:
+        product = 4 if layout.fused_kernels else b
+        bwd += b * n * width // 4 + 4 * width * H + product * width * H
+    # Reported as "weights": the blocked version is the weights schedule's loop on one
+    # rank (``vocab.plan`` calls it "blocked").
+    return {"value": max(fwd, 4 * n + bwd), "section": max(fwd, bwd), "mode": "weights"}
 
 
 def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool) -> int:
@@ -397,6 +503,55 @@ def stage_params(model: ModelSpec, layout: Layout, first: int, count: int,
         if not (model.tied_embeddings and first_stage):
             dense += emb
     return {"dense": dense, "expert": expert}
+
+
+def largest_param(model: ModelSpec, layout: Layout, first: int, count: int,
+                  first_stage: bool, last_stage: bool) -> int:
+    """Elements of the largest parameter tensor of one device of a pipeline stage, as
+    Megatron's unfused path (``SequentialMLP`` experts) builds them: embedding / output
+    shard, fused QKV and output projections, an expert's fc1 (2F·H gated; fc2 is never
+    larger), dense and shared FFNs, the router."""
+    H, TP = model.hidden, layout.tp
+    fc1 = 2 if model.gated else 1
+    sizes = [0]
+    if first_stage or last_stage:
+        sizes.append(math.ceil(model.vocab / TP) * H)
+    if count:
+        g_local = max(model.kv_heads // TP, 1) * TP
+        sizes.append(H * (model.heads * model.head_dim + g_local * (model.head_dim + model.dv))
+                     // TP)
+        sizes.append(model.heads * model.dv * H // TP)
+    layers = range(first, first + count)
+    if any(model.is_moe_layer(i) for i in layers):
+        sizes += [fc1 * model.expert_ffn * H, model.experts * H,
+                  fc1 * model.shared_expert_ffn * H // TP]
+    if any(not model.is_moe_layer(i) for i in layers):
+        sizes.append(fc1 * model.dense_ffn * H // TP)
+    return max(sizes)
+
+
+def optimizer_step_term(model: ModelSpec, layout: Layout, shard: int, biggest: int,
+                        flat: Optional[FlatConfig]) -> int:
+    """What the meter's "optimizer step" section sees on the device in the first step: the
+    state allocated there plus the AdamW kernel's scratch; clipping comes first, alone.
+
+    Baseline: m and v (8 B/param of the shard; a master copy exists before the first step)
+    + kernel scratch (unfused: torch's single-tensor AdamW, 8 B × the largest parameter;
+    fused: none). OffloadStreamAdamW: its staging slots + kernel scratch (unfused: 8 B × the
+    largest piece of one bucket, ≤ min(bucket, largest parameter); fused kernels on CUDA:
+    torch's foreach kernel, 4 B × the bucket). Unfused clipping scales each gradient into
+    an fp32 temporary (4 B × the largest parameter) before the update starts.
+    """
+    bucket = min(flat.optimizer_bucket_numel, shard) if flat and flat.optimizer_offload else 0
+    if bucket:
+        state = flat.optimizer_num_slots * bucket * STAGING_BYTES_PER_PARAM
+        scratch = ADAM_SCRATCH_FOREACH * bucket if layout.fused_kernels else \
+            ADAM_SCRATCH_SINGLE_TENSOR * min(bucket, biggest)
+    else:
+        state = shard * ADAM_BYTES_PER_PARAM_FP32
+        scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * biggest
+    clip = 0 if layout.fused_kernels else CLIP_SCRATCH_BYTES_PER_PARAM * biggest
+    return max(state + scratch, clip)
 
 
 # ------------------------------------------------------------------------------ estimate
@@ -463,7 +618,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
     if flat is not None and flat.optimizer_offload:
         optimizer_device = flat.optimizer_num_slots * min(flat.optimizer_bucket_numel, shard) \
             * STAGING_BYTES_PER_PARAM
-        optimizer_host = shard * HOST_BYTES_PER_PARAM
+        optimizer_host = shard * (HOST_BYTES_PER_PARAM if b < 4 else HOST_BYTES_PER_PARAM_FP32)
     else:
         optimizer_device = shard * (ADAM_BYTES_PER_PARAM if b < 4 else ADAM_BYTES_PER_PARAM_FP32)
         optimizer_host = 0
@@ -480,12 +635,12 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
     contributions.update(boundaries=boundaries_device, optimizer=resident)
     binding = max(contributions, key=lambda name: (contributions[name], name == "dispatch"))
 
+    biggest = largest_param(model, layout, first, count, first_stage, last_stage)
     sections = {
         METER_DISPATCH: dispatch,
         METER_VOCAB: int(math.ceil(v["section"])),
-        # The meter's held amount is live bytes at decoder exit minus entry, for one
-        # microbatch: the first layer's input predates the entry.
-        METER_BOUNDARIES: (count - 1) * B + fixed if count else 0,
+        METER_BOUNDARIES: _held_at_exit(count, offloaded, B, fixed),
+        METER_OPTIMIZER: optimizer_step_term(model, layout, shard, biggest, flat),
     }
     return PeakReport(
         model=model.name, layout=layout, seq_len=seq_len, flat=flat, stage=stage, tokens=n,
@@ -497,6 +652,21 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
         other=other, total=total, binding=binding, num_chunks=int(d["chunks"]),
         chunk_tokens=int(d["c_eff"]), vocab_mode=v["mode"], sections=sections, params=params,
     )
+
+
+def _held_at_exit(count: int, offloaded: int, B: int, fixed: int) -> int:
+    """The meter's "checkpoint boundaries" figure: live bytes at the decoder's exit minus its
+    entry, for one microbatch (the first microbatch of the stage).
+
+    The first layer's input predates the entry and its caller keeps it, so it never counts,
+    offloaded or not. SCO offloads boundaries in forward order until its host budget is
+    spent (``offloaded`` of them, first layers first) and frees their device copies; the
+    layer inputs past the budget stay: count − max(offloaded, 1) of them. The final norm's
+    part (``fixed``) is never offloaded.
+    """
+    if not count:
+        return 0
+    return (count - max(min(offloaded, count), 1)) * B + fixed
 
 
 def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[FlatConfig] = None,
