@@ -70,7 +70,8 @@ class FlatConfig:
                   "choices": VOCAB_MODES},
     )
     vocab_block_size: int = field(
-        default=8192, metadata={"help": "Vocabulary strip width when the ring has one rank."}
+        default=8192, metadata={"help": "Vocabulary strip width: rows of the projection "
+                                        "folded at a time (within each rank's V/P shard)."}
     )
 
     # SCO: the checkpoint-boundary peak.

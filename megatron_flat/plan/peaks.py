@@ -380,11 +380,11 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
     one fp32 copy (plus the model-dtype logits), which is what is measured.
 
     Ring-DTP over a ring of P = TP ranks (``flat.vocab``; each rank has its own N_sp tokens;
-    strip width w = V/P)::
+    each V/P shard folded in strips of w = ceil(V/P / ceil(V/P / vocab_block_size)) rows)::
 
         strips = 2·4·N_sp·w              the strip being folded + the next one in flight (fp32)
         state  = 4·N_sp·(3 + H)          (m, z, t) and the fp32 dX accumulator
-        ring   = weights mode:     2·w·H·b + 2·4·w·H    shards in flight, dW_q travels
+        ring   = weights mode:     2·(V/P)·H·b + 2·4·(V/P)·H   shards in flight, dW_q travels
                  activations mode: 2·N_sp·(H·b + 12 + 8) + 2·4·N_sp·H   X, state, targets; dX
         vocab  = strips + state + ring + 29·N_sp
 
@@ -419,12 +419,14 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
         return {"value": max(fwd, saved + bwd), "section": max(fwd, bwd), "mode": "none"}
     if P == 1:
         return _blocked_vocab(model, layout, n, flat.vocab_block_size)
-    width = math.ceil(V / P)
-    mode = _ring_mode(flat, n_sp, width)
+    shard = math.ceil(V / P)
+    # Each V/P shard is folded in strips of at most vocab_block_size rows, of equal width.
+    width = math.ceil(shard / math.ceil(shard / flat.vocab_block_size))
+    mode = _ring_mode(flat, n_sp, shard)
     strips = 2 * 4 * n_sp * width
     state = 4 * n_sp * (3 + H)
     if mode == "weights":
-        ring = 2 * width * H * b + 2 * 4 * width * H
+        ring = 2 * shard * H * b + 2 * 4 * shard * H
     else:
         ring = 2 * n_sp * (H * b + 12 + 8) + 2 * 4 * n_sp * H
     value = strips + state + ring + CE_BYTES_PER_TOKEN * n_sp
