@@ -260,6 +260,25 @@ class _Step:
         return helper
 
     # -- per-chunk pieces --------------------------------------------------------------
+    def _rows(self, t: torch.Tensor, i: int, start: int, end: int) -> torch.Tensor:
+        """Rows ``start:end`` of chunk i's grouped order (one expert's routes), taken from the
+        received buffer ``t`` (a view when the received order is already grouped)."""
+        index = self.recv.group[i]
+        return t[start:end] if index is None else t.index_select(0, index[start:end])
+
+    def _put(self, dst: torch.Tensor, i: int, start: int, end: int, src: torch.Tensor) -> None:
+        """The inverse of ``_rows``: write one expert's rows into a received-order buffer."""
+        index = self.recv.group[i]
+        if index is None:
+            dst[start:end].copy_(src)
+        else:
+            dst.index_copy_(0, index[start:end], src)
+
+    def _run(self, for_grad: bool) -> Callable:
+        if for_grad and hasattr(self.bank, "run_for_grad"):
+            return self.bank.run_for_grad  # recompute: the output's values are not needed
+        return self.bank.run
+
     def _group(self, t: torch.Tensor, i: int) -> torch.Tensor:
         index = self.recv.group[i]
         return t if index is None else t.index_select(0, index)
@@ -271,10 +290,9 @@ class _Step:
         return torch.empty_like(t).index_copy_(0, index, t)
 
     def _compute(self, i: int, xg: torch.Tensor, pg: torch.Tensor,
-                 weight_of: Callable[[int], tuple], for_grad: bool = False) -> torch.Tensor:
+                 weight_of: Callable[[int], tuple]) -> torch.Tensor:
+        """Chunk i's grouped rows through their experts as one graph (``llep`` mode)."""
         run = self.bank.run
-        if for_grad and hasattr(self.bank, "run_for_grad"):
-            run = self.bank.run_for_grad  # recompute: the output's values are not needed
         segments = self.recv.segments[i]
         if not segments:
             return xg.new_empty((0,) + tuple(xg.shape[1:]))
@@ -286,17 +304,17 @@ class _Step:
                 zip(segments, torch.split(xg, sizes), torch.split(pg, sizes))]
         return torch.cat(outs)
 
+    def _leaf(self, e: int, weights, helper) -> tuple[torch.Tensor, ...]:
+        """Expert e's weights as autograd inputs: a native expert's own parameters
+        (``autograd.grad`` w.r.t. them returns the gradient without accumulating it, so no
+        gradient hook fires here), detached leaves of a helper copy."""
+        if self.first <= e < self.first + self.e_local:
+            return self._own(e, weights)
+        return tuple(w.detach().requires_grad_() for w in helper[e])
+
     def _leaves(self, i: int, weights, helper) -> dict:
-        """Weights of the experts computed in chunk i, as autograd inputs: a native expert's
-        own parameters (``autograd.grad`` w.r.t. them returns the gradient without
-        accumulating it, so no gradient hook fires here), detached leaves of helper copies."""
-        leaves = {}
-        for e, _, _ in self.recv.segments[i]:
-            if self.first <= e < self.first + self.e_local:
-                leaves[e] = self._own(e, weights)
-            else:
-                leaves[e] = tuple(w.detach().requires_grad_() for w in helper[e])
-        return leaves
+        """``_leaf`` of every expert computed in chunk i."""
+        return {e: self._leaf(e, weights, helper) for e, _, _ in self.recv.segments[i]}
 
     def _packable(self, tensors: Sequence[torch.Tensor]) -> bool:
         return self.p > 1 and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
@@ -320,17 +338,26 @@ class _Step:
                 else:
                     out.append(src if index is None else src.index_select(0, index))
             return out, None
-        widths = [src.shape[1] if src.dim() == 2 else 0 for src in sources]
         rows = sources[0].shape[0] if parts[0][1] is None else parts[0][1].numel()
-        buf = sources[0].new_empty((rows, sum(max(w, 1) for w in widths)))
-        for (src, index), view in zip(parts, _columns(buf, widths)):
+        views, packed = self._empty_packed(sources, rows)
+        for (src, index), view in zip(parts, views):
             if group is not None:
                 view.index_copy_(0, group, src)
             elif index is None:
                 view.copy_(src)
             else:
                 torch.index_select(src, 0, index, out=view)
-        return [buf], widths
+        return packed
+
+    def _empty_packed(self, like: Sequence[torch.Tensor], rows: int):
+        """Uninitialised ``rows``-row buffers shaped and typed like ``like``'s rows, in one
+        packed buffer when ``_packable``: ``(views to fill, what _a2a sends)``."""
+        if not self._packable(like):
+            views = [t.new_empty((rows,) + tuple(t.shape[1:])) for t in like]
+            return views, (views, None)
+        widths = [t.shape[1] if t.dim() == 2 else 0 for t in like]
+        buf = like[0].new_empty((rows, sum(max(w, 1) for w in widths)))
+        return _columns(buf, widths), ([buf], widths)
 
     def _a2a(self, packed, i: int, *, back: bool) -> _Pending:
         tensors, widths = packed
@@ -356,21 +383,19 @@ class _Step:
         for i in range(k):
             x_recv, p_recv = pending.wait()
             pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
-            xg, pg = self._group(x_recv, i), self._group(p_recv, i)
-            del x_recv, p_recv
             if self.save:
+                xg, pg = self._group(x_recv, i), self._group(p_recv, i)
+                del x_recv, p_recv
                 xg, pg = xg.detach().requires_grad_(), pg.detach().requires_grad_()
                 leaves = self._leaves(i, weights, helper)
                 with torch.enable_grad():
                     yg = self._compute(i, xg, pg, leaves.__getitem__)
                 self.saved.append((xg, pg, leaves, yg))
-                y = yg.detach()
-                del leaves, yg
+                y_recv = self._ungroup(yg.detach(), i)
+                del xg, pg, leaves, yg
             else:
-                y = self._compute(i, xg, pg, lambda e: self._weights_of(e, weights, helper))
-            del xg, pg
-            y_recv = self._ungroup(y, i)
-            del y
+                y_recv = self._forward_chunk(i, x_recv, p_recv, weights, helper)
+                del x_recv, p_recv
             (y_send,) = self._a2a(([y_recv], None), i, back=True).wait()
             del y_recv
             restore = self.send.restore[i]
@@ -384,6 +409,21 @@ class _Step:
         if self.save:
             self.helper = helper
         return out
+
+    def _forward_chunk(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+                       weights: Sequence[torch.Tensor], helper: dict) -> torch.Tensor:
+        """Chunk i's expert outputs in received order, one expert at a time: each expert's
+        rows are gathered, run and written into one output buffer, so the working set is
+        one expert's intermediates rather than the whole chunk's."""
+        y_recv = None
+        for e, start, end in self.recv.segments[i]:
+            y = self.bank.run(self._weights_of(e, weights, helper),
+                              self._rows(x_recv, i, start, end), self._rows(p_recv, i, start, end))
+            if y_recv is None:
+                y_recv = y.new_empty((x_recv.shape[0],) + tuple(y.shape[1:]))
+            self._put(y_recv, i, start, end, y)
+            del y
+        return x_recv.new_empty(x_recv.shape) if y_recv is None else y_recv
 
     # -- backward ------------------------------------------------------------------------
     def backward(self, grad_out: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor,
@@ -408,37 +448,11 @@ class _Step:
         for i in range(k):
             received = pending.wait()
             pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
-            gg = self._group(received[-1], i)
             if self.save:
-                xg, pg, leaves, yg = self.saved[i]
-                self.saved[i] = None
+                back = self._backward_saved(i, received[-1], acc)
             else:
-                xg = self._group(received[0], i).detach().requires_grad_()
-                pg = self._group(received[1], i).detach().requires_grad_()
-                leaves = self._leaves(i, weights, helper)
-                with torch.enable_grad():
-                    yg = self._compute(i, xg, pg, leaves.__getitem__, for_grad=True)
+                back = self._backward_chunk(i, *received, weights, helper, acc)
             del received
-            if self.recv.segments[i]:
-                experts = [e for e, _, _ in self.recv.segments[i]]
-                wanted = [w for e in experts for w in leaves[e] if w.requires_grad]
-                grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
-                dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
-                dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
-                found = iter(grads[2:])
-                for e in experts:
-                    self._accumulate(acc, e, [next(found) if w.requires_grad else None
-                                              for w in leaves[e]], leaves[e])
-                del grads, found
-            else:
-                dxg, dpg = xg.detach(), pg.detach()  # empty
-            del xg, pg, yg, gg, leaves
-            index = self.recv.group[i]
-            if index is None:
-                back = self._pack([(dxg, None), (dpg, None)])
-            else:
-                back = self._pack([(dxg, None), (dpg, None)], group=index)
-            del dxg, dpg
             dx_send, dp_send = self._a2a(back, i, back=True).wait()
             del back
             idx = self.send.chunk(i)
@@ -467,6 +481,63 @@ class _Step:
                     grad_weights.append(torch.zeros_like(w) if got is None
                                         else got[n].to(w.dtype))
         return grad_tokens, grad_probs, grad_weights
+
+    def _backward_saved(self, i: int, g_recv: torch.Tensor, acc: dict):
+        """``llep`` mode: differentiate chunk i's saved graph (all its experts at once, as
+        plain autograd would); returns what ``_a2a`` sends back (input, probability grads)."""
+        gg = self._group(g_recv, i)
+        xg, pg, leaves, yg = self.saved[i]
+        self.saved[i] = None
+        if self.recv.segments[i]:
+            experts = [e for e, _, _ in self.recv.segments[i]]
+            wanted = [w for e in experts for w in leaves[e] if w.requires_grad]
+            grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
+            dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
+            dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
+            found = iter(grads[2:])
+            for e in experts:
+                self._accumulate(acc, e, [next(found) if w.requires_grad else None
+                                          for w in leaves[e]], leaves[e])
+            del grads, found
+        else:
+            dxg, dpg = xg.detach(), pg.detach()  # empty
+        del xg, pg, yg, gg, leaves
+        index = self.recv.group[i]
+        return self._pack([(dxg, None), (dpg, None)], group=index)
+
+    def _backward_chunk(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+                        g_recv: torch.Tensor, weights: Sequence[torch.Tensor], helper: dict,
+                        acc: dict):
+        """``pipelined`` mode: recompute and differentiate chunk i one expert at a time.
+
+        Each expert's graph is rebuilt from its received rows, differentiated, and its
+        weight gradient added (into ``main_grad`` or the accumulators) before the next
+        expert starts, so backward holds one expert's graph and weight gradient, never the
+        chunk's. Input and probability gradients are written straight into the buffer sent
+        back, in received order. Per-expert graphs are independent, so every value is what
+        one ``autograd.grad`` over the whole chunk would give.
+        """
+        run = self._run(for_grad=True)
+        (dx_recv, dp_recv), back = self._empty_packed([x_recv, p_recv], x_recv.shape[0])
+        for e, start, end in self.recv.segments[i]:
+            x = self._rows(x_recv, i, start, end).detach().requires_grad_()
+            p = self._rows(p_recv, i, start, end).detach().requires_grad_()
+            leaves = self._leaf(e, weights, helper)
+            with torch.enable_grad():
+                y = run(leaves, x, p)
+            wanted = [w for w in leaves if w.requires_grad]
+            grads = torch.autograd.grad(y, [x, p] + wanted, self._rows(g_recv, i, start, end),
+                                        allow_unused=True)
+            del y
+            self._put(dx_recv, i, start, end,
+                      grads[0] if grads[0] is not None else torch.zeros_like(x))
+            self._put(dp_recv, i, start, end,
+                      grads[1] if grads[1] is not None else torch.zeros_like(p))
+            found = iter(grads[2:])
+            self._accumulate(acc, e, [next(found) if w.requires_grad else None for w in leaves],
+                             leaves)
+            del grads, found, x, p, leaves
+        return back
 
     @staticmethod
     def _accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
@@ -540,9 +611,9 @@ class PipelinedLLEPFunction(torch.autograd.Function):
       each) back.
     Backward, ``pipelined`` (recompute): the weights again, then per chunk one all-to-all of the
       routes with their probabilities and output gradients (2H + 1 per route) out and one of
-      input and probability gradients (H + 1) back; the chunk's expert graph is rebuilt from
-      them (the last linear layer's forward GEMM skipped when the bank has ``run_for_grad``)
-      and differentiated; finally helpers return weight gradients to owners (fp32, one
+      input and probability gradients (H + 1) back; each expert's graph is rebuilt from its
+      rows (the last linear layer's forward GEMM skipped when the bank has ``run_for_grad``)
+      and differentiated before the next expert's; finally helpers return weight gradients to owners (fp32, one
       all-to-all) and the owners add them.
     Backward, ``llep`` (saved): per chunk only output gradients out and input/probability
       gradients back, then the weight-gradient return.
@@ -555,7 +626,9 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     (:func:`~megatron_flat.dispatch.plan.receive_bound`, checked at run time), so the dispatch
     working set is O(P · k · c_eff · (H + F)) per chunk instead of O(k · N · H) per layer:
     at most the chunk being computed plus, with ``overlap``, the next one's receive buffer.
-    Backward holds one chunk's recomputed graph at a time and ``N · H`` for the input gradient.
+    Within a chunk, ``pipelined`` runs one expert at a time in both passes: forward holds one
+    expert's intermediates beside the chunk's combine buffer, backward one expert's recomputed
+    graph and weight gradient, plus ``N · H`` for the input gradient.
     Weight gradients go straight into Megatron DDP's ``main_grad`` buffers when the weights
     have them (the fused-accumulation protocol; see ``_main_grad``); otherwise fp32
     accumulators of the E_local experts' size are held until the end of backward. Helpers hold

@@ -49,6 +49,7 @@ class SequentialMLPBank:
         template = experts.local_experts[0]
         self.names = [name for name, _ in template.named_parameters()]
         self._index: dict = {}
+        self._index_weights: list = []
         for expert in experts.local_experts:
             # The experts' weight gradients leave through PipelinedLLEPFunction, so the linears
             # must return them rather than fuse them into ``main_grad`` themselves.
@@ -102,16 +103,19 @@ class SequentialMLPBank:
             del fc2.forward
 
     def _owner_of(self, weights: Sequence[torch.Tensor]):
-        """The local expert module whose parameters ``weights`` are, else None."""
+        """The local expert module whose parameters ``weights`` are, else None.
+
+        Called once per expert per chunk, so it compares identities against a cached tuple
+        per expert; the cache is rebuilt (once per call) only when a parameter was replaced.
+        """
         for attempt in range(2):
             j = self._index.get(id(weights[0]))
-            if j is not None:
-                own = self.local_weights(j)
-                if all(a is b for a, b in zip(own, weights)):
-                    return self.experts.local_experts[j]
+            if j is not None and all(a is b for a, b in zip(self._index_weights[j], weights)):
+                return self.experts.local_experts[j]
             if attempt == 0:  # parameters may have been replaced since: index them again
-                self._index = {id(self.local_weights(j)[0]): j
-                               for j in range(self.num_local_experts)}
+                self._index_weights = [self.local_weights(j)
+                                       for j in range(self.num_local_experts)]
+                self._index = {id(own[0]): j for j, own in enumerate(self._index_weights)}
         return None
 
 

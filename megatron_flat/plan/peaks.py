@@ -251,26 +251,32 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
     per chunk r_s = k·c_eff sent, r_r = σ'·k·c_eff received (σ' after LLEP); f = min(2, K)
     chunks' rows in flight when communication overlaps compute (``layout.overlap``), else 1;
     rows received from several sources are regrouped by expert (only when EP > 1 and
-    E_l > 1: from one source they arrive grouped). The forward runs without autograd, one
-    chunk at a time; it is bounded by the chunk's whole expert graph, as if every route of
-    the chunk went to one expert (their activations then live together)::
+    E_l > 1: from one source they arrive grouped). Both passes run one expert at a time; the
+    hottest expert of a chunk is taken at its bound r_e = min(r_r, EP·c_eff) (a token routes
+    to an expert at most once, so each source sends it at most c_eff routes per chunk). The
+    forward runs without autograd and writes each expert's output into the chunk's combine
+    buffer::
 
+        exp  = b·r_e·(w·F + H) + [regroup]·b·r_e·H   one expert: gathered rows, activations,
+                                                      output
         fwd  = small + b·N_sp·H (combined output) + b·f·H·(r_s + [EP>1]·r_r)
-               + [regroup]·b·r_r·H + b·r_r·(w·F + 2·H) + shared + borrowed
+               + b·r_r·H (combine buffer) + max(exp, b·r_s·H (its rows in token order))
+               + shared + borrowed
         borrowed = [LLEP active]·3·H·F·(b + 4)   one borrowed expert's weights and fp32 grad
 
-    The backward recomputes one chunk at a time and differentiates it with one
-    ``autograd.grad`` over the chunk's experts, so each expert's weight gradient is a
-    transient returned before it is added into ``main_grad`` (whatever the kernels)::
+    The backward recomputes and differentiates one expert at a time (its own
+    ``autograd.grad``), adding its weight gradient into ``main_grad`` before the next::
 
         row  = 2·b·H + 4                         token row, output-grad row, fp32 probability
         bwd  = b·N_sp·H + 4·k·N_sp               input-grad and probability-grad accumulators
                + 24·r_s                          the chunk's int64 indices
-               + f·row·(r_s + [EP>1]·r_r) + [regroup]·row·r_r
-               + max(b·r_r·(w·F + 2·H)           the recomputed chunk graph, outputs, concat,
-                       + b·H·F + 2·b·⌈r_r/E_l⌉·F     + the first expert's backward transient;
-                     E_l·M·b·H·F + 3·b·r_r·H)    every local expert's weight gradient (M
-                                                 matrices each), output, input grads + concat
+               + f·row·(r_s + [EP>1]·r_r)        the chunk's rows with their output grads
+               + (b·H + 4)·r_r                   input and probability grads sent back
+               + max(exp + [regroup]·(row − b·H)·r_e + b·H·F + 2·b·r_e·F,
+                                                 the expert's graph, then its fc2 weight grad
+                                                 and two F-wide activation grads;
+                     M·b·H·F + b·r_e·H,          its M weight grads and input grad at the end;
+                     b·r_s·H)                    the input grads in token order
                + shared + borrowed
         flat = max(fwd, bwd)
 
@@ -343,16 +349,19 @@ def _pipelined_transient(model: ModelSpec, layout: Layout, n_sp: int, K: int, c_
 
     def transient(sig: float) -> float:
         r_s, r_r = k * c_eff, sig * k * c_eff
-        chunk_graph = b * r_r * (w * F + 2 * H)
-        fwd = (small + b * n_sp * H + b * flight * H * (r_s + (r_r if remote else 0))
-               + (b * r_r * H if regroup else 0) + chunk_graph)
-        # The first expert's backward adds its fc2 weight gradient and two F-wide
-        # activation gradients for its routes while the rest of the graph is still alive.
-        first_expert = b * H * F + 2 * b * math.ceil(r_r / e_local) * F
-        weight_grads = e_local * model.ffn_matrices * b * H * F + 3 * b * r_r * H
+        # One expert's rows in a chunk: a token routes to an expert at most once, so each
+        # source sends an expert at most c_eff routes per chunk.
+        r_e = min(r_r, layout.ep * c_eff)
+        sent = flight * (r_s + (r_r if remote else 0))
+        expert = b * r_e * (w * F + H) + (b * r_e * H if regroup else 0)
+        fwd = (small + b * n_sp * H + b * H * sent + b * r_r * H
+               + max(expert, b * r_s * H))
+        # Backward: one expert's recomputed graph, then its fc2 weight gradient and two F-wide
+        # activation gradients; at its end all M of its weight gradients and its input grad.
+        expert_bwd = max(expert + (row - b * H) * r_e * regroup + b * H * F + 2 * b * r_e * F,
+                         model.ffn_matrices * b * H * F + b * r_e * H)
         bwd = (b * n_sp * H + PROB_BYTES * k * n_sp + CHUNK_INDEX_BYTES_PER_ROUTE * r_s
-               + flight * row * (r_s + (r_r if remote else 0)) + (row * r_r if regroup else 0)
-               + max(chunk_graph + first_expert, weight_grads))
+               + row * sent + (b * H + PROB_BYTES) * r_r + max(expert_bwd, b * r_s * H))
         return max(fwd, bwd) + extra
 
     return transient

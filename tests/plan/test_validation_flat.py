@@ -14,10 +14,13 @@ the live set when the section opens (worst entry):
 - PipelinedLLEP (``dispatch="pipelined"``; chunk cap c, and once K_max, chosen so that each
   layer runs 3–6 chunks, checked on every layer: ``flat_dispatch.last.num_chunks`` equals
   the planner's K): the ``expert dispatch`` section — one MoE layer's forward (router,
-  route plan, chunk by chunk: the chunk's rows, expert compute without autograd, combine)
-  and backward (per chunk: rows with their output grads, the recomputed chunk graph, one
-  ``autograd.grad`` returning every local expert's weight gradient), recompute included —
-  against ``sections[METER_DISPATCH]``.
+  route plan, chunk by chunk: the chunk's rows, expert by expert compute without autograd,
+  combine) and backward (per chunk: rows with their output grads, then expert by expert the
+  recomputed graph and its ``autograd.grad``), recompute included — against
+  ``sections[METER_DISPATCH]``. The planner takes the hottest expert of a chunk at its
+  bound (every token of the chunk routed to it), which routing below that bound does not
+  reach, so this comparison is skewed: the prediction may be up to ``DISPATCH_SLACK`` above
+  the measurement (and, as everywhere, 10% below).
 - Ring-DTP (``vocab=True``, ``vocab_block_size`` below V: 4–6 strips): the ``vocabulary
   projection + loss`` section — the blocked single-rank version: one fp32 strip at a time,
   online state, fp32 dX, the weight gradient returned by the autograd Function — against
@@ -73,6 +76,9 @@ from megatron_flat.plan.peaks import (
 from megatron_flat.runtime.memory import format_bytes
 
 TOLERANCE = 0.10
+# PipelinedLLEP's term holds the hottest expert of a chunk at its bound (one route of every
+# token of the chunk); the tiny model's router spreads a chunk's routes over its experts.
+DISPATCH_SLACK = 0.30
 
 HOST_STEP = "step"  # measure(...)'s whole-step section
 # Row names of the figures that are not a device section's peak.
@@ -397,7 +403,9 @@ def test_pipelined_dispatch_matches_the_meter(measured):
         assert report.num_chunks > 1 and chunks == [report.num_chunks] * len(chunks), \
             f"{case.name}: layers ran {chunks} chunks, planner K = {report.num_chunks}"
         rows += compare(case, report, got)
-    _check(rows)
+    bad = [r for r in rows if not -TOLERANCE <= r.error <= DISPATCH_SLACK]
+    assert not bad, (f"planner more than {TOLERANCE:.0%} below the meter or more than "
+                     f"{DISPATCH_SLACK:.0%} above it:\n" + format_table(bad))
 
 
 def test_ring_dtp_matches_the_meter(measured):
