@@ -19,17 +19,28 @@ with ``optimizer_bucket_numel`` and ``optimizer_num_slots``:
   ``get_megatron_optimizer`` call (Megatron-LM's training loop makes one) builds it;
   :func:`unwire_optimizer_offload` undoes it, :func:`optimizer_offload` is the scoped form.
 
-Which parameters the inner optimizer holds
-    Megatron's own: the fp32 main params (main param shards with the distributed optimizer,
-    so each data-parallel rank streams only its shard). Their fp32 values stay where Megatron
-    keeps them — an fp32 parameter is its own master in OffloadStreamAdamW, uploaded from
-    there and written back in place — and both moments (8 of the 12 bytes per parameter of
-    AdamW state) live in host memory and are streamed bucket by bucket. The model↔main
-    copies, the gradient copies, the parameter all-gather and Megatron's checkpoint formats
-    are Megatron's, unchanged. Offloading the fp32 master too (bf16 shards in the inner
-    optimizer, fp32 gradients by attribute) would go through Megatron's precision-aware
-    optimizer seam (``decoupled_grad``, ``get_unscaled_state``/``set_scaled_state``), which
-    Megatron gates on transformer-engine's FusedAdam; it is not wired here.
+Which parameters the inner optimizer holds, and where the fp32 master lives
+    * Distributed optimizer, bf16/fp16 model: Megatron's *precision-aware* path. The
+      sub-optimizer is built from a copy of the OptimizerConfig with Megatron's derived
+      ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` switch on (and
+      ``store_param_remainders`` off: whole fp32 masters), so the distributed optimizer hands its inner optimizer this rank's
+      bf16/fp16 *model* param shards (views of the parameter buffer the all-gather reads)
+      and each shard's gradient as ``decoupled_grad``, skips its own main→model copy, and
+      saves and loads optimizer state through ``get_unscaled_state``/``set_scaled_state``.
+      The inner optimizer (:class:`MegatronMasterOffloadAdamW`) keeps the fp32 master and
+      both moments in host memory (12 bytes per parameter) and writes the updated values
+      into the bf16 shard itself; the device keeps only the staging slots. This needs no
+      transformer-engine (Megatron's ``use_precision_aware_optimizer`` field, which asks
+      for TE's FusedAdam, stays off) and no Megatron patch. Gradients are made fp32 first,
+      as the stock path's ``main_grad.float()`` (a no-op with Megatron-LM's default fp32
+      grad buffer). Checkpoints hold fp32 masters in Megatron's usual keys and dtypes, so
+      they move between the stock and the offloaded optimizer.
+    * Non-distributed ``Float16OptimizerWithFloat16Params``: its fp32 main params (the
+      master) stay on the device, where Megatron keeps them, and the inner optimizer treats
+      them as their own master; both moments (8 of 12 bytes per parameter) go to host
+      memory. A warning says so; ``--use-distributed-optimizer`` moves the master too.
+    * fp32 model (either wrapper): each parameter is its own master; the moments go to host.
+    * fp8 parameters keep Megatron's fp32 main shards (moments only, with a warning).
 
 Exactness
     The update is torch's AdamW kernel (``torch.optim.adamw.adamw``) with the stock inner
@@ -94,8 +105,10 @@ Memory
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import types
+import warnings
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -106,9 +119,11 @@ from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.optim.offload_adamw import _check_hyperparameters, _check_param
 
 __all__ = [
+    "MegatronMasterOffloadAdamW",
     "MegatronOffloadStreamAdamW",
     "get_megatron_offload_optimizer",
     "inner_optimizers",
+    "master_stays_on_device",
     "offload_inner_optimizer",
     "optimizer_offload",
     "unsupported_optimizer_settings",
@@ -199,6 +214,72 @@ class MegatronOffloadStreamAdamW(OffloadStreamAdamW):
         super().load_state_dict(state_dict)
 
 
+class MegatronMasterOffloadAdamW(MegatronOffloadStreamAdamW):
+    """The inner optimizer of a distributed optimizer on Megatron's precision-aware path:
+    it holds the model's low-precision param shards and their fp32 masters in host memory.
+
+    Megatron's ``DistributedOptimizer`` then gives its inner optimizer the bf16/fp16 shards
+    of the model params (views of the parameter buffer that the all-gather reads) instead of
+    fp32 main shards, sets each shard's gradient as ``decoupled_grad`` (the grad buffer's
+    range), skips its own main→model copy, and reads and writes the optimizer state for
+    checkpoints through :meth:`get_unscaled_state` / :meth:`set_scaled_state` (the contract
+    of transformer-engine's FusedAdam with ``master_weights``): ``"master_param"``,
+    ``"exp_avg"``, ``"exp_avg_sq"`` and ``"step"`` per shard, fp32. Checkpoints therefore
+    carry fp32 masters in Megatron's usual format and load either way with the stock
+    optimizer's. An fp32 shard (a parameter kept in fp32) is its own master.
+    """
+
+    master_key = "master_param"
+
+    def _reconcile(self, init: Optional[List[bool]] = None) -> None:
+        super()._reconcile(init)
+        for i, p in enumerate(self._params):  # Megatron asks every shard for its master
+            st = self.state.get(p)
+            if st and not self._low[i]:
+                st[self.master_key] = p.detach()
+
+    def _live_state(self, param: torch.Tensor) -> Dict[str, Any]:
+        if not self.state.get(param):
+            self.init_state()
+        st = self.state.get(param)
+        if not st:
+            raise KeyError("the parameter is not one this optimizer holds")
+        return st
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        """The fp32 state ``state_name`` of ``param`` (a view of host memory; callers copy)."""
+        self.synchronize()
+        return self._live_state(param)[state_name]
+
+    @torch.no_grad()
+    def set_scaled_state(self, param: torch.Tensor, state_name: str,
+                         unscaled_state: Any) -> None:
+        """Copy ``unscaled_state`` into ``param``'s state ``state_name``.
+
+        ``step`` and non-tensor values are ignored: Megatron passes the load template's
+        per-parameter step and (0.16) a ``padding`` flag here, while the saved step count is
+        re-applied from the param groups after the load. The low-precision parameter itself
+        is not touched (the model checkpoint carries it), as with transformer-engine.
+        """
+        if state_name == "step" or not torch.is_tensor(unscaled_state):
+            return
+        self.synchronize()
+        target = self._live_state(param).get(state_name)
+        if target is None:
+            raise KeyError(f"no optimizer state {state_name!r}")
+        if unscaled_state.numel() != target.numel():
+            raise ValueError(f"state {state_name!r} has {unscaled_state.numel()} elements, "
+                             f"the parameter {target.numel()}")
+        target.copy_(unscaled_state.reshape(target.shape))
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
+        """transformer-engine FusedAdam's hook: make ``param``'s state (host memory)."""
+        if store_param_remainders:
+            raise ValueError("store_param_remainders (int16 master remainders) is not "
+                             "supported: the host master is fp32")
+        self._live_state(param)
+
+
 # ------------------------------------------------------------------------------- checks
 def unsupported_optimizer_settings(config: Any) -> List[str]:
     """Why an ``OptimizerConfig`` (or Megatron-LM args) cannot use the offloaded inner
@@ -227,6 +308,76 @@ def unsupported_optimizer_settings(config: Any) -> List[str]:
         problems.append("Megatron-FSDP / torch FSDP2 keep their own optimizer shards "
                         "(DTensors); use the distributed optimizer")
     return problems
+
+
+# Megatron's precision-aware switch as its optimizer code reads it: a plain attribute that
+# OptimizerConfig.__post_init__ derives from ``use_precision_aware_optimizer`` (which is the
+# transformer-engine FusedAdam setting, validated against TE). Setting the attribute on a
+# copy of the config takes the distributed optimizer's precision-aware path with the stock
+# (torch) inner optimizer, which is then swapped for MegatronMasterOffloadAdamW.
+_PRECISION_AWARE = "use_precision_aware_optimizer_no_fp8_or_ds_fp8"
+
+
+def master_stays_on_device(config: Any) -> Optional[str]:
+    """Why a sub-optimizer built from ``config`` keeps its fp32 master on the device (only
+    the moments go to host memory), or None when the master goes to host memory too."""
+    if not (getattr(config, "bf16", False) or getattr(config, "fp16", False)):
+        return "fp32 model: each parameter is its own master"
+    if not getattr(config, "use_distributed_optimizer", False):
+        return ("the non-distributed optimizer (Float16OptimizerWithFloat16Params) keeps fp32 "
+                "main params on the device; --use-distributed-optimizer moves them to host "
+                "memory")
+    if getattr(config, "fp8_recipe", None) is not None or \
+            getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return "fp8 parameters keep Megatron's fp32 main shards"
+    if not hasattr(config, _PRECISION_AWARE):
+        return "this megatron-core has no precision-aware distributed optimizer"
+    return None
+
+
+def _master_offload_config(config: Any) -> Any:
+    """A copy of ``config`` that takes the distributed optimizer's precision-aware path with
+    fp32 masters (no int16 remainders); ``config`` itself is not changed."""
+    config = copy.copy(config)
+    setattr(config, _PRECISION_AWARE, True)
+    config.store_param_remainders = False
+    return config
+
+
+def _fp32_decoupled_grads(wrapper: Any) -> None:
+    """After Megatron points each shard's ``decoupled_grad`` at the grad buffer, make it
+    fp32, as the stock path's main grads are (``main_grad.float()``): a no-op for an fp32
+    buffer; for a bf16 one, unscaling, clipping and the update then see the stock values."""
+    stock = wrapper._copy_model_grads_to_main_grads
+
+    @functools.wraps(stock)
+    def _copy_model_grads_to_main_grads(self, *args: Any, **kwargs: Any) -> Any:
+        result = stock(*args, **kwargs)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                g = getattr(p, "decoupled_grad", None)
+                if g is not None and g.dtype != torch.float32:
+                    p.decoupled_grad = g.float()
+        return result
+
+    wrapper._copy_model_grads_to_main_grads = types.MethodType(
+        _copy_model_grads_to_main_grads, wrapper)
+
+
+def _no_main_params_from_checkpoint(wrapper: Any) -> None:
+    """``reload_model_params(state_dict=...)`` (``--load-main-params-from-ckpt``) would load
+    fp32 main params that the precision-aware path does not have: refuse it clearly."""
+    stock = wrapper.reload_model_params
+
+    @functools.wraps(stock)
+    def reload_model_params(self, *args: Any, **kwargs: Any) -> None:
+        if (args and args[0] is not None) or kwargs.get("state_dict") is not None:
+            raise NotImplementedError(
+                "reload_model_params(state_dict=...) (--load-main-params-from-ckpt) is not "
+                "supported with the offloaded fp32 master; load the optimizer state instead")
+        stock(*args, **kwargs)
+
+    wrapper.reload_model_params = types.MethodType(reload_model_params, wrapper)
 
 
 # ------------------------------------------------------------------------------- the swap
@@ -259,8 +410,10 @@ def _found_non_finite(wrapper: Any) -> bool:
     scaler check does). Reads the gradients only.
     """
     inner = getattr(wrapper, "optimizer", None)
+    attr = getattr(inner, "grad_attr", "grad")  # precision-aware: decoupled_grad
     grads = [] if inner is None else [
-        p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
+        getattr(p, attr) for g in inner.param_groups for p in g["params"]
+        if getattr(p, attr, None) is not None]
     if grads:
         device = grads[0].device
     else:
@@ -403,17 +556,25 @@ def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
         defaults = inner.defaults
         kernel = ({"foreach": defaults.get("foreach"), "fused": defaults.get("fused")}
                   if isinstance(inner, torch.optim.AdamW) else {})
-        wrapper.optimizer = MegatronOffloadStreamAdamW.over_param_groups(
+        precision_aware = isinstance(wrapper, DistributedOptimizer) and \
+            bool(getattr(wrapper.config, _PRECISION_AWARE, False))
+        cls, extra = MegatronOffloadStreamAdamW, {}
+        if precision_aware:  # the inner groups hold bf16/fp16 model shards
+            cls, extra = MegatronMasterOffloadAdamW, {"grad_attr": "decoupled_grad"}
+        wrapper.optimizer = cls.over_param_groups(
             [_offload_group(g) for g in inner.param_groups],
             lr=defaults["lr"], betas=tuple(defaults["betas"]), eps=defaults["eps"],
             weight_decay=defaults["weight_decay"],
             bucket_numel=flat.optimizer_bucket_numel, num_slots=flat.optimizer_num_slots,
-            **kernel,
+            **kernel, **extra,
         )
         wrapper.init_state_fn = _init_state_fn
         _reloading_masters(wrapper)
         if isinstance(wrapper, DistributedOptimizer):
             _distributed_loads(wrapper)
+        if precision_aware:
+            _fp32_decoupled_grads(wrapper)
+            _no_main_params_from_checkpoint(wrapper)
     _with_non_finite_check(wrapper)
     wrapper._megatron_flat_offload = True
     return wrapper
@@ -442,11 +603,23 @@ def _patch_builder() -> None:
 
     @functools.wraps(stock)
     def build(*args: Any, **kwargs: Any) -> Any:
-        result = stock(*args, **kwargs)
         flat = _active_flat()
         if flat is None or compat.builder_returns_unwrapped(kwargs):
-            return result
-        return offload_inner_optimizer(result, flat)
+            return stock(*args, **kwargs)
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        reason = master_stays_on_device(config)
+        if reason is None:  # the fp32 master goes to host memory too
+            config = _master_offload_config(config)
+            if "config" in kwargs:
+                kwargs["config"] = config
+            else:
+                args = (config,) + tuple(args[1:])
+        elif not (getattr(config, "bf16", False) or getattr(config, "fp16", False)):
+            pass  # fp32: nothing more to offload
+        else:
+            warnings.warn(f"--flat-optimizer-offload: the fp32 master stays on the device "
+                          f"({reason}); the Adam moments go to host memory", stacklevel=2)
+        return offload_inner_optimizer(stock(*args, **kwargs), flat)
 
     build._megatron_flat_stock = stock
     _STOCK.update(module=module, name=name, stock=stock, build=build)

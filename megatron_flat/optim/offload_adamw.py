@@ -195,6 +195,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             the parameter's dtype; an attribute need not).
     """
 
+    #: Name of a low-precision parameter's fp32 master in ``state[p]`` and the state dict.
+    master_key = "master"
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -414,13 +417,13 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                     views[key].copy_(value.detach().reshape(views[key].shape))
                 st[key] = views[key]
             if self._low[i]:
-                value = st.get("master")
+                value = st.get(self.master_key)
                 if value is not views["master"]:
                     source = p if value is None else value
                     views["master"].copy_(source.detach().reshape(p.shape))
-                    st["master"] = views["master"]
+                    st[self.master_key] = views["master"]
             else:
-                st.pop("master", None)  # an fp32 parameter is its own master
+                st.pop(self.master_key, None)  # an fp32 parameter is its own master
             step = st.get("step")
             if not (torch.is_tensor(step) and step.device.type == "cpu"
                     and step.dtype == _scalar_dtype() and step.dim() == 0):
@@ -500,7 +503,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             if key not in id_map:
                 continue
             p = id_map[key]
-            for name in (*_STATE_KEYS, "master"):
+            for name in (*_STATE_KEYS, self.master_key):
                 value = entry.get(name)
                 if value is not None and (not torch.is_tensor(value) or value.numel() != p.numel()):
                     raise ValueError(

@@ -66,10 +66,13 @@ PROB_BYTES = 4
 # --- optimizer state
 ADAM_BYTES_PER_PARAM = 12          # fp32 master + m + v (mixed precision)
 ADAM_BYTES_PER_PARAM_FP32 = 8      # m + v only: fp32 parameters are their own master
-# OffloadStreamAdamW on host for low-precision parameters: master, m, v, fp32 grad (DESIGN
-# §2.4's placement; under Megatron's mixed-precision optimizer the master and the gradient
-# stay on the device today, see tests/plan/test_validation_flat.py's known problems).
-HOST_BYTES_PER_PARAM = 16
+# OffloadStreamAdamW on host for low-precision parameters: fp32 master, m, v. The fp32
+# gradient is read from Megatron's grad buffer on the device (counted in ``grads``). With the
+# distributed optimizer the master is in host memory (Megatron's precision-aware path); the
+# non-distributed Float16 optimizer keeps its fp32 main params (the master) on the device,
+# so there only m and v go to host (HOST_BYTES_PER_PARAM_FP32) and 4 B/param stay.
+HOST_BYTES_PER_PARAM = 12
+MASTER_BYTES_PER_PARAM = 4
 # OffloadStreamAdamW on host for fp32 parameters: m and v only. An fp32 parameter is its
 # own master (uploaded from where it lives and written back in place) and its gradient is
 # read from the device grad buffer (counted in ``grads``), so neither has a host copy.
@@ -617,7 +620,9 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
     # state 12 B/param (8 when the params are fp32) sharded over DP·CP for dense params and
     # over expert-DP = TP·CP·DP/EP for experts (distributed optimizer; unsharded without).
     # OffloadStreamAdamW: device keeps slots × min(bucket, shard) × 16 B of staging; the
-    # host holds 16 B per sharded parameter (master, m, v, fp32 grad).
+    # host holds 12 B per sharded low-precision parameter (master, m, v) with the
+    # distributed optimizer, 8 (m, v) without it, where the fp32 master (4 B) stays on the
+    # device; fp32 parameters: 8 (each is its own master).
     p = stage_params(model, layout, first, count, first_stage, last_stage)
     params = p["dense"] + p["expert"]
     weights = params * b
@@ -629,7 +634,11 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
     if flat is not None and flat.optimizer_offload:
         optimizer_device = flat.optimizer_num_slots * min(flat.optimizer_bucket_numel, shard) \
             * STAGING_BYTES_PER_PARAM
-        optimizer_host = shard * (HOST_BYTES_PER_PARAM if b < 4 else HOST_BYTES_PER_PARAM_FP32)
+        master_on_host = b < 4 and layout.distributed_optimizer
+        optimizer_host = shard * (HOST_BYTES_PER_PARAM if master_on_host
+                                  else HOST_BYTES_PER_PARAM_FP32)
+        if b < 4 and not master_on_host:
+            optimizer_device += shard * MASTER_BYTES_PER_PARAM
     else:
         optimizer_device = shard * (ADAM_BYTES_PER_PARAM if b < 4 else ADAM_BYTES_PER_PARAM_FP32)
         optimizer_host = 0

@@ -78,14 +78,18 @@ def inner_optimizers(trainer: Trainer) -> list:
 
 
 def state_bytes(trainer: Trainer) -> List[torch.Tensor]:
-    """This rank's optimizer-owned values as raw bytes: every inner optimizer's params (the
-    fp32 main params) and their state (step, moments, master), in param-group order."""
+    """This rank's optimizer-owned values as raw bytes, in param-group order: each shard's
+    fp32 master, step and moments. The master is the inner optimizer's param (Megatron's fp32
+    main param) unless its state names one (``master_param``: the precision-aware path, whose
+    params are the bf16 model shards), so stock and offloaded runs compare like for like."""
     out = []
     for inner in inner_optimizers(trainer):
         for group in inner.param_groups:
             for p in group["params"]:
-                out.append(p.detach())
-                st = inner.state.get(p, {})
+                st = dict(inner.state.get(p, {}))
+                master = st.pop("master_param", p)
+                assert master.dtype == torch.float32, master.dtype
+                out.append(master.detach())
                 for key in sorted(st):
                     out.append(st[key].detach())
     return [t.contiguous().view(-1).view(torch.uint8).clone() for t in out]

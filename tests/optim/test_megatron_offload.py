@@ -198,3 +198,116 @@ def test_transformer_engine_style_steps_round_trip():
     fresh.step()
     torch_opt.step()
     assert all(torch.equal(a, b) for a, b in zip(other, ref))
+
+
+# ------------------------------------------------- the precision-aware path (fp32 master on host)
+def _bf16_shards(seed=3):
+    """bf16 non-leaf shards of one model-param buffer with fp32 gradients by attribute, as
+    the distributed optimizer's precision-aware path gives them (``decoupled_grad``)."""
+    gen = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(300, generator=gen).to(torch.bfloat16).requires_grad_()
+    shards = [buffer.view(-1)[:120], buffer.view(-1)[120:300]]
+    return buffer, shards
+
+
+def _master_opt(shards, **kwargs):
+    return mopt.MegatronMasterOffloadAdamW.over_param_groups(
+        [{"params": shards}], lr=1e-2, bucket_numel=64, device="cpu",
+        grad_attr="decoupled_grad", **kwargs)
+
+
+def test_precision_aware_inner_steps_bf16_shards_like_fp32_master_adamw():
+    """bf16 shards, fp32 ``decoupled_grad``: the fp32 master lives in host state and the
+    shard receives the update rounded to bf16 — bitwise what Megatron's stock path gives
+    (AdamW on an fp32 copy, then copied into the bf16 param)."""
+    _, shards = _bf16_shards()
+    masters = [s.detach().float().clone().requires_grad_() for s in shards]
+    opt, ref = _master_opt(shards), torch.optim.AdamW(masters, lr=1e-2)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        for s, m in zip(shards, masters):
+            s.decoupled_grad = torch.randn(s.shape, generator=gen)
+            m.grad = s.decoupled_grad.clone()
+        opt.step()
+        ref.step()
+    for s, m in zip(shards, masters):
+        st = opt.state[s]
+        assert torch.equal(st["master_param"], m.detach())  # the fp32 master, on host
+        assert st["master_param"].untyped_storage().data_ptr() != \
+            s.untyped_storage().data_ptr()
+        assert torch.equal(s.detach(), m.detach().to(torch.bfloat16))
+        assert torch.equal(opt.get_unscaled_state(s, "exp_avg"), ref.state[m]["exp_avg"])
+
+
+def test_precision_aware_state_accessors():
+    """Megatron's checkpoint accessors: state made on first access; ``step`` and
+    non-tensor values (0.16's ``padding`` flag) ignored on set; shapes checked; an fp32
+    shard is its own master; int16 remainders refused."""
+    buffer = torch.randn(40).requires_grad_()
+    fp32_shard = buffer.view(-1)[:40]
+    _, shards = _bf16_shards()
+    opt = mopt.MegatronMasterOffloadAdamW.over_param_groups(
+        [{"params": shards + [fp32_shard]}], lr=1e-2, bucket_numel=64, device="cpu",
+        grad_attr="decoupled_grad")
+    master = opt.get_unscaled_state(shards[0], "master_param")
+    assert master.dtype == torch.float32 and torch.equal(master, shards[0].detach().float())
+    assert opt.get_unscaled_state(fp32_shard, "master_param") is not None
+    assert torch.equal(opt.get_unscaled_state(fp32_shard, "master_param"), fp32_shard.detach())
+    new = torch.full((120,), 0.5)
+    before = shards[0].detach().clone()
+    opt.set_scaled_state(shards[0], "master_param", new)
+    assert torch.equal(opt.get_unscaled_state(shards[0], "master_param"), new)
+    assert torch.equal(shards[0].detach(), before)  # the bf16 shard is the model's to load
+    opt.set_scaled_state(shards[0], "exp_avg_sq", torch.ones(120))
+    assert torch.equal(opt.state[shards[0]]["exp_avg_sq"], torch.ones(120))
+    opt.set_scaled_state(shards[0], "step", torch.tensor(9.0))
+    opt.set_scaled_state(shards[0], "padding", False)
+    assert float(opt.state[shards[0]]["step"]) == 0.0
+    opt.set_scaled_state(fp32_shard, "master_param", torch.full((40,), 2.0))
+    assert torch.equal(fp32_shard.detach(), torch.full((40,), 2.0))
+    with pytest.raises(ValueError, match="elements"):
+        opt.set_scaled_state(shards[1], "exp_avg", torch.zeros(7))
+    with pytest.raises(KeyError):
+        opt.set_scaled_state(shards[1], "exp_avg_sq_remainder", torch.zeros(180))
+    with pytest.raises(ValueError, match="remainders"):
+        opt.initialize_state(shards[1], store_param_remainders=True)
+    packed = opt.state_dict()  # fp32 masters in the state dict, Megatron's key
+    assert {k for st in packed["state"].values() for k in st} == \
+        {"step", "exp_avg", "exp_avg_sq", "master_param"}
+
+
+def test_where_the_master_lives():
+    from megatron.core.optimizer import OptimizerConfig
+
+    def config(**kw):
+        return OptimizerConfig(optimizer="adam", lr=1e-3, **kw)
+
+    assert mopt.master_stays_on_device(config(bf16=True, use_distributed_optimizer=True)) is None
+    assert "fp32 model" in mopt.master_stays_on_device(config(use_distributed_optimizer=True))
+    assert "--use-distributed-optimizer" in mopt.master_stays_on_device(config(bf16=True))
+    fp8 = config(bf16=True, use_distributed_optimizer=True, fp8_recipe="delayed")
+    assert "fp8" in mopt.master_stays_on_device(fp8)
+    given = config(bf16=True, use_distributed_optimizer=True)
+    copied = mopt._master_offload_config(given)
+    assert getattr(copied, mopt._PRECISION_AWARE) and not copied.store_param_remainders
+    assert not copied.use_precision_aware_optimizer  # TE's FusedAdam is not asked for
+    assert not getattr(given, mopt._PRECISION_AWARE)  # the caller's config is unchanged
+
+
+def test_main_params_from_a_checkpoint_are_refused_on_the_precision_aware_path():
+    """``--load-main-params-from-ckpt`` would load fp32 main params that this path has
+    not got (Megatron would ignore them silently): a clear error instead."""
+    calls = []
+
+    class Wrapper:
+        def reload_model_params(self, state_dict=None):
+            calls.append(state_dict)
+
+    wrapper = Wrapper()
+    mopt._no_main_params_from_checkpoint(wrapper)
+    wrapper.reload_model_params()
+    with pytest.raises(NotImplementedError, match="load-main-params-from-ckpt"):
+        wrapper.reload_model_params(state_dict={"model": {}})
+    with pytest.raises(NotImplementedError):
+        wrapper.reload_model_params({"model": {}})
+    assert calls == [None]

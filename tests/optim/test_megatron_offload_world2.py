@@ -82,7 +82,10 @@ def _layout(name):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_bitwise_like_stock(case, tiny, initial, uninterrupted):
-    from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW
+    from megatron_flat.megatron.optimizer import (
+        MegatronMasterOffloadAdamW,
+        MegatronOffloadStreamAdamW,
+    )
     from megatron_flat.testing.equivalence import full_tensors
 
     name, bf16 = CASES[case]
@@ -95,7 +98,20 @@ def test_trains_bitwise_like_stock(case, tiny, initial, uninterrupted):
             runs[offload] = (losses, full_tensors([trainer.ddp]), state_bytes(trainer))
             if offload:
                 inners = inner_optimizers(trainer)
-                assert inners and all(type(o) is MegatronOffloadStreamAdamW for o in inners)
+                # bf16 with the distributed optimizer: the fp32 master is in host memory
+                # too (precision-aware path: the inner optimizer holds the bf16 shards).
+                kind = MegatronMasterOffloadAdamW if bf16 and layout.distributed_optimizer \
+                    else MegatronOffloadStreamAdamW
+                assert inners and all(type(o) is kind for o in inners)
+                if kind is MegatronMasterOffloadAdamW:
+                    shards = [(o, p) for o in inners for g in o.param_groups
+                              for p in g["params"] if p.dtype == torch.bfloat16]
+                    assert shards
+                    for o, p in shards:  # a separate fp32 master, not the param
+                        master = o.state[p]["master_param"]
+                        assert master.dtype == torch.float32 and master.device.type == "cpu"
+                        assert master.untyped_storage().data_ptr() != \
+                            p.untyped_storage().data_ptr()
                 assert all(o.bucket_numel == FLAT.optimizer_bucket_numel
                            and o.num_slots == FLAT.optimizer_num_slots for o in inners)
                 mine = sum(p.numel() for o in inners for g in o.param_groups for p in g["params"])
@@ -181,13 +197,18 @@ def test_inf_gradient_skips_the_step_everywhere(case, tiny, initial):
         assert not everywhere(same_bytes(model_bytes(trainer), before_model))
 
 
-CHECKPOINTS = [  # (case, format, which inner optimizer saved it)
-    ("distopt-fp32", "torch_dist", "offload"),
-    ("distopt-bf16", "torch_dist", "offload"),
-    ("no-distopt-fp32", "torch_dist", "offload"),
-    ("distopt-fp32", "legacy", "offload"),
-    ("no-distopt-bf16", "legacy", "offload"),
-    ("distopt-bf16", "torch_dist", "stock"),
+CHECKPOINTS = [  # (case, format, which inner optimizer saved it, which one loads it)
+    ("distopt-fp32", "torch_dist", "offload", "offload"),
+    ("distopt-bf16", "torch_dist", "offload", "offload"),
+    ("no-distopt-fp32", "torch_dist", "offload", "offload"),
+    ("distopt-fp32", "legacy", "offload", "offload"),
+    ("no-distopt-bf16", "legacy", "offload", "offload"),
+    ("distopt-bf16", "legacy", "offload", "offload"),
+    # A checkpoint of the stock optimizer resumes in the offloaded one. (The other way is
+    # test_checkpoint_contents_are_stock_megatrons: stock Megatron with torch's AdamW, as on
+    # CPU, cannot resume a distributed-optimizer checkpoint at all.)
+    ("distopt-bf16", "torch_dist", "stock", "offload"),
+    ("distopt-bf16", "legacy", "stock", "offload"),
 ]
 
 
@@ -230,12 +251,14 @@ def _load(trainer, fmt, path):
             trainer.optimizer.load_parameter_state(os.path.join(path, "distrib_optim.pt"))
 
 
-@pytest.mark.parametrize("case,fmt,saver", CHECKPOINTS,
-                         ids=[f"{c}-{f}-saved-by-{s}" for c, f, s in CHECKPOINTS])
-def test_checkpoint_round_trip_continues_bitwise(case, fmt, saver, tiny, initial, uninterrupted):
-    """save after 2 steps → load into a fresh model and offloaded optimizer (other weights)
-    → 2 more steps == 4 uninterrupted steps, params and optimizer state byte for byte. A
-    checkpoint saved with Megatron's stock inner optimizer resumes the same way."""
+@pytest.mark.parametrize("case,fmt,saver,loader", CHECKPOINTS,
+                         ids=[f"{c}-{f}-{s}-to-{l}" for c, f, s, l in CHECKPOINTS])
+def test_checkpoint_round_trip_continues_bitwise(case, fmt, saver, loader, tiny, initial,
+                                                 uninterrupted):
+    """save after 2 steps → load into a fresh model and optimizer (other weights) → 2 more
+    steps == 4 uninterrupted offloaded steps, params and optimizer state byte for byte. A
+    checkpoint saved with Megatron's stock inner optimizer resumes the same way in the
+    offloaded one, and the other way round (the offloaded run is bitwise the stock one)."""
     from megatron_flat.testing.equivalence import full_tensors
 
     name, bf16 = CASES[case]
@@ -256,7 +279,8 @@ def test_checkpoint_round_trip_continues_bitwise(case, fmt, saver, tiny, initial
             _save(first, fmt, path)
             dist.barrier()
             other = {k: v + 0.25 for k, v in initial.items()}  # loading must replace all
-            resumed = make_trainer(tiny, layout, offload=True, bf16=bf16, init=other)
+            resumed = make_trainer(tiny, layout, offload=loader == "offload", bf16=bf16,
+                                   init=other)
             _load(resumed, fmt, path)
             train(resumed, range(2, STEPS))
             params, state = full_tensors([resumed.ddp]), state_bytes(resumed)
@@ -264,6 +288,69 @@ def test_checkpoint_round_trip_continues_bitwise(case, fmt, saver, tiny, initial
         remove_shared(path)
     assert equal_tensors(params, want_params) == []
     assert everywhere(same_bytes(state, want_state))
+
+
+def _leaves(tree, path=""):
+    """(path, value) of every leaf of a nested checkpoint dict; a sharded entry's key and
+    data in place of the object."""
+    if isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _leaves(tree[k], f"{path}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{path}/{i}")
+    elif hasattr(tree, "key") and hasattr(tree, "data"):  # ShardedTensor / ShardedObject
+        yield f"{path}[{tree.key}]", tree.data
+    else:
+        yield path, tree
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_checkpoint_contents_are_stock_megatrons(fmt, tiny, initial):
+    """bf16 + distributed optimizer, the fp32 master in host memory: after the same steps,
+    what the offloaded optimizer writes for a checkpoint (torch_dist: its sharded state dict,
+    dp_reshardable; legacy: the tensors of its state dict and the gathered parameter state
+    file) has the stock optimizer's keys, dtypes and bytes, fp32 masters included."""
+    name, bf16 = CASES["distopt-bf16"]
+    layout, parallel = _layout(name)
+    written = {}
+    path = shared_tmpdir()
+    try:
+        with parallel:
+            for offload in (False, True):
+                trainer = make_trainer(tiny, layout, offload=offload, bf16=bf16, init=initial)
+                train(trainer, range(2))
+                if fmt == "torch_dist":
+                    model_sd = trainer.model.sharded_state_dict()
+                    tree = trainer.optimizer.sharded_state_dict(
+                        model_sd, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+                else:
+                    file = os.path.join(path, f"param_state_{int(offload)}.pt")
+                    trainer.optimizer.save_parameter_state(file)
+                    dist.barrier()
+                    # The state dict's param groups also name each inner optimizer's
+                    # implementation (torch AdamW's flags): compare its tensors only.
+                    tensors = [(p_, v) for p_, v in _leaves(trainer.optimizer.state_dict())
+                               if torch.is_tensor(v)]
+                    tree = {"param_state": torch.load(file, weights_only=False)
+                            if dist.get_rank() == 0 else None}
+                    written[offload] = tensors + list(_leaves(tree))
+                    continue
+                written[offload] = list(_leaves(tree))
+    finally:
+        remove_shared(path)
+    stock, offloaded = written[False], written[True]
+    assert [p for p, _ in offloaded] == [p for p, _ in stock]
+    masters = 0
+    for (path_, a), (_, b) in zip(stock, offloaded):
+        if torch.is_tensor(a):
+            assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, path_
+            assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), path_
+            masters += a.dtype == torch.float32 and "param" in path_
+        elif not callable(a):
+            assert type(a) is type(b), path_
+    # The fp32 masters were compared, not only moments (legacy: gathered on rank 0).
+    assert everywhere(masters > 0 or (fmt == "legacy" and dist.get_rank() != 0))
 
 
 def _shifted(trainer, shift):

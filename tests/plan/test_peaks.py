@@ -143,9 +143,20 @@ def test_optimizer_offload_keeps_staging_on_device():
                                                      optimizer_num_slots=2))
     assert off.optimizer_device == 2 * 10_000_000 * 16
     shard = base.optimizer_device // 12                   # bf16: 12 B/param on device
-    assert off.optimizer_host == pytest.approx(16 * shard, rel=1e-6)
+    # Distributed optimizer: fp32 master, m and v on host; the fp32 grads stay in the
+    # device grad buffer (counted in grads).
+    assert off.optimizer_host == pytest.approx(12 * shard, rel=1e-6)
     assert off.host_per_node == off.host_per_device * 8
     assert off.weights == base.weights and off.grads == base.grads
+    # Non-distributed (Float16) optimizer: its fp32 master stays on the device.
+    lay = Layout(tp=8, cp=4, ep=32, distributed_optimizer=False)
+    base = estimate(model, lay, 1 << 16)
+    off = estimate(model, lay, 1 << 16, FlatConfig(optimizer_offload=True,
+                                                     optimizer_bucket_numel=10_000_000,
+                                                     optimizer_num_slots=2))
+    shard = base.optimizer_device // 12
+    assert off.optimizer_device == 2 * 10_000_000 * 16 + 4 * shard
+    assert off.optimizer_host == 8 * shard
 
 
 def test_binding_term():

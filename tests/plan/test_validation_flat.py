@@ -43,10 +43,11 @@ the live set when the section opens (worst entry):
   kernel's scratch, and before them Megatron's CPU gradient clipping temporaries, which
   bind in one case) against ``sections[METER_OPTIMIZER]``; host: the host pool's peak in
   that section (m and v; each buffer rounded up to the pool's 512-byte alignment) against
-  ``optimizer_host``. bf16 (Megatron's ``Float16OptimizerWithFloat16Params``, fp32 main
-  params): the same two, and the device bytes the optimizer holds after its first step
-  against ``optimizer_device``; this case is a known problem (``KNOWN_PROBLEMS``: the
-  master stays on the device), asserted to miss the planner, which follows DESIGN §2.4.
+  ``optimizer_host``. bf16: the same two, and the device bytes the optimizer holds after
+  its first step against ``optimizer_device``, for Megatron's
+  ``Float16OptimizerWithFloat16Params`` (its fp32 main params, the master, stay on the
+  device: m and v on host) and for its distributed optimizer (precision-aware path: the
+  fp32 master, m and v on host, only the staging slots on the device).
 - Dispatch and vocabulary cases: the planner predicts no pinned host bytes and the step
   uses none.
 
@@ -118,11 +119,13 @@ class Case:
     technique: str
     knobs: dict = field(default_factory=dict)  # FlatConfig fields besides the switch
     dtype: str = "fp32"
+    distopt: bool = False  # bf16 optimizer cases: Megatron's distributed optimizer
 
     @property
     def name(self) -> str:
         knobs = ",".join(_short(k, v) for k, v in self.knobs.items())
-        return f"{self.shape}/{self.technique}({knobs})" + ("/bf16" if self.dtype == "bf16" else "")
+        return (f"{self.shape}/{self.technique}({knobs})"
+                + ("/bf16" if self.dtype == "bf16" else "") + ("/distopt" if self.distopt else ""))
 
 
 _SHORT = {"dispatch_chunk_tokens": "c", "dispatch_max_chunks": "K_max",
@@ -162,25 +165,14 @@ CASES: List[Case] = [
                                                       optimizer_num_slots=3)),
     Case("seq128-v1024", "optimizer", dict(optimizer_bucket_numel=50_000,
                                            optimizer_num_slots=1)),
-    # bf16 model, Megatron's mixed-precision optimizer around OffloadStreamAdamW.
+    # bf16 model, Megatron's mixed-precision optimizers around OffloadStreamAdamW: the
+    # Float16 one (fp32 master on the device, m and v on host) and the distributed one
+    # (precision-aware path: master, m and v on host).
     Case("seq128-v1024", "optimizer", dict(optimizer_bucket_numel=20_000,
                                            optimizer_num_slots=2), "bf16"),
+    Case("seq128-v1024", "optimizer", dict(optimizer_bucket_numel=20_000,
+                                           optimizer_num_slots=2), "bf16", distopt=True),
 ]
-
-# Cases whose technique does not do what DESIGN.md says: measured, compared, and expected to
-# miss the planner (which follows DESIGN) until the implementation changes.
-KNOWN_PROBLEMS = {
-    CASES[-1].name: (
-        "OffloadStreamAdamW under Megatron's mixed-precision optimizer does not hold DESIGN "
-        "§2.4's host state: Megatron's Float16OptimizerWithFloat16Params keeps the fp32 main "
-        "params (the master) on the device, the inner OffloadStreamAdamW treats them as their "
-        "own master, and the fp32 gradient stays in Megatron's device grad buffer, so only m "
-        "and v go to host: measured 2,104,320 B (8 B/param) vs 4,207,616 B predicted (16 "
-        "B/param: master, m, v, fp32 grad); the device keeps the master beside the staging: "
-        "optimizer state held on device after the first step measured 1,750,196 B (1,051,904 "
-        "B of it the fp32 master, 4 B/param) vs 640,000 B of staging predicted"),
-}
-
 
 # ----------------------------------------------------------------------------- the planner
 
@@ -206,16 +198,17 @@ def planner_spec(tiny, dtype: str) -> ModelSpec:
                      expert_ffn=tiny.moe_ffn_hidden_size, dtype=dtype)
 
 
-def planner_layout(tiny) -> Layout:
-    """World of one on CPU: unfused kernels, nothing overlaps, Megatron's plain optimizer."""
+def planner_layout(tiny, distopt: bool = False) -> Layout:
+    """World of one on CPU: unfused kernels, nothing overlaps, Megatron's plain optimizer
+    (or its distributed one, over a data-parallel group of one)."""
     return Layout(micro_batch_size=tiny.micro_batch_size, fused_kernels=False, overlap=False,
-                  distributed_optimizer=False)
+                  distributed_optimizer=distopt)
 
 
 def plan(case: Case) -> PeakReport:
     tiny = tiny_model(case)
-    return estimate(planner_spec(tiny, case.dtype), planner_layout(tiny), tiny.seq_length,
-                    flat=flat_config(case))
+    return estimate(planner_spec(tiny, case.dtype), planner_layout(tiny, case.distopt),
+                    tiny.seq_length, flat=flat_config(case))
 
 
 # ---------------------------------------------------------------------------- the meter
@@ -289,11 +282,20 @@ def _bf16_optimizer_step(tiny, case: Case) -> Measured:
     from megatron_flat.testing.training import Layout as TrainLayout
     from megatron_flat.testing.training import Trainer
 
-    trainer = Trainer(tiny, TrainLayout(recompute="full"), config_overrides=_BF16)
+    trainer = Trainer(tiny, TrainLayout(recompute="full", distributed_optimizer=case.distopt),
+                      config_overrides=_BF16)
     trainer.warm_up()
     config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, adam_beta1=0.9,
                              adam_beta2=0.999, adam_eps=1e-8, clip_grad=CLIP_GRAD, bf16=True,
-                             params_dtype=torch.bfloat16, use_distributed_optimizer=False)
+                             params_dtype=torch.bfloat16,
+                             use_distributed_optimizer=case.distopt)
+    # The Trainer's own (fp32) optimizer is freed before metering, with the fp32 main
+    # shards a distributed optimizer hangs on the model params (``main_param``).
+    trainer.optimizer = None
+    for param in trainer.ddp.parameters():
+        if getattr(param, "main_param", None) is not None:
+            param.main_param = None
+    gc.collect()
     with MemoryMeter("cpu") as meter:
         trainer.optimizer = get_megatron_offload_optimizer(config, [trainer.ddp],
                                                            flat=flat_config(case))
@@ -389,8 +391,7 @@ def measured(megatron_cpu):
 
 def _of(measured, technique: str):
     """The measured cases of ``technique`` that the planner must match."""
-    got = [v for v in measured.values()
-           if v[0].technique == technique and v[0].name not in KNOWN_PROBLEMS]
+    got = [v for v in measured.values() if v[0].technique == technique]
     assert got, f"no {technique} case"
     return got
 
@@ -436,12 +437,3 @@ def test_no_pinned_host_without_sco_or_offload(measured):
     for case, report, got in list(_of(measured, "dispatch")) + list(_of(measured, "vocab")):
         assert report.host_per_device == 0, case.name
         assert got.host[HOST_STEP] == 0, f"{case.name}: {got.host[HOST_STEP]} pinned bytes"
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(raises=AssertionError, strict=True,
-                                               reason=reason))
-    for name, reason in KNOWN_PROBLEMS.items()])
-def test_known_problems_still_miss_the_planner(measured, name):
-    case, report, got = measured[name]
-    _check(compare(case, report, got))
