@@ -48,6 +48,11 @@ class FlatConfig:
         metadata={"help": "Chunk membership: strided (token t -> chunk t mod K) or contiguous.",
                   "choices": DISPATCH_MEMBERSHIPS},
     )
+    dispatch_saved_chunks: int = field(
+        default=0,
+        metadata={"help": "Chunks per MoE layer kept from forward to backward instead of "
+                          "recomputed (each expert's first-layer output; 0: recompute all)."},
+    )
     llep_alpha: float = field(
         default=1.0, metadata={"help": "LLEP capacity factor alpha (cap = alpha * mean load)."}
     )
@@ -127,6 +132,8 @@ class FlatConfig:
             self._bad("sco_host_budget_gib", self.sco_host_budget_gib, "must be >= 0")
         if self.sco_prefetch < 0:
             self._bad("sco_prefetch", self.sco_prefetch, "must be >= 0")
+        if self.dispatch_saved_chunks < 0:
+            self._bad("dispatch_saved_chunks", self.dispatch_saved_chunks, "must be >= 0")
 
     @staticmethod
     def _bad(name: str, value: Any, why: str) -> None:
@@ -158,8 +165,10 @@ class FlatConfig:
         parts = []
         if self.dispatch != "off":
             name = "PipelinedLLEP" if self.dispatch == "pipelined" else "LLEP"
+            kept = (f", {self.dispatch_saved_chunks} kept"
+                    if self.dispatch == "pipelined" and self.dispatch_saved_chunks else "")
             parts.append(f"{name} (chunk cap {self.dispatch_chunk_tokens} tokens, "
-                         f"<= {self.dispatch_max_chunks} chunks)")
+                         f"<= {self.dispatch_max_chunks} chunks{kept})")
         if self.vocab:
             parts.append(f"Ring-DTP (mode {self.vocab_mode}, block {self.vocab_block_size})")
         if self.sco:

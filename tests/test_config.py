@@ -20,6 +20,7 @@ def test_defaults_change_nothing():
         ("dispatch_chunk_tokens", 0, "--flat-dispatch-chunk-tokens"),
         ("dispatch_max_chunks", -1, "--flat-dispatch-max-chunks"),
         ("dispatch_membership", "random", "--flat-dispatch-membership"),
+        ("dispatch_saved_chunks", -1, "--flat-dispatch-saved-chunks"),
         ("llep_alpha", 0.0, "--flat-llep-alpha"),
         ("llep_imbalance_threshold", -0.5, "--flat-llep-imbalance-threshold"),
         ("vocab_mode", "both", "--flat-vocab-mode"),

@@ -14,10 +14,14 @@ expert weights between ranks; it never looks inside an expert. What it needs is 
 
 ``run`` must be a pure function of its arguments (rows independent of each other), because the
 engine calls it on any subset of an expert's routes, on any rank, and again in backward to
-recompute. A bank may also offer ``run_for_grad(weights, x, probs)``: a tensor whose autograd
-graph gives exactly ``run``'s gradients but whose *values* are never read (so the last linear
-layer's forward GEMM can be skipped when recomputing for backward: the output is not needed,
-only its input); the engine uses it for recompute when present.
+recompute. A bank may also offer ``run_for_grad(weights, x, probs, kept=None)``: a tensor
+whose autograd graph gives exactly ``run``'s gradients but whose *values* are never read (so
+the last linear layer's forward GEMM can be skipped when recomputing for backward: the output
+is not needed, only its input); the engine uses it for recompute when present. A bank that
+also offers ``run_keeping(weights, x, probs) -> (out, kept)`` returns, beside ``run``'s
+output, its first linear layer's output (``kept``); given back to ``run_for_grad`` it stands
+in for that layer's forward GEMM, so a chunk kept for backward costs one ``[R, F1]`` tensor
+(F1: the first layer's width) instead of a recompute.
 
 Megatron's ``SequentialMLP`` is adapted in :mod:`megatron_flat.megatron.moe`;
 :class:`GLUExperts` here is a plain-PyTorch bank for users outside Megatron and for tests.
@@ -30,7 +34,7 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertBank", "GLUExperts", "GradOnlyLinear", "check_bank"]
+__all__ = ["ExpertBank", "GLUExperts", "GradOnlyLinear", "KeptOutputLinear", "check_bank"]
 
 
 class ExpertBank(Protocol):
@@ -90,6 +94,23 @@ class GradOnlyLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+class KeptOutputLinear(torch.autograd.Function):
+    """``x Wᵀ`` whose value was computed earlier (``output``, kept from forward): forward
+    returns it without a GEMM; backward is :class:`GradOnlyLinear`'s (``g W``, ``gᵀ x``).
+    Saves ``x`` and ``W`` (references)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor,
+                output: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_x, grad_w = GradOnlyLinear.backward(ctx, grad)
+        return grad_x, grad_w, None
+
+
 class GLUExperts(torch.nn.Module):
     """E_local feed-forward experts: ``y = (act(x W1ᵀ) · p) W2ᵀ``, gated by default.
 
@@ -131,13 +152,19 @@ class GLUExperts(torch.nn.Module):
             probs: torch.Tensor) -> torch.Tensor:
         return torch.matmul(self._hidden(weights, x, probs), weights[1].t())
 
+    def run_keeping(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                    probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = torch.matmul(x, weights[0].t())
+        return torch.matmul(self._hidden(weights, x, probs, first), weights[1].t()), first
+
     def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                     probs: torch.Tensor) -> torch.Tensor:
-        return GradOnlyLinear.apply(self._hidden(weights, x, probs), weights[1])
+                     probs: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+        first = None if kept is None else KeptOutputLinear.apply(x, weights[0], kept)
+        return GradOnlyLinear.apply(self._hidden(weights, x, probs, first), weights[1])
 
     def _hidden(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                probs: torch.Tensor) -> torch.Tensor:
-        h = torch.matmul(x, weights[0].t())
+                probs: torch.Tensor, first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.matmul(x, weights[0].t()) if first is None else first
         if self.gated:
             a, b = torch.chunk(h, 2, dim=-1)
             h = self.activation(a) * b

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,12 @@ class DispatchOptions:
     (0: always LLEP). ``overlap`` issues chunk i+1's dispatch before computing chunk i
     (asynchronous all-to-all, NCCL's own stream); ``None`` means on for CUDA tensors only —
     on CPU nothing overlaps and the strict one-chunk-at-a-time order keeps the peak lower.
+    ``saved_chunks`` (``pipelined``): the first s chunks are kept from forward to backward
+    instead of recomputed: with a bank that has ``run_keeping`` (Megatron's experts with a
+    one-rank, bias-free fc1; :class:`~megatron_flat.dispatch.experts.GLUExperts`) each
+    expert's first-layer output (``[R, F1]``) is kept and saves that GEMM in backward;
+    otherwise each expert's whole graph is kept and the chunk's token dispatch in backward
+    is saved too. 0 recomputes every chunk.
     """
 
     mode: str = "pipelined"
@@ -75,6 +81,7 @@ class DispatchOptions:
     min_tokens_per_gemm: int = 1024
     imbalance_threshold: float = 1.3
     overlap: Optional[bool] = None
+    saved_chunks: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -83,6 +90,9 @@ class DispatchOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.saved_chunks, bool) or not isinstance(self.saved_chunks, int) \
+                or self.saved_chunks < 0:
+            raise ValueError(f"saved_chunks must be an integer >= 0, got {self.saved_chunks!r}")
         if self.membership not in MEMBERSHIPS:
             raise ValueError(f"membership must be one of {', '.join(MEMBERSHIPS)}, "
                              f"got {self.membership!r}")
@@ -108,7 +118,8 @@ class DispatchOptions:
         values = dict(mode=flat.dispatch, chunk_tokens=flat.dispatch_chunk_tokens,
                       max_chunks=flat.dispatch_max_chunks, membership=flat.dispatch_membership,
                       alpha=flat.llep_alpha, min_tokens_per_gemm=flat.llep_min_tokens_per_gemm,
-                      imbalance_threshold=flat.llep_imbalance_threshold)
+                      imbalance_threshold=flat.llep_imbalance_threshold,
+                      saved_chunks=flat.dispatch_saved_chunks)
         values.update(overrides)
         return cls(**values)
 
@@ -125,6 +136,7 @@ class StepStats:
     received: list[int]          # routes received in each chunk
     sent: list[int]              # routes sent in each chunk
     helper_experts: list[int]    # experts computed here for another owner
+    saved_chunks: int = 0        # chunks kept for backward instead of recomputed
     llep: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -193,6 +205,13 @@ def _columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
     return parts
 
 
+def _drain(items: list) -> Iterator:
+    """Yield and drop the items of a list, first to last (each freed once consumed)."""
+    items.reverse()
+    while items:
+        yield items.pop()
+
+
 def _main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient buffer of a parameter under Megatron-Core's DDP (``main_grad``, with the
     ``grad_added_to_main_grad`` flag of its fused-accumulation protocol), else None.
@@ -212,7 +231,7 @@ class _Step:
     def __init__(self, *, bank: ExpertBank, group, ep_size: int, rank: int, num_experts: int,
                  weights_per_expert: int, n_tokens: int, route_token: torch.Tensor,
                  send: SendSchedule, recv: ReceiveSchedule, wsched: WeightSchedule,
-                 transfers: int, overlap: bool, save: bool):
+                 transfers: int, overlap: bool, save: bool, keep: int = 0):
         self.bank, self.group, self.p, self.rank = bank, group, ep_size, rank
         self.e_local = num_experts // ep_size
         self.first = rank * self.e_local
@@ -221,7 +240,13 @@ class _Step:
         self.send, self.recv, self.wsched = send, recv, wsched
         self.transfers = transfers  # weight transfers in the whole group (collective or not)
         self.overlap, self.save = overlap, save
+        self.keep = 0 if save else keep  # pipelined: chunks [0, keep) are kept for backward
+        # A bank that can hand back its first layer's output keeps only that per expert
+        # (its input rows come again with the backward dispatch, as for recompute); any
+        # other keeps each expert's whole graph.
+        self.keep_first = hasattr(bank, "run_keeping") and hasattr(bank, "run_for_grad")
         self.saved: list[Optional[tuple]] = []
+        self.kept: dict[int, list] = {}
         self.helper: dict[int, tuple[torch.Tensor, ...]] = {}
 
     # -- weights ---------------------------------------------------------------------
@@ -394,7 +419,8 @@ class _Step:
                 y_recv = self._ungroup(yg.detach(), i)
                 del xg, pg, leaves, yg
             else:
-                y_recv = self._forward_chunk(i, x_recv, p_recv, weights, helper)
+                y_recv = self._forward_chunk(i, x_recv, p_recv, weights, helper,
+                                             keep=i < self.keep)
                 del x_recv, p_recv
             (y_send,) = self._a2a(([y_recv], None), i, back=True).wait()
             del y_recv
@@ -411,18 +437,40 @@ class _Step:
         return out
 
     def _forward_chunk(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
-                       weights: Sequence[torch.Tensor], helper: dict) -> torch.Tensor:
+                       weights: Sequence[torch.Tensor], helper: dict,
+                       keep: bool = False) -> torch.Tensor:
         """Chunk i's expert outputs in received order, one expert at a time: each expert's
         rows are gathered, run and written into one output buffer, so the working set is
-        one expert's intermediates rather than the whole chunk's."""
-        y_recv = None
+        one expert's intermediates rather than the whole chunk's. With ``keep`` the chunk
+        is kept for backward (``self.kept[i]``): each expert's first-layer output
+        (``keep_first``), else each expert run with autograd and its whole graph."""
+        y_recv, kept = None, []
         for e, start, end in self.recv.segments[i]:
-            y = self.bank.run(self._weights_of(e, weights, helper),
-                              self._rows(x_recv, i, start, end), self._rows(p_recv, i, start, end))
+            x, p = self._rows(x_recv, i, start, end), self._rows(p_recv, i, start, end)
+            if keep and self.keep_first:
+                y, first = self.bank.run_keeping(self._weights_of(e, weights, helper), x, p)
+                kept.append(first)
+                del first
+            elif keep:
+                x, p = x.detach().requires_grad_(), p.detach().requires_grad_()
+                leaves = self._leaf(e, weights, helper)
+                with torch.enable_grad():
+                    y = self.bank.run(leaves, x, p)
+                kept.append((e, start, end, x, p, leaves, y))
+                y = y.detach()
+                del leaves
+            else:
+                y = self.bank.run(self._weights_of(e, weights, helper), x, p)
+            del x, p
             if y_recv is None:
                 y_recv = y.new_empty((x_recv.shape[0],) + tuple(y.shape[1:]))
             self._put(y_recv, i, start, end, y)
             del y
+        if keep and self.keep_first:
+            self.kept[i] = kept
+        elif keep:  # dtype and width of the input and probability gradients sent back
+            like = (x_recv.new_empty((0,) + tuple(x_recv.shape[1:])), p_recv.new_empty(0))
+            self.kept[i] = [like, kept]
         return x_recv.new_empty(x_recv.shape) if y_recv is None else y_recv
 
     # -- backward ------------------------------------------------------------------------
@@ -439,7 +487,7 @@ class _Step:
         def dispatch(i: int) -> _Pending:
             idx = self.send.chunk(i)
             tok = self.route_token.index_select(0, idx)
-            if self.save:
+            if self.save or (i < self.keep and not self.keep_first):
                 return self._a2a(self._pack([(grad_out, tok)]), i, back=False)
             return self._a2a(self._pack([(tokens, tok), (probs, idx), (grad_out, tok)]), i,
                              back=False)
@@ -450,8 +498,17 @@ class _Step:
             pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
             if self.save:
                 back = self._backward_saved(i, received[-1], acc)
+            elif i < self.keep and not self.keep_first:
+                like, kept = self.kept.pop(i)
+                back = self._backward_experts(i, received[-1], like, _drain(kept), acc)
+                del kept
             else:
-                back = self._backward_chunk(i, *received, weights, helper, acc)
+                x_recv, p_recv, g_recv = received
+                back = self._backward_experts(
+                    i, g_recv, (x_recv, p_recv),
+                    self._recomputed(i, x_recv, p_recv, weights, helper, self.kept.pop(i, None)),
+                    acc)
+                del x_recv, p_recv, g_recv
             del received
             dx_send, dp_send = self._a2a(back, i, back=True).wait()
             del back
@@ -505,26 +562,37 @@ class _Step:
         index = self.recv.group[i]
         return self._pack([(dxg, None), (dpg, None)], group=index)
 
-    def _backward_chunk(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
-                        g_recv: torch.Tensor, weights: Sequence[torch.Tensor], helper: dict,
-                        acc: dict):
-        """``pipelined`` mode: recompute and differentiate chunk i one expert at a time.
-
-        Each expert's graph is rebuilt from its received rows, differentiated, and its
-        weight gradient added (into ``main_grad`` or the accumulators) before the next
-        expert starts, so backward holds one expert's graph and weight gradient, never the
-        chunk's. Input and probability gradients are written straight into the buffer sent
-        back, in received order. Per-expert graphs are independent, so every value is what
-        one ``autograd.grad`` over the whole chunk would give.
-        """
+    def _recomputed(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+                    weights: Sequence[torch.Tensor], helper: dict,
+                    kept: Optional[list] = None) -> Iterator[tuple]:
+        """``pipelined`` backward of a chunk: each expert's graph rebuilt from its received
+        rows, one at a time, as ``(expert, start, end, x, p, weights, y)``; ``kept``: the
+        experts' first-layer outputs from forward, which stand in for that layer's GEMM."""
         run = self._run(for_grad=True)
-        (dx_recv, dp_recv), back = self._empty_packed([x_recv, p_recv], x_recv.shape[0])
-        for e, start, end in self.recv.segments[i]:
+        for n, (e, start, end) in enumerate(self.recv.segments[i]):
             x = self._rows(x_recv, i, start, end).detach().requires_grad_()
             p = self._rows(p_recv, i, start, end).detach().requires_grad_()
             leaves = self._leaf(e, weights, helper)
+            first = None
+            if kept is not None:
+                first, kept[n] = kept[n], None
             with torch.enable_grad():
-                y = run(leaves, x, p)
+                y = run(leaves, x, p) if first is None else run(leaves, x, p, kept=first)
+            del first
+            yield e, start, end, x, p, leaves, y
+            del x, p, leaves, y
+
+    def _backward_experts(self, i: int, g_recv: torch.Tensor, like: Sequence[torch.Tensor],
+                          experts: Iterator[tuple], acc: dict):
+        """``pipelined`` backward of chunk i, one expert's graph at a time (recomputed, or
+        kept from forward): differentiated, and its weight gradient added (into
+        ``main_grad`` or the accumulators) before the next expert's graph exists, so
+        backward holds one expert's graph and weight gradient, never the chunk's. Input and
+        probability gradients are written straight into the buffer sent back (``like``:
+        their dtypes and widths), in received order. Per-expert graphs are independent, so
+        every value is what one ``autograd.grad`` over the whole chunk would give."""
+        (dx_recv, dp_recv), back = self._empty_packed(like, g_recv.shape[0])
+        for e, start, end, x, p, leaves, y in experts:
             wanted = [w for w in leaves if w.requires_grad]
             grads = torch.autograd.grad(y, [x, p] + wanted, self._rows(g_recv, i, start, end),
                                         allow_unused=True)
@@ -612,9 +680,11 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     Backward, ``pipelined`` (recompute): the weights again, then per chunk one all-to-all of the
       routes with their probabilities and output gradients (2H + 1 per route) out and one of
       input and probability gradients (H + 1) back; each expert's graph is rebuilt from its
-      rows (the last linear layer's forward GEMM skipped when the bank has ``run_for_grad``)
-      and differentiated before the next expert's; finally helpers return weight gradients to owners (fp32, one
-      all-to-all) and the owners add them.
+      rows (the last linear layer's forward GEMM skipped when the bank has ``run_for_grad``;
+      the first layer's too for a kept chunk, whose output was kept) and differentiated
+      before the next expert's; finally helpers return weight gradients to owners (fp32, one
+      all-to-all) and the owners add them. A chunk kept whole (a bank without
+      ``run_keeping``) sends only its output gradients, as ``llep`` does.
     Backward, ``llep`` (saved): per chunk only output gradients out and input/probability
       gradients back, then the weight-gradient return.
 
@@ -738,13 +808,14 @@ class PipelinedLLEP:
         o = self.options
         fields = ["num_experts", "topk", "hidden size", "chunk_tokens", "max_chunks",
                   "membership", "mode", "dtype", "alpha", "min_tokens_per_gemm",
-                  "imbalance_threshold", "expert weight elements"]
+                  "imbalance_threshold", "expert weight elements", "saved_chunks"]
         mine = torch.tensor([
             self.num_experts, self.topk, hidden, o.chunk_tokens, o.max_chunks,
             MEMBERSHIPS.index(o.membership), MODES.index(o.mode),
             _DTYPES.index(dtype) if dtype in _DTYPES else 99, round(o.alpha * 1e6),
             o.min_tokens_per_gemm, round(o.imbalance_threshold * 1e6),
-            sum(math.prod(s) for s, _ in self.signature)], dtype=torch.long, device=device)
+            sum(math.prod(s) for s, _ in self.signature), o.saved_chunks],
+            dtype=torch.long, device=device)
         every = mine.new_empty(self.ep_size * mine.numel())
         dist.all_gather_into_tensor(every, mine, group=self.group)
         every = every.cpu().view(self.ep_size, -1)
@@ -833,9 +904,11 @@ class PipelinedLLEP:
                      route_token=route_token, send=send, recv=recv, wsched=wsched,
                      transfers=len(plan.weight_transfers),
                      overlap=overlap,
-                     save=needs_grad and not o.recompute)
+                     save=needs_grad and not o.recompute,
+                     keep=min(o.saved_chunks, k_chunks) if needs_grad else 0)
         self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits],
-                              helper_experts=wsched.helper_experts)
+                              helper_experts=wsched.helper_experts,
+                              saved_chunks=step.keep)
         return PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)

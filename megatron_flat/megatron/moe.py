@@ -18,13 +18,13 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import get_pg_size
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_flat.config import FlatConfig
-from megatron_flat.dispatch.experts import GradOnlyLinear
+from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
 from megatron_flat.megatron import compat
@@ -80,13 +80,44 @@ class SequentialMLPBank:
             raise RuntimeError("expert MLP returned a separate bias; expected it folded in")
         return out
 
+    @staticmethod
+    def _plain_fc1(module) -> bool:
+        """Whether ``linear_fc1`` is a one-rank, bias-free ColumnParallelLinear, whose output
+        can be kept from forward and stand in for its GEMM in backward."""
+        fc1 = module.linear_fc1
+        return type(fc1) is ColumnParallelLinear and get_pg_size(fc1.tp_group) == 1 \
+            and fc1.bias is None
+
+    def run_keeping(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                    probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``run`` plus ``linear_fc1``'s output, to keep for backward (None when fc1 is not
+        :meth:`_plain_fc1`: that expert is then recomputed)."""
+        module = self._owner_of(weights) or self.experts.local_experts[0]
+        if not self._plain_fc1(module):
+            return self.run(weights, x, probs), None
+        fc1, captured = module.linear_fc1, []
+
+        def forward(*args, **kwargs):
+            out = type(fc1).forward(fc1, *args, **kwargs)
+            captured.append(out[0])
+            return out
+
+        fc1.forward = forward  # instance attribute: shadows the class's forward
+        try:
+            out = self.run(weights, x, probs)
+        finally:
+            del fc1.forward
+        return out, captured[0]
+
     def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                     probs: torch.Tensor) -> torch.Tensor:
+                     probs: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``run`` for a graph that is only differentiated (backward recompute): ``linear_fc2``
         skips its forward GEMM (:class:`GradOnlyLinear`, whose backward has the formulas of
-        Megatron's non-fused linear backward). Falls back to ``run`` for any other fc2."""
+        Megatron's non-fused linear backward), and with ``kept`` (from :meth:`run_keeping`)
+        ``linear_fc1`` returns it instead of recomputing it (:class:`KeptOutputLinear`).
+        Falls back to ``run`` for any other fc2."""
         module = self._owner_of(weights) or self.experts.local_experts[0]
-        fc2 = module.linear_fc2
+        fc1, fc2 = module.linear_fc1, module.linear_fc2
         if type(fc2) is not RowParallelLinear or get_pg_size(fc2.tp_group) != 1:
             return self.run(weights, x, probs)
 
@@ -96,11 +127,22 @@ class SequentialMLPBank:
                 out = out + fc2.bias
             return out, (fc2.bias if fc2.skip_bias_add else None)
 
-        fc2.forward = forward  # instance attribute: shadows the class's forward
+        def kept_forward(input_, *args, **kwargs):
+            return KeptOutputLinear.apply(input_, fc1.weight, kept), None
+
+        # Instance attributes: they shadow the classes' forward for this call.
+        fc2.forward = forward
+        if kept is not None:
+            if not self._plain_fc1(module):
+                raise RuntimeError("PipelinedLLEP bug: a kept fc1 output for an fc1 that "
+                                   "cannot take one")
+            fc1.forward = kept_forward
         try:
             return self.run(weights, x, probs)
         finally:
             del fc2.forward
+            if kept is not None:
+                del fc1.forward
 
     def _owner_of(self, weights: Sequence[torch.Tensor]):
         """The local expert module whose parameters ``weights`` are, else None.

@@ -33,6 +33,10 @@ SCENARIOS = {
     "n-below-k": ([2, 7], 2, "0.8/1", dict(chunk_tokens=1, imbalance_threshold=0.0)),
     "k1": ([9, 5], 2, "0.8/1", dict(chunk_tokens=64, imbalance_threshold=0.0)),
     "unchunked-llep": ([11, 6], 2, "0.8/1", dict(mode="llep", imbalance_threshold=0.0)),
+    # Chunk graphs kept from forward to backward: the first 2 of 4 chunks, and every chunk.
+    "kept-chunks": ([16, 11], 2, "0.9/1", dict(chunk_tokens=4, imbalance_threshold=0.0,
+                                              saved_chunks=2)),
+    "all-chunks-kept": ([12, 12], 2, "balanced", dict(chunk_tokens=4, saved_chunks=99)),
     # The CUDA schedule (next chunk's all-to-all in flight while this one computes) on gloo.
     "overlap": ([14, 9], 2, "0.9/1", dict(chunk_tokens=3, imbalance_threshold=0.0,
                                           overlap=True)),
@@ -53,9 +57,66 @@ def test_matches_dense_moe(name, dist_world):
         assert stats.num_chunks == max(1, min(-(-max(sizes) // options.chunk_tokens), 10))
     if name.startswith("skew"):
         assert stats.llep and stats.plan.weight_transfers  # hot expert 0 spilled
+    if options.mode == "pipelined":
+        assert stats.saved_chunks == min(options.saved_chunks, stats.num_chunks)
     if name == "one-rank-receives-nothing":
         assert not stats.llep
         assert (sum(stats.received) == 0) == (rank == 1)  # every route goes to expert 0
+
+
+class _GraphKeepingBank:
+    """A bank without ``run_keeping``: kept chunks keep each expert's whole graph."""
+
+    def __init__(self, bank):
+        self.bank = bank
+        self.num_local_experts = bank.num_local_experts
+        self.local_weights, self.run = bank.local_weights, bank.run
+        self.run_for_grad = bank.run_for_grad
+
+
+def _run_engine(options, whole_graph=False):
+    """One PipelinedLLEP forward + backward on this rank (skewed, spilling routes): the
+    output, token and logit gradients and the local expert-weight gradients."""
+    from megatron_flat.dispatch.reference import local_bank_from
+
+    rank = dist.get_rank()
+    full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(5))
+    bank = local_bank_from(full, rank * (E // P), E // P)
+    kept_firsts = []
+    keeping = bank.run_keeping
+
+    def run_keeping(*args):  # count the first-layer outputs kept for backward
+        out, first = keeping(*args)
+        kept_firsts.append(first.shape[0])
+        return out, first
+
+    bank.run_keeping = run_keeping
+    eng = PipelinedLLEP(_GraphKeepingBank(bank) if whole_graph else bank, num_experts=E,
+                        topk=2, options=options)
+    eng.kept_rows = kept_firsts
+    b = RankCase(14 + 3 * rank, H, E, 2, "0.9/1", seed=40 + rank, shift=rank).build()
+    out = eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
+    out.backward(b["grad"])
+    weights = [w.grad for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
+    eng.last.kept_rows = sum(kept_firsts)
+    return [out.detach(), b["tokens"].grad, b["logits"].grad] + weights, eng.last
+
+
+@pytest.mark.parametrize("whole_graph", [False, True], ids=["first-layer", "whole-graph"])
+@pytest.mark.parametrize("saved", [1, 3, 10])
+def test_kept_chunks_are_bitwise_the_recomputed_ones(saved, whole_graph, dist_world):
+    """Keeping chunks (each expert's first-layer output, or with a bank that cannot hand it
+    back its whole graph) changes where the backward's values come from, not the values:
+    outputs and every gradient equal the all-recompute run bit for bit."""
+    base = dict(chunk_tokens=4, imbalance_threshold=0.0, min_tokens_per_gemm=1)
+    want, stats0 = _run_engine(DispatchOptions(**base), whole_graph)
+    got, stats = _run_engine(DispatchOptions(saved_chunks=saved, **base), whole_graph)
+    assert stats0.saved_chunks == 0 and stats.saved_chunks == min(saved, stats.num_chunks)
+    # First-layer outputs were kept (for the received rows of the kept chunks) or not at all.
+    kept_rows = sum(stats.received[:stats.saved_chunks])
+    assert stats.kept_rows == (0 if whole_graph else kept_rows) and stats0.kept_rows == 0
+    assert stats.num_chunks > 1 and stats.plan.weight_transfers  # helpers compute too
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_ranks_must_agree_on_settings(dist_world):

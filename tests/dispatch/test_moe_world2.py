@@ -42,6 +42,10 @@ CASES = {
     "heavy-skew": (2, "0.9/1", [8, 8], 2, {
         "llep": dict(mode="llep", llep_imbalance_threshold=0.0),
         "pipelined": dict(dispatch_chunk_tokens=4, llep_imbalance_threshold=0.0),
+        # The first 2 of 4 chunks keep their graphs (Megatron's MLP with autograd) instead
+        # of being recomputed (fc2's forward skipped): bitwise the "pipelined" variant.
+        "pipelined-kept": dict(dispatch_chunk_tokens=4, llep_imbalance_threshold=0.0,
+                               dispatch_saved_chunks=2),
     }),
     "one-rank-receives-nothing": (1, "1/1", [5, 5], 2, {
         "plain-ep": dict(dispatch_chunk_tokens=3, llep_imbalance_threshold=1e9),
@@ -74,12 +78,12 @@ def test_layer_matches_alltoall(case, megatron_cpu):
     x = torch.randn(s, mb, tiny.hidden_size, generator=gen)
     g = torch.randn(s, mb, tiny.hidden_size, generator=gen)
     ids = routing_profile(profile, s * mb, tiny.num_experts, topk)
-    problems = {}
+    problems, results = {}, {}
     with megatron_layout(ep=P):
         stock, layers = helpers.build_pair(tiny, P, {n: flat(**kw) for n, kw in variants.items()})
         want = helpers.run(stock, x, g, ids)
         for name, layer in layers.items():
-            got = helpers.run(layer, x, g, ids)
+            got = results[name] = helpers.run(layer, x, g, ids)
             stats = layer.flat_dispatch.last
             exact = name.startswith("llep-plain-ep")
             if exact:
@@ -94,7 +98,12 @@ def test_layer_matches_alltoall(case, megatron_cpu):
                 assert stats.num_chunks == max(seqs) * mb == 3
             if case == "k1":
                 assert stats.num_chunks == 1
+            if name == "pipelined-kept":
+                assert stats.saved_chunks == 2 and stats.num_chunks == 4
     assert problems == {name: [] for name in variants}
+    if "pipelined-kept" in results:
+        assert helpers.differences(results["pipelined"], results["pipelined-kept"],
+                                   exact=True) == []
 
 
 # ---------------------------------------------------------------------------- whole model

@@ -129,7 +129,8 @@ class Case:
 
 
 _SHORT = {"dispatch_chunk_tokens": "c", "dispatch_max_chunks": "K_max",
-          "vocab_block_size": "block", "sco_host_budget_gib": "budget", "sco_prefetch": "prefetch",
+          "dispatch_saved_chunks": "kept", "vocab_block_size": "block",
+          "sco_host_budget_gib": "budget", "sco_prefetch": "prefetch",
           "optimizer_bucket_numel": "bucket", "optimizer_num_slots": "slots"}
 
 
@@ -146,6 +147,8 @@ CASES: List[Case] = [
     Case("seq128x2-e8-k4-f32-v512", "dispatch", dict(dispatch_chunk_tokens=50)),
     Case("seq128-f256-v512", "dispatch", dict(dispatch_chunk_tokens=16, dispatch_max_chunks=3)),
     Case("seq128x2-e8-k4-f32-v512", "dispatch", dict(dispatch_chunk_tokens=50), "bf16"),
+    # The first 2 of 4 chunks keep their expert graphs for backward.
+    Case("seq128-v1024", "dispatch", dict(dispatch_chunk_tokens=32, dispatch_saved_chunks=2)),
     # Ring-DTP on one rank: 4 strips of 256, 6 of 85–86, 5 of 819–820.
     Case("seq128-v1024", "vocab", dict(vocab_block_size=256)),
     Case("seq128x2-e8-k4-f32-v512", "vocab", dict(vocab_block_size=96)),
@@ -230,8 +233,9 @@ def _facts(trainer, case: Case) -> Dict[str, object]:
     from megatron_flat.megatron.optimizer import inner_optimizers
 
     if case.technique == "dispatch":
-        return {"chunks": [m.flat_dispatch.last.num_chunks for m in trainer.model.modules()
-                           if isinstance(m, FlatMoELayer)]}
+        layers = [m for m in trainer.model.modules() if isinstance(m, FlatMoELayer)]
+        return {"chunks": [m.flat_dispatch.last.num_chunks for m in layers],
+                "kept": [m.flat_dispatch.last.saved_chunks for m in layers]}
     if case.technique == "sco":
         return {"max_restored": trainer.sco.stats.max_restored_on_device}
     if case.technique == "optimizer":
@@ -403,6 +407,8 @@ def test_pipelined_dispatch_matches_the_meter(measured):
         assert len(chunks) == tiny_model(case).num_layers, case.name
         assert report.num_chunks > 1 and chunks == [report.num_chunks] * len(chunks), \
             f"{case.name}: layers ran {chunks} chunks, planner K = {report.num_chunks}"
+        kept = min(case.knobs.get("dispatch_saved_chunks", 0), report.num_chunks)
+        assert got.facts["kept"] == [kept] * len(chunks), case.name
         rows += compare(case, report, got)
     bad = [r for r in rows if not -TOLERANCE <= r.error <= DISPATCH_SLACK]
     assert not bad, (f"planner more than {TOLERANCE:.0%} below the meter or more than "
