@@ -56,6 +56,17 @@ class TinyMoE:
     def with_(self, **changes) -> "TinyMoE":
         return replace(self, **changes)
 
+    def planner_spec(self, dtype: str = "fp32"):
+        """This model as the peak planner sees it (``megatron_flat.plan.ModelSpec``:
+        multi-head attention, SwiGLU experts), for validating the planner against it."""
+        from megatron_flat.plan import ModelSpec
+
+        return ModelSpec(name="tiny", hidden=self.hidden_size, layers=self.num_layers,
+                         heads=self.num_attention_heads, kv_heads=self.num_attention_heads,
+                         head_dim=self.hidden_size // self.num_attention_heads,
+                         vocab=self.vocab_size, experts=self.num_experts, topk=self.topk,
+                         expert_ffn=self.moe_ffn_hidden_size, dtype=dtype)
+
 
 def transformer_config(
     tiny: TinyMoE,

@@ -28,7 +28,7 @@ the planner is called with ``fused_kernels=False``).
 import pytest
 import torch
 
-from megatron_flat.plan import Layout, ModelSpec, estimate
+from megatron_flat.plan import Layout, estimate
 from megatron_flat.plan.peaks import METER_BOUNDARIES, METER_DISPATCH, METER_VOCAB
 
 TOLERANCE = 0.10
@@ -42,14 +42,6 @@ SHAPES = [
                                      num_experts=8, topk=4, moe_ffn_hidden_size=32,
                                      vocab_size=512)),
 ]
-
-
-def tiny_spec(tiny, dtype: str = "fp32") -> ModelSpec:
-    return ModelSpec(name="tiny", hidden=tiny.hidden_size, layers=tiny.num_layers,
-                     heads=tiny.num_attention_heads, kv_heads=tiny.num_attention_heads,
-                     head_dim=tiny.hidden_size // tiny.num_attention_heads,
-                     vocab=tiny.vocab_size, experts=tiny.num_experts, topk=tiny.topk,
-                     expert_ffn=tiny.moe_ffn_hidden_size, dtype=dtype)
 
 
 def tiny_layout(tiny) -> Layout:
@@ -92,7 +84,7 @@ def measured(megatron_cpu):
 def test_baseline_terms_match_the_meter(measured):
     rows = []
     for name, (tiny, peaks) in measured.items():
-        report = estimate(tiny_spec(tiny), tiny_layout(tiny), tiny.seq_length)
+        report = estimate(tiny.planner_spec(), tiny_layout(tiny), tiny.seq_length)
         rows += _rows(name, report.sections, peaks,
                       (METER_DISPATCH, METER_VOCAB, METER_BOUNDARIES))
     print("\n" + format_table(rows))
@@ -103,7 +95,7 @@ def test_baseline_terms_match_the_meter(measured):
 def test_composed_vocab_adds_the_saved_softmax(measured):
     # The section figure is what the meter sees; the composition's figure is never smaller.
     for name, (tiny, peaks) in measured.items():
-        report = estimate(tiny_spec(tiny), tiny_layout(tiny), tiny.seq_length)
+        report = estimate(tiny.planner_spec(), tiny_layout(tiny), tiny.seq_length)
         assert report.vocab >= report.sections[METER_VOCAB]
         n = tiny.seq_length * tiny.micro_batch_size
         assert report.vocab - report.sections[METER_VOCAB] <= 4 * n * tiny.vocab_size
@@ -137,7 +129,7 @@ def test_bf16_dispatch_and_vocab_match_the_meter(megatron_cpu):
                 finally:
                     sections.remove()
         peaks = {k: s.peak_device_bytes for k, s in meter.sections.items()}
-        report = estimate(tiny_spec(tiny, "bf16"), tiny_layout(tiny), tiny.seq_length)
+        report = estimate(tiny.planner_spec("bf16"), tiny_layout(tiny), tiny.seq_length)
         rows += _rows(name + "-bf16", report.sections, peaks, (METER_DISPATCH, METER_VOCAB))
     print("\n" + format_table(rows))
     bad = [r for r in rows if abs(r[4] - 1) > TOLERANCE]

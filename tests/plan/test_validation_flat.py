@@ -67,7 +67,7 @@ import pytest
 import torch
 
 from megatron_flat.config import GIB, FlatConfig
-from megatron_flat.plan import Layout, ModelSpec, PeakReport, estimate
+from megatron_flat.plan import Layout, PeakReport, estimate
 from megatron_flat.plan.peaks import (
     METER_BOUNDARIES,
     METER_DISPATCH,
@@ -192,15 +192,6 @@ def flat_config(case: Case) -> FlatConfig:
     return FlatConfig(**{**SWITCH[case.technique], **case.knobs})
 
 
-def planner_spec(tiny, dtype: str) -> ModelSpec:
-    """The tiny GPT as the planner sees it (multi-head attention, SwiGLU experts)."""
-    return ModelSpec(name="tiny", hidden=tiny.hidden_size, layers=tiny.num_layers,
-                     heads=tiny.num_attention_heads, kv_heads=tiny.num_attention_heads,
-                     head_dim=tiny.hidden_size // tiny.num_attention_heads,
-                     vocab=tiny.vocab_size, experts=tiny.num_experts, topk=tiny.topk,
-                     expert_ffn=tiny.moe_ffn_hidden_size, dtype=dtype)
-
-
 def planner_layout(tiny, distopt: bool = False) -> Layout:
     """World of one on CPU: unfused kernels, nothing overlaps, Megatron's plain optimizer
     (or its distributed one, over a data-parallel group of one)."""
@@ -210,7 +201,7 @@ def planner_layout(tiny, distopt: bool = False) -> Layout:
 
 def plan(case: Case) -> PeakReport:
     tiny = tiny_model(case)
-    return estimate(planner_spec(tiny, case.dtype), planner_layout(tiny, case.distopt),
+    return estimate(tiny.planner_spec(case.dtype), planner_layout(tiny, case.distopt),
                     tiny.seq_length, flat=flat_config(case))
 
 
