@@ -443,6 +443,30 @@ def _checkpoint_without_output_no_fp8() -> None:
     cls.__init__ = __init__
 
 
+def _tied_embedding_copy_on_cpu() -> None:
+    from megatron.core.models.common.language_module import language_module
+
+    cls = language_module.LanguageModule
+    original = cls.setup_embeddings_and_output_layer
+    if getattr(original, "_megatron_flat", False):
+        return
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        # With PP > 1 and tied embeddings the last stage's output weight is moved with
+        # ``weight.data.cuda()`` before the embedding group's all-reduce; on a CPU-only torch
+        # the weight stays where it is (Tensor.cuda is the identity during this call).
+        stock = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **kw: tensor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = stock
+
+    setup_embeddings_and_output_layer._megatron_flat = True
+    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 PATCHES: List[Patch] = [
     Patch(
         "torch.cuda view",
@@ -514,6 +538,12 @@ PATCHES: List[Patch] = [
         "Selective recompute (layernorm, mla_up_proj, ...) builds CheckpointWithoutOutput, whose "
         "default turns fp8 mode on and then needs transformer-engine's FP8GlobalStateManager.",
         _checkpoint_without_output_no_fp8,
+    ),
+    Patch(
+        "tied embeddings across pipeline stages",
+        "setup_embeddings_and_output_layer moves the last stage's shared output weight with "
+        "weight.data.cuda() before the embedding-group all-reduce (PP > 1, tied embeddings).",
+        _tied_embedding_copy_on_cpu,
     ),
 ]
 

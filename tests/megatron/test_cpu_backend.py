@@ -74,3 +74,14 @@ def test_tiny_moe_forward_backward_single_rank(megatron_cpu):
         loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_tied_embedding_copy_is_confined_to_its_call(megatron_cpu):
+    """The PP > 1 tied-embedding patch makes ``Tensor.cuda`` the identity only while
+    ``setup_embeddings_and_output_layer`` runs (exercised by the world-4 TP2 x PP2 tied
+    GPT step); elsewhere a CUDA copy still fails loudly on a CPU-only torch."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    assert getattr(LanguageModule.setup_embeddings_and_output_layer, "_megatron_flat", False)
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1).cuda()

@@ -10,12 +10,10 @@
   stage's, so both copies step alike (the harness requires replicas to agree bitwise).
 """
 
-import contextlib
 import importlib.util
 import pathlib
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.world(4)
 
@@ -37,23 +35,6 @@ def test_output_loss_matches_megatron_tp4(megatron_cpu, case, mode):
 
 
 # ---------------------------------------------------------------------------- whole model
-@contextlib.contextmanager
-def _cpu_tied_embedding_copy():
-    """Let ``setup_embeddings_and_output_layer`` run on a CPU-only torch with PP > 1 and tied
-    embeddings: both releases move the shared weight with ``weight.data.cuda()`` before the
-    embedding-group all-reduce (no CPU backend patch covers it yet). Test-local: on CPU,
-    ``Tensor.cuda`` returns the tensor itself inside the block."""
-    if torch.cuda.is_available():
-        yield
-        return
-    stock = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = stock
-
-
 @pytest.fixture(scope="module")
 def tied(megatron_cpu):
     from megatron_flat.testing.equivalence import run_reference
@@ -76,8 +57,7 @@ def test_gpt_step_matches_stock_model(tied, name):
 
     layout, mode = STEPS[name]
     tiny, reference = tied
-    with _cpu_tied_embedding_copy():
-        result, seen = helpers.gpt_step(tiny, reference, layout, mode)
+    result, seen = helpers.gpt_step(tiny, reference, layout, mode)
     assert_equivalent(result, reference)
     assert result.grads is not None
     assert result.losses[1] != result.losses[0]
