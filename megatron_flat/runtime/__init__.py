@@ -1,6 +1,7 @@
-"""Runtime support: memory metering, the host pool, and device-agnostic streams."""
+"""Runtime support: memory metering, cost counting, the host pool, and device-agnostic streams."""
 
 from megatron_flat.runtime.host_pool import HostPool
+from megatron_flat.runtime.ledger import CostLedger
 from megatron_flat.runtime.memory import MemoryMeter
 from megatron_flat.runtime.streams import (
     Event,
@@ -11,6 +12,7 @@ from megatron_flat.runtime.streams import (
 )
 
 __all__ = [
+    "CostLedger",
     "Event",
     "HostPool",
     "MemoryMeter",

@@ -83,6 +83,7 @@ __all__ = [
     "format_bytes",
     "SectionStats",
     "host_allocation",
+    "is_host_storage",
     "note_host_bytes",
     "register_host_storage",
 ]
@@ -453,6 +454,12 @@ def register_host_storage(storage: torch.UntypedStorage) -> None:
         raise TypeError(f"expected torch.UntypedStorage, got {type(storage).__name__}")
     if storage.device.type == "cpu":
         _TRACKER.register_host(storage)
+
+
+def is_host_storage(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` was registered as a host pool's buffer."""
+    record = _TRACKER.records.get(id(storage))
+    return record is not None and record.host
 
 
 @contextmanager

@@ -1,0 +1,734 @@
+"""Deterministic counts of the costs that decide GPU step time, for a block of code.
+
+``CostLedger`` is shaped like :class:`~megatron_flat.runtime.memory.MemoryMeter`:
+a ``with`` block, named sections, figures readable after the block. Where the
+meter measures bytes, the ledger counts what a CPU run's wall time hides:
+
+``flops``
+    2·M·N·K for every matmul-family aten op (``mm``, ``addmm``, ``bmm``,
+    ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``, ``_grouped_mm``);
+    ``linear`` and ``matmul`` reach the dispatcher as these. Kernels the
+    dispatcher does not see (a grouped-GEMM extension) report theirs with
+    :func:`record_flops`.
+``collective_bytes`` / ``collective_calls``
+    Per collective name, the bytes this rank puts on its links and the number
+    of calls, read from the ``c10d`` ops every ``torch.distributed`` call
+    dispatches (so functions bound at import, like Megatron's
+    ``dist_all_gather_func``, are seen too). Bytes are those of a ring or
+    pairwise algorithm: ``all_to_all_single`` sends its input less the piece
+    it keeps; ``all_gather_into_tensor`` (P−1)·input; ``reduce_scatter_tensor``
+    (P−1)/P·input; ``all_reduce`` 2·(P−1)/P·bytes; ``broadcast`` the tensor
+    (every rank forwards it once in a ring); ``send`` (``send``, ``isend`` and
+    ``batch_isend_irecv`` alike) the tensor; ``recv`` counts calls, 0 bytes.
+``h2d_bytes`` / ``d2h_bytes``
+    Bytes copied between host memory and the compute device. On CUDA: every
+    ``copy_`` / ``_to_copy`` between a CPU and a CUDA tensor. On CPU, host
+    memory is what the project keeps there: the host pool's buffer
+    (:func:`~megatron_flat.runtime.memory.register_host_storage`), storages
+    passed to :func:`mark_host_memory`, and the results of ``.cpu()`` of
+    device data; a ``copy_`` with exactly one side in host memory counts.
+``syncs`` (and ``sync_kinds``, a count per kind)
+    Operations that on CUDA block the host until the device has drained its
+    queue: ``.item()``, ``bool()``/``int()``/``float()`` (all
+    ``_local_scalar_dense``), ``.tolist()``, ``.numpy()``, ``.cpu()``,
+    ``torch.equal``, a blocking host↔device copy, and ops whose output shape
+    depends on device data: ``nonzero`` (``torch.where(c)``, ``argwhere``),
+    boolean-mask indexing and index assignment, ``masked_select``, ``unique``
+    variants, ``bincount``, ``repeat_interleave`` without ``output_size``.
+``ops``
+    aten (and c10d) operations executed that are not views or metadata: a
+    proxy for kernel launches.
+``mem_bytes``
+    Bytes read and written by those ops (inputs plus outputs, as tensors, not
+    storages): a proxy for memory traffic that the step-time model uses for
+    bandwidth-bound work. Collectives are not included.
+
+Device data on CPU
+    On CUDA, device data is what lives on a CUDA device. On CPU every tensor
+    is a CPU tensor, so the ledger tells the compute device's data from
+    host-side planning data by *taint*, kept on each storage (so views and
+    in-place writes share it, and it outlives the block):
+
+    * an op with at least one device-data input makes every output and every
+      tensor it writes device data (host memory keeps its mark);
+    * an op without device-data inputs makes host data: factories
+      (``torch.zeros(n)``, ``torch.tensor(list)``, ``arange``) and anything
+      computed only from them, i.e. a plan built on the host;
+    * a storage the ledger has never seen (it existed before any ledger
+      looked at it: the block's inputs, parameters, gradients, optimizer
+      state) is device data, unless marked with :func:`mark_host` (a plan
+      cached before the block) or in host memory;
+    * ``.cpu()`` of device data is a sync and a device→host copy whose result
+      is host data: on CPU it returns a copy, as it would on a GPU.
+
+    Limits: a factory that on a GPU would take ``device=x.device`` makes host
+    data here until device data is written into it (``index_add_``,
+    ``copy_``, a collective), so a sync on a freshly made device buffer that
+    no device data touched is missed; ``.to("cpu")`` of device data is not a
+    sync here (on CPU it is the identity and never reaches the dispatcher).
+    On CUDA, ``CostLedger(cuda_sync_check=True)`` also counts the warnings of
+    ``torch.cuda.set_sync_debug_mode("warn")`` in ``cuda_sync_warnings``, to
+    cross-check ``syncs``.
+
+Threads
+    Counting happens in a ``TorchDispatchMode``; autograd carries it into the
+    backward, including CUDA's device threads. Ops run by other threads that
+    did not inherit it are not seen.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from megatron_flat.runtime import memory
+
+__all__ = [
+    "CostLedger",
+    "Costs",
+    "mark_host",
+    "mark_host_memory",
+    "record_flops",
+    "is_device_data",
+]
+
+_TAINT = "_megatron_flat_taint"  # attribute on a storage's Python object
+_HOST, _DEVICE, _HOST_MEMORY = "host", "device", "host-memory"
+
+_aten = torch.ops.aten
+_c10d = torch.ops.c10d
+
+
+def _ops(packet: Any, *names: str) -> set:
+    return {getattr(packet, n) for n in names if hasattr(packet, n)}
+
+
+def _overloads(packet: Any, *names: str) -> set:
+    out = set()
+    for name in names:
+        p = getattr(packet, name, None)
+        if p is None:
+            continue
+        for overload in p.overloads():
+            out.add(getattr(p, overload))
+    return out
+
+
+_SCALAR_SYNC = _overloads(_aten, "_local_scalar_dense", "equal")
+# Output shape read from device data: the host waits for the device to know it.
+_SHAPE_SYNC = _overloads(
+    _aten,
+    "nonzero",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "bincount",
+)
+_REPEAT_INTERLEAVE = _overloads(_aten, "repeat_interleave")
+_MASK_INDEX = _overloads(_aten, "index", "index_put", "index_put_", "_index_put_impl_")
+_COPIES = _overloads(_aten, "copy_", "_to_copy", "_copy_from")
+# torch.tensor(data) wraps a tensor made from Python data: host data, whatever its input.
+_LIFT = _overloads(_aten, "lift_fresh", "lift_fresh_copy", "lift")
+
+
+# -- FLOPs ------------------------------------------------------------------------
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> int:
+    return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> int:
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, *rest: Any, **kw: Any) -> int:
+    # 2-D x 3-D with offsets: every row of a meets one expert's K x N.
+    if a.dim() == 2 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 3 and b.dim() == 3:
+        return _bmm(a, b)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+
+
+_FLOPS: dict[Any, Callable[..., int]] = {}
+for _op in _overloads(_aten, "mm"):
+    _FLOPS[_op] = lambda a, b, *r, **k: _mm(a, b)
+for _op in _overloads(_aten, "addmm"):
+    _FLOPS[_op] = lambda c, a, b, *r, **k: _mm(a, b)
+for _op in _overloads(_aten, "bmm"):
+    _FLOPS[_op] = lambda a, b, *r, **k: _bmm(a, b)
+for _op in _overloads(_aten, "baddbmm", "addbmm"):
+    _FLOPS[_op] = lambda c, a, b, *r, **k: _bmm(a, b)
+for _op in _overloads(_aten, "mv"):
+    _FLOPS[_op] = lambda a, v, *r, **k: 2 * a.shape[0] * a.shape[1]
+for _op in _overloads(_aten, "addmv"):
+    _FLOPS[_op] = lambda c, a, v, *r, **k: 2 * a.shape[0] * a.shape[1]
+for _op in _overloads(_aten, "dot", "vdot"):
+    _FLOPS[_op] = lambda a, b, *r, **k: 2 * a.shape[0]
+for _op in _overloads(_aten, "_grouped_mm"):
+    _FLOPS[_op] = _grouped_mm
+
+
+# -- collectives --------------------------------------------------------------------
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size_rank(pg: Any) -> tuple[int, int]:
+    """(size, rank in group) of the process group a c10d op received.
+
+    The dispatcher hands over a TorchScript object; ``ProcessGroup.unbox``
+    gives back the Python group.
+    """
+    group = pg
+    if not hasattr(group, "size"):
+        unbox = getattr(torch.distributed.ProcessGroup, "unbox", None)
+        if unbox is None:
+            raise RuntimeError("CostLedger: cannot read the process group of a collective")
+        group = unbox(pg)
+    return int(group.size()), int(group.rank())
+
+
+def _a2a_bytes(output, input, pg, output_split_sizes, input_split_sizes, *r, **k) -> int:
+    size, rank = _group_size_rank(pg)
+    total = _nbytes(input)
+    if input.numel() == 0:
+        return 0
+    row = total // max(input.shape[0], 1)
+    if input_split_sizes:
+        kept = input_split_sizes[rank] * row if rank < len(input_split_sizes) else 0
+    else:
+        kept = total // size
+    return total - kept
+
+
+def _allgather_bytes(output, input, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return (size - 1) * _nbytes(input)
+
+
+def _reduce_scatter_bytes(output, input, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return (size - 1) * _nbytes(input) // size
+
+
+def _allreduce_bytes(tensors, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return sum(2 * (size - 1) * _nbytes(t) // size for t in tensors)
+
+
+def _list_bytes(tensors, *r, **k) -> int:
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _allgather_list_bytes(outputs, inputs, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return sum((size - 1) * _nbytes(t) for t in inputs)
+
+
+def _zero(*r, **k) -> int:
+    return 0
+
+
+# c10d op -> (name in the ledger, bytes this rank sends, index of the written outputs)
+_COLLECTIVES: dict[Any, tuple[str, Callable[..., int]]] = {}
+for _name, _packet, _fn in (
+    ("all_to_all_single", "alltoall_base_", _a2a_bytes),
+    ("all_gather_into_tensor", "_allgather_base_", _allgather_bytes),
+    ("reduce_scatter_tensor", "_reduce_scatter_base_", _reduce_scatter_bytes),
+    ("all_reduce", "allreduce_", _allreduce_bytes),
+    ("all_reduce", "allreduce_coalesced_", _allreduce_bytes),
+    ("broadcast", "broadcast_", _list_bytes),
+    ("send", "send", _list_bytes),
+    ("recv", "recv_", _zero),
+    ("recv", "recv_any_source_", _zero),
+    ("all_gather", "allgather_", _allgather_list_bytes),
+    ("all_to_all", "alltoall_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in ins)),
+    ("barrier", "barrier", _zero),
+):
+    for _op in _overloads(_c10d, _packet):
+        _COLLECTIVES[_op] = (_name, _fn)
+
+
+# -- taint ----------------------------------------------------------------------------
+
+
+def _storage(t: Any) -> Optional[torch.UntypedStorage]:
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _taint_of(s: torch.UntypedStorage) -> Optional[str]:
+    mark = getattr(s, _TAINT, None)
+    if mark is None and memory.is_host_storage(s):
+        return _HOST_MEMORY
+    return mark
+
+
+def _set_taint(s: torch.UntypedStorage, mark: str) -> None:
+    try:
+        setattr(s, _TAINT, mark)
+    except (AttributeError, TypeError):
+        pass
+
+
+def is_device_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` counts as device data (see the module docstring)."""
+    if t.device.type != "cpu":
+        return t.device.type != "meta"
+    s = _storage(t)
+    if s is None:
+        return False
+    mark = _taint_of(s)
+    return mark is None or mark == _DEVICE
+
+
+def _is_host_memory(t: torch.Tensor) -> bool:
+    if t.device.type == "cpu":
+        s = _storage(t)
+        if s is None:
+            return False
+        if torch.cuda.is_available():
+            return True
+        return _taint_of(s) == _HOST_MEMORY
+    return False
+
+
+def mark_host(*tensors: torch.Tensor) -> None:
+    """Mark tensors as host-side data (a plan cached on the host); no ledger needed.
+
+    On CUDA this is a no-op: the device tells host data from device data.
+    """
+    for t in tensors:
+        s = _storage(t)
+        if s is not None and t.device.type == "cpu" and _taint_of(s) != _HOST_MEMORY:
+            _set_taint(s, _HOST)
+
+
+def mark_host_memory(*tensors: torch.Tensor) -> None:
+    """Mark tensors' storages as host memory: copies to or from them count as h2d/d2h."""
+    for t in tensors:
+        s = _storage(t)
+        if s is not None and t.device.type == "cpu":
+            _set_taint(s, _HOST_MEMORY)
+
+
+# -- figures --------------------------------------------------------------------------
+
+
+@dataclass
+class Costs:
+    """Counts over a block or a section; sections entered several times add up."""
+
+    name: str = ""
+    flops: int = 0
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    collective_calls: dict[str, int] = field(default_factory=dict)
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    syncs: int = 0
+    sync_kinds: Counter = field(default_factory=Counter)
+    ops: int = 0
+    mem_bytes: int = 0
+    entries: int = 0
+
+    @property
+    def all_to_all_bytes(self) -> int:
+        """Bytes sent by all-to-all collectives (single and list forms)."""
+        return self.collective_bytes.get("all_to_all_single", 0) + self.collective_bytes.get(
+            "all_to_all", 0
+        )
+
+    @property
+    def other_collective_bytes(self) -> int:
+        """Bytes sent by every collective that is not an all-to-all."""
+        return sum(self.collective_bytes.values()) - self.all_to_all_bytes
+
+    def add_collective(self, name: str, nbytes: int) -> None:
+        self.collective_bytes[name] = self.collective_bytes.get(name, 0) + nbytes
+        self.collective_calls[name] = self.collective_calls.get(name, 0) + 1
+
+    def add_sync(self, kind: str) -> None:
+        self.syncs += 1
+        self.sync_kinds[kind] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-JSON figures (the keys the benchmarks write)."""
+        return {
+            "flops": self.flops,
+            "all_to_all_bytes": self.all_to_all_bytes,
+            "other_collective_bytes": self.other_collective_bytes,
+            "collective_bytes": dict(self.collective_bytes),
+            "collective_calls": dict(self.collective_calls),
+            "h2d_bytes": self.h2d_bytes,
+            "d2h_bytes": self.d2h_bytes,
+            "syncs": self.syncs,
+            "sync_kinds": dict(self.sync_kinds),
+            "ops": self.ops,
+            "mem_bytes": self.mem_bytes,
+        }
+
+
+class _LedgerMode(TorchDispatchMode):
+    """Counts every op into the ledger's open targets (its totals and sections)."""
+
+    def __init__(self, ledger: "CostLedger") -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _quiet():
+            self.ledger._count(func, args, kwargs, out)
+        return out
+
+
+_LOCAL = threading.local()
+
+
+def _quiet() -> bool:
+    return getattr(_LOCAL, "quiet", 0) > 0
+
+
+@contextmanager
+def _quietly() -> Iterator[None]:
+    _LOCAL.quiet = getattr(_LOCAL, "quiet", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.quiet -= 1
+
+
+def _open_ledgers() -> list["CostLedger"]:
+    return [m.ledger for m in _get_current_dispatch_mode_stack() if isinstance(m, _LedgerMode)]
+
+
+def record_flops(flops: int) -> None:
+    """Add FLOPs of a kernel the dispatcher does not see to every open ledger here."""
+    if _quiet():
+        return
+    for ledger in _open_ledgers():
+        for target in ledger._targets():
+            target.flops += int(flops)
+
+
+# -- Python-level syncs: methods that never reach the dispatcher on CPU -----------
+
+_PATCH_LOCK = threading.Lock()
+_PATCH_COUNT = 0
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+
+
+def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
+    if _quiet() or not isinstance(t, torch.Tensor) or not is_device_data(t):
+        return False
+    ledgers = _open_ledgers()
+    for ledger in ledgers:
+        for target in ledger._targets():
+            target.add_sync(kind)
+            target.d2h_bytes += _nbytes(t)
+            target.ops += 1
+    return bool(ledgers)
+
+
+def _patched(name: str) -> Callable[..., Any]:
+    original = _ORIGINAL[name]
+
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counted = _count_python_sync(name, self)
+        with _quietly():
+            out = original(self, *args, **kwargs)
+            if (
+                name == "cpu"
+                and counted
+                and self.device.type == "cpu"
+                and isinstance(out, torch.Tensor)
+            ):
+                # On a GPU this is a fresh host copy; on CPU it would alias the
+                # device data, so make the copy and mark it host memory.
+                out = out.clone()
+                mark_host_memory(out)
+        return out
+
+    method.__name__ = name
+    method.__doc__ = original.__doc__
+    return method
+
+
+def _install_patches() -> None:
+    global _PATCH_COUNT
+    with _PATCH_LOCK:
+        if _PATCH_COUNT == 0:
+            for name in ("tolist", "numpy", "cpu"):
+                _ORIGINAL[name] = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, _patched(name))
+        _PATCH_COUNT += 1
+
+
+def _remove_patches() -> None:
+    global _PATCH_COUNT
+    with _PATCH_LOCK:
+        _PATCH_COUNT -= 1
+        if _PATCH_COUNT == 0:
+            for name, original in _ORIGINAL.items():
+                setattr(torch.Tensor, name, original)
+            _ORIGINAL.clear()
+
+
+# -- the ledger -------------------------------------------------------------------
+
+
+class CostLedger:
+    """Count FLOPs, collective bytes, host↔device bytes, syncs and ops in a block.
+
+    Totals are attributes of the ledger (``flops``, ``collective_bytes``, …,
+    the fields of :class:`Costs`), readable during the block and final after
+    it; :meth:`section` counts a named part into ``sections[name]``. Ledgers
+    nest: an inner ledger's ops count in the outer one too. A ledger is
+    entered once. See the module docstring for what each figure means and how
+    device data is told from host data on CPU.
+    """
+
+    def __init__(self, cuda_sync_check: bool = False) -> None:
+        self.totals = Costs(name="total")
+        self.sections: dict[str, Costs] = {}
+        self.cuda_sync_warnings = 0
+        self._open: list[Costs] = []
+        self._mode: Optional[_LedgerMode] = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._cuda_sync_check = bool(cuda_sync_check) and torch.cuda.is_available()
+        self._warn_ctx: Any = None
+        self._warn_log: Optional[list] = None
+        self._old_sync_mode: Optional[int] = None
+
+    # -- figures (totals) ---------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names not found normally: the totals' fields.
+        if name in Costs.__dataclass_fields__ or name in (
+            "all_to_all_bytes",
+            "other_collective_bytes",
+        ):
+            return getattr(self.__dict__["totals"], name)
+        raise AttributeError(name)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Totals as plain JSON, with ``sections`` by name."""
+        out = self.totals.as_dict()
+        out["sections"] = {n: c.as_dict() for n, c in self.sections.items()}
+        if self._cuda_sync_check:
+            out["cuda_sync_warnings"] = self.cuda_sync_warnings
+        return out
+
+    # -- context ------------------------------------------------------------
+
+    def __enter__(self) -> "CostLedger":
+        if self._mode is not None or self._closed:
+            raise RuntimeError("a CostLedger can be entered only once")
+        _install_patches()
+        self._mode = _LedgerMode(self)
+        self._open = [self.totals]
+        if self._cuda_sync_check:
+            self._warn_ctx = warnings.catch_warnings(record=True)
+            self._warn_log = self._warn_ctx.__enter__()
+            warnings.simplefilter("always")
+            self._old_sync_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is None or self._closed:
+            return
+        self._mode.__exit__(*exc)
+        self._closed = True
+        self._open = []
+        if self._cuda_sync_check:
+            torch.cuda.set_sync_debug_mode(self._old_sync_mode or 0)
+            assert self._warn_log is not None
+            self.cuda_sync_warnings = sum(
+                "synchroniz" in str(w.message).lower() for w in self._warn_log
+            )
+            self._warn_ctx.__exit__(*exc)
+        _remove_patches()
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[Costs]:
+        """Count a named part of the block into ``sections[name]`` (and the totals)."""
+        if self._mode is None or self._closed:
+            raise RuntimeError("CostLedger.section needs an open ledger")
+        costs = self.sections.setdefault(name, Costs(name=name))
+        with self._lock:
+            self._open.append(costs)
+        try:
+            yield costs
+        finally:
+            with self._lock:
+                self._open.remove(costs)
+            costs.entries += 1
+
+    def _targets(self) -> list[Costs]:
+        return list(self._open)
+
+    # -- counting -----------------------------------------------------------
+
+    def _count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        targets = self._targets()
+        if not targets:
+            return
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        device_in = func not in _LIFT and any(is_device_data(t) for t in leaves)
+        collective = _COLLECTIVES.get(func)
+        if collective is not None:
+            name, fn = collective
+            nbytes = int(fn(*args, **kwargs))
+            for target in targets:
+                target.add_collective(name, nbytes)
+                target.ops += 1
+            if device_in:  # what a collective writes is device data like what it read
+                self._taint_outputs(leaves, out)
+            return
+        if func.is_view:  # no kernel; the alias shares its storage's mark
+            if device_in:
+                self._taint_outputs((), out)
+            else:
+                self._mark_fresh_host(out)
+            return
+        flops = _FLOPS.get(func)
+        f = int(flops(*args, **kwargs)) if flops is not None else 0
+        h2d, d2h, blocking = self._copy_bytes(func, args, kwargs, out)
+        sync = self._sync_kind(func, args, kwargs, leaves, device_in)
+        if sync is None and blocking:
+            sync = "h2d_copy" if h2d else "d2h_copy"
+        mem = sum(_nbytes(t) for t in leaves) + sum(
+            _nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+        )
+        for target in targets:
+            target.ops += 1
+            target.flops += f
+            target.h2d_bytes += h2d
+            target.d2h_bytes += d2h
+            target.mem_bytes += mem
+            if sync is not None:
+                target.add_sync(sync)
+        if device_in:
+            self._taint_outputs(self._written(func, args, kwargs), out)
+        else:
+            self._mark_fresh_host(out)
+
+    @staticmethod
+    def _mark_fresh_host(out: Any) -> None:
+        """Outputs of an op without device-data inputs are host data."""
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            s = _storage(t)
+            if s is not None and getattr(s, _TAINT, None) is None and not memory.is_host_storage(s):
+                _set_taint(s, _HOST)
+
+    @staticmethod
+    def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        written: list[torch.Tensor] = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written.extend(t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+        return written
+
+    @staticmethod
+    def _taint_outputs(written: Any, out: Any) -> None:
+        for t in list(written) + pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            s = _storage(t)
+            if s is not None and _taint_of(s) != _HOST_MEMORY:
+                _set_taint(s, _DEVICE)
+
+    @staticmethod
+    def _copy_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, bool]:
+        """(h2d bytes, d2h bytes, blocking) of a host↔device copy op, else zeros."""
+        if func not in _COPIES:
+            return 0, 0, False
+        if func._overloadpacket is _aten._to_copy:
+            src, dst = args[0], out
+        elif func._overloadpacket is _aten.copy_:
+            dst, src = args[0], args[1]
+        else:  # _copy_from(self, dst)
+            src, dst = args[0], args[1]
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            return 0, 0, False
+        non_blocking = bool(
+            kwargs.get("non_blocking", args[2] if len(args) > 2 and func._overloadpacket is _aten.copy_ else False)
+        )
+        if src.device.type == "cuda" or dst.device.type == "cuda":
+            if src.device.type == dst.device.type:
+                return 0, 0, False
+            n = _nbytes(src)
+            if src.device.type == "cpu":
+                return n, 0, not non_blocking
+            return 0, n, not non_blocking
+        src_host, dst_host = _is_host_memory(src), _is_host_memory(dst)
+        if src_host == dst_host:
+            return 0, 0, False
+        n = _nbytes(src)
+        return (n, 0, not non_blocking) if src_host else (0, n, not non_blocking)
+
+    @staticmethod
+    def _sync_kind(
+        func: Any, args: tuple, kwargs: dict, leaves: list, device_in: bool
+    ) -> Optional[str]:
+        if not device_in:
+            return None
+        name = func._overloadpacket.__name__
+        if func in _SCALAR_SYNC:
+            return "item" if name == "_local_scalar_dense" else name
+        if func in _SHAPE_SYNC:
+            return name.lstrip("_")
+        if func in _REPEAT_INTERLEAVE:
+            # Only a repeats tensor without output_size makes the output size unknown.
+            if kwargs.get("output_size") is not None:
+                return None
+            position = 0 if func._overloadname == "Tensor" else 1
+            repeats = args[position] if len(args) > position else kwargs.get("repeats")
+            if isinstance(repeats, torch.Tensor) and is_device_data(repeats):
+                return "repeat_interleave"
+            return None
+        if func in _MASK_INDEX:
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            for index in indices or ():
+                if (
+                    isinstance(index, torch.Tensor)
+                    and index.dtype in (torch.bool, torch.uint8)
+                    and is_device_data(index)
+                ):
+                    return "mask_index"
+        return None
+
+
+def format_count(n: float) -> str:
+    """Counts for tables: ``1.23G``, ``45.6M``, ``7.8K``, ``12``."""
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{int(n)}"
