@@ -2,7 +2,9 @@
 
 Prints each peak per device without and with megatron-flat, the term that binds, the knobs
 ``fit`` chose (and the ``--flat-*`` flags that set them) and the longest context that fits;
-``--json`` prints the same as one JSON object.
+next to each flattened peak, the predicted time cost of those knobs on ``--device`` (the
+step-time model of ``plan.time`` over the per-layer counts of ``plan.costs``, scaled to the
+model's layers on the worst stage); ``--json`` prints the same as one JSON object.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.plan.fit import (
@@ -32,7 +34,10 @@ from megatron_flat.plan.model import (
     default_layout,
     load_model,
 )
+from megatron_flat.plan.costs import UNITS, unit_costs
 from megatron_flat.plan.peaks import COMPONENTS, DEFAULT_SKEW, PeakReport, estimate, usable
+from megatron_flat.plan.time import DEVICES, Prediction, format_seconds, predict
+from megatron_flat.plan.time import device as device_model
 from megatron_flat.plan.units import (
     format_bytes,
     format_tokens,
@@ -82,8 +87,43 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
     p.add_argument("--all-on", action="store_true",
                    help="flat column: all four techniques at their smallest-memory settings "
                         "(default: the fewest techniques that fit, at their cheapest settings)")
+    p.add_argument("--device", default="H200", choices=sorted(DEVICES),
+                   help="GPU the step-time model predicts for (default H200)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+# Which peak row each unit's time cost sits next to, and what one unit is.
+UNIT_ROWS = {"dispatch": "dispatch", "vocab": "vocab", "boundaries": "boundaries",
+             "optimizer": "optimizer"}
+UNIT_LABELS = {
+    "dispatch": "MoE layers (experts + all-to-all)",
+    "vocab": "projection + loss",
+    "boundaries": "layers' compute + SCO copies",
+    "optimizer": "optimizer step (per step)",
+}
+
+
+def predict_units(res: "PlanResult") -> Dict[str, Dict[str, Prediction]]:
+    """Predicted time of each unit, baseline and flat, on ``res.device`` (per microbatch on
+    the worst stage; the optimizer per step)."""
+    out: Dict[str, Dict[str, Prediction]] = {}
+    for variant, report, flat in (("baseline", res.baseline, None),
+                                  ("flat", res.flat_report, res.flat)):
+        for unit, (counts, overlap) in unit_costs(res.model, res.layout, report, flat).items():
+            out.setdefault(unit, {})[variant] = predict(counts, overlap, res.device)
+    return out
+
+
+def _cost(pair: Dict[str, Prediction]) -> str:
+    delta = pair["flat"].total_s - pair["baseline"].total_s
+    if abs(delta) < 5e-7:
+        return "+0"
+    sign = "+" if delta > 0 else "-"
+    base = pair["baseline"].total_s
+    ratio = pair["flat"].total_s / base if base else float("inf")
+    rel = f" ({delta / base:+.0%})" if ratio < 10 else f" (x{ratio:.0f})" if base else ""
+    return f"{sign}{format_seconds(abs(delta))}{rel}"
 
 
 def _knob_summary(report: PeakReport, flat: FlatConfig) -> List[str]:
@@ -155,6 +195,7 @@ class PlanResult:
     reach: Reach
     error: Optional[str]     # why nothing fits (flat_report is then the smallest setting)
     all_on: bool = False     # flat = every technique at its smallest-memory setting
+    device: str = "H200"     # what the step-time model predicts for
 
     def fits(self, report: PeakReport) -> bool:
         """The criterion ``fit`` uses: total within the usable device bytes, pinned host
@@ -194,6 +235,15 @@ class PlanResult:
             "max_context": {"baseline": self.reach.baseline, "flat": self.reach.flat},
             "max_context_granularity": self.reach.granularity,
         }
+        times = predict_units(self)
+        out["predicted_time"] = {
+            "device": self.device,
+            "note": "predicted by the step-time model (megatron_flat.plan.time), not measured;"
+                    " seconds per microbatch on the worst stage, the optimizer per step",
+            "units": {u: {v: p.as_dict() for v, p in pair.items()} for u, pair in times.items()},
+            "cost_s": {u: pair["flat"].total_s - pair["baseline"].total_s
+                       for u, pair in times.items()},
+        }
         if self.error:
             out["error"] = self.error
         return out
@@ -232,7 +282,15 @@ def plan(args: argparse.Namespace) -> PlanResult:
     return PlanResult(model=model, layout=layout, chosen=chosen, seq_len=seq, skew=args.skew,
                       device_bytes=device, budget=usable(device, args.margin), host_bytes=host,
                       baseline=baseline, flat_report=flat_report, flat=flat, reach=reach,
-                      error=error, all_on=args.all_on)
+                      error=error, all_on=args.all_on, device=device_model(args.device).name)
+
+
+def _binds(p: Prediction) -> str:
+    parts = {"compute": p.compute_s, "exposed transfers": p.exposed_comm_s + p.exposed_copy_s,
+             "sync stalls": p.stall_s}
+    if p.launch_bound:
+        parts["launches"] = parts.pop("compute")
+    return max(parts, key=parts.get) if any(parts.values()) else "nothing"
 
 
 def render_table(res: PlanResult) -> str:
@@ -250,10 +308,14 @@ def render_table(res: PlanResult) -> str:
         "",
         f"{'peak per GPU':34s}{'baseline':>14s}{'flat':>14s}",
     ]
+    times = predict_units(res)
+    by_row = {UNIT_ROWS[u]: _cost(pair) for u, pair in times.items()}
+    lines[-1] += f"   predicted time cost ({res.device})"
     bc, fc = base.components(), r.components()
     for name in COMPONENTS + ("total",):
         lines.append(f"  {ROW_LABELS[name]:32s}{format_bytes(bc[name]):>14s}"
-                     f"{format_bytes(fc[name]):>14s}")
+                     f"{format_bytes(fc[name]):>14s}"
+                     + (f"   {by_row[name]}" if name in by_row else ""))
     yes = {True: "yes", False: "NO"}
     flat_fits = res.error is None and res.fits(r)
     lines.append(f"  {'fits':32s}{yes[res.fits(base)]:>14s}{yes[flat_fits]:>14s}")
@@ -281,6 +343,15 @@ def render_table(res: PlanResult) -> str:
                      f"{format_bytes(base.optimizer)}, exceeds the usable "
                      f"{format_bytes(res.budget)})")
     lines.append("step peak = optimizer/model state + boundaries + max(dispatch + other, vocab)")
+    lines += ["", f"predicted time on {res.device} (a model of counted FLOPs, bytes, syncs and "
+                  "launches, not a measurement;", "  per microbatch on the worst stage, the "
+                  "optimizer per step):",
+              f"  {'unit':36s}{'baseline':>12s}{'flat':>12s}   cost, what binds (flat)"]
+    for unit in UNITS:
+        pair = times[unit]
+        lines.append(f"  {UNIT_LABELS[unit]:36s}{format_seconds(pair['baseline'].total_s):>12s}"
+                     f"{format_seconds(pair['flat'].total_s):>12s}   {_cost(pair)}, "
+                     f"{_binds(pair['flat'])}")
     if res.error:
         lines += ["", "does not fit: " + res.error]
     return "\n".join(lines)

@@ -143,3 +143,36 @@ def test_top_level_dispatcher(capsys):
     assert rc == 2 and "plan" in err
     rc, out, _ = run(capsys, ["--help"], top_main)
     assert rc == 0 and "plan" in out
+
+
+def test_predicted_time_costs_next_to_the_peaks(capsys):
+    rc, out, err = run(capsys, ["--model", "paper-667b", "--all-on"] + PAPER)
+    assert rc == 0, err
+    assert "predicted time cost (H200)" in out
+    assert "predicted time on H200" in out and "not a measurement" in out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.startswith("  ") and len(line.split()) > 1}
+    # the optimizer offload's cost is its PCIe traffic: seconds, bound by transfers
+    optimizer = next(line for line in out.splitlines() if "optimizer step (per step)" in line)
+    assert "exposed transfers" in optimizer and " s " in optimizer
+    assert "dispatch" in rows and rows["dispatch"].rstrip().endswith(")")
+
+
+def test_predicted_time_json_and_device_flag(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json",
+                              "--device", "H100"] + PAPER)
+    assert rc == 0
+    t = json.loads(out)["predicted_time"]
+    assert t["device"] == "H100" and "not measured" in t["note"]
+    assert set(t["units"]) == set(t["cost_s"]) == {"dispatch", "vocab", "boundaries",
+                                                    "optimizer"}
+    for unit, pair in t["units"].items():
+        assert pair["baseline"]["predicted"] and pair["flat"]["predicted"]
+        assert t["cost_s"][unit] == pytest.approx(
+            pair["flat"]["total_s"] - pair["baseline"]["total_s"])
+    # OffloadStreamAdamW moves 28 B/param over PCIe: its step is transfer-bound
+    opt = t["units"]["optimizer"]["flat"]
+    assert opt["copy_s"] > opt["compute_s"] and t["cost_s"]["optimizer"] > 0
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "paper-667b", "--device", "TPU"] + PAPER)
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err

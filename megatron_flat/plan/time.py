@@ -1,0 +1,270 @@
+"""The step-time model: predicted time on a named GPU from cost counts and overlap structure.
+
+Everything here is a *prediction*: counts (from :class:`~megatron_flat.runtime.ledger.
+CostLedger` on CPU, or the analytic per-layer counts of :mod:`megatron_flat.plan.costs` at
+a real scale) turned into seconds with a few device constants. A lent GPU confirms or
+refutes it (``benchmarks/gpu_check.sh`` prints the measured times beside these).
+
+One unit of work (a MoE layer's forward + backward, the output layer + loss, an optimizer
+step, ...) is predicted from its counts ``c`` on device ``D`` as::
+
+    gpu      = c.flops / (D.flops · D.matmul_efficiency)        matmuls
+             + c.mem_bytes / (D.hbm_bytes_per_s · D.hbm_efficiency)   everything else
+    host     = c.ops · D.launch_s                                launching the kernels
+    compute  = max(gpu, host)            the GPU starves when launching is slower than running
+    comm     = (all-to-all + other collective bytes) / D.link_bytes_per_s
+               + collective calls · D.collective_latency_s
+    copy     = max(h2d, d2h) / D.pcie_bytes_per_s     (the two directions run concurrently)
+    stalls   = c.syncs · D.sync_stall_s       each sync drains the queue; the GPU then idles
+                                              while the host launches the next kernels
+
+and the unit's :class:`Overlap` (its schedule, written per technique in ``OVERLAPS``) says
+which part of ``comm`` and ``copy`` runs beside compute. With ``S`` pipeline stages (chunks,
+ring hops, layers, buckets), hideable transfer ``X = max(h_c·comm, h_p·copy)`` (collectives
+and copies use different engines) and compute ``C``, a two-stage pipeline takes
+``max(X, C)·(S − 1)/S + (X + C)/S`` (the first transfer and the last compute are exposed);
+the rest adds serially::
+
+    time = pipeline(X, C, S) + (1 − h_c)·comm + (1 − h_p)·copy + stalls
+
+A whole step is the sum of its units' predictions plus the rest of the step (its counts
+less the units' counts) run serially.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional
+
+from megatron_flat.plan.model import PlanError
+
+__all__ = [
+    "DEVICES",
+    "DeviceModel",
+    "OVERLAPS",
+    "Overlap",
+    "Prediction",
+    "device",
+    "overlap_for",
+    "predict",
+    "predict_step",
+]
+
+COUNT_KEYS = ("flops", "all_to_all_bytes", "other_collective_bytes", "h2d_bytes", "d2h_bytes",
+              "syncs", "ops", "mem_bytes")
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Constants of one GPU (per GPU, per direction where it matters).
+
+    ``flops``: dense bf16 peak; ``matmul_efficiency``: the fraction of it large GEMMs reach;
+    ``hbm_efficiency``: the fraction of HBM bandwidth bandwidth-bound kernels reach;
+    ``link_bytes_per_s``: the intra-node interconnect per direction (NVLink), what one
+    rank's collective payload crosses; ``pcie_bytes_per_s``: host↔device per direction as
+    achieved with pinned memory; ``launch_s``: host time to launch one kernel;
+    ``sync_stall_s``: the device's idle time after one host sync (queue drained, host
+    round-trip, first kernels relaunched); ``collective_latency_s``: fixed cost of one
+    collective call.
+    """
+
+    name: str
+    flops: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    pcie_bytes_per_s: float
+    memory_bytes: int
+    matmul_efficiency: float = 0.6
+    hbm_efficiency: float = 0.8
+    launch_s: float = 5e-6
+    sync_stall_s: float = 30e-6
+    collective_latency_s: float = 15e-6
+
+
+# H200 SXM (DESIGN.md §6). The efficiencies and fixed costs are stated assumptions, the
+# figures a well-tuned Megatron run reaches, not measurements.
+DEVICES: Dict[str, DeviceModel] = {
+    "H200": DeviceModel(name="H200", flops=989e12, hbm_bytes_per_s=4.8e12,
+                        link_bytes_per_s=450e9, pcie_bytes_per_s=55e9,
+                        memory_bytes=141 * 10**9),
+    "H100": DeviceModel(name="H100", flops=989e12, hbm_bytes_per_s=3.35e12,
+                        link_bytes_per_s=450e9, pcie_bytes_per_s=55e9,
+                        memory_bytes=80 * 10**9),
+}
+
+
+def device(name: str) -> DeviceModel:
+    """The named device model (``H200``, ``H100``); ``PlanError`` names the choices."""
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise PlanError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}") from None
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Which transfers of a unit run beside its compute, per its schedule.
+
+    ``stages``: pipeline depth (chunks, ring hops, layers, buckets; 1 = nothing pipelines);
+    ``comm_hidden`` / ``copy_hidden``: fractions of the collective / host-copy time that the
+    schedule posts asynchronously beside compute; ``why``: the schedule, in words.
+    """
+
+    stages: int = 1
+    comm_hidden: float = 0.0
+    copy_hidden: float = 0.0
+    why: str = "serial: every transfer on the compute stream"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise PlanError(f"overlap stages must be a positive integer, got {self.stages!r}")
+        for name in ("comm_hidden", "copy_hidden"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise PlanError(f"overlap {name} must be in [0, 1], got {getattr(self, name)!r}")
+
+
+# The overlap each (unit, variant) schedule has, as the landed code runs it. ``stages`` is
+# filled per run (K, P, layers, buckets) by ``overlap_for``.
+OVERLAPS: Dict[tuple, Overlap] = {
+    ("moe", "stock"): Overlap(why="Megatron's alltoall dispatcher: dispatch and combine "
+                                  "all-to-alls on the compute stream, between the router and "
+                                  "the experts"),
+    ("moe", "flat"): Overlap(comm_hidden=0.5, why="PipelinedLLEP: chunk i+1's dispatch is "
+                                                  "posted asynchronously while chunk i's "
+                                                  "experts run; the combine (about half the "
+                                                  "bytes) blocks"),
+    ("vocab", "stock"): Overlap(why="output GEMM, then vocab-parallel cross-entropy's three "
+                                    "small all-reduces"),
+    ("vocab", "flat"): Overlap(comm_hidden=1.0, why="Ring-DTP: the next hop's send/receive is "
+                                                    "posted before the current strip's GEMM"),
+    ("sco", "stock"): Overlap(why="plain full recompute: boundaries stay on the device"),
+    ("sco", "flat"): Overlap(copy_hidden=1.0, why="SCO: each boundary's offload runs on a "
+                                                  "copy stream during the next layers' "
+                                                  "forward; boundary l-1's reload runs while "
+                                                  "layer l recomputes; the first reload of "
+                                                  "the backward is exposed"),
+    ("optimizer", "stock"): Overlap(why="AdamW on device state: no host copies"),
+    ("optimizer", "flat"): Overlap(copy_hidden=1.0, why="OffloadStreamAdamW: bucket g+1 "
+                                                        "uploads while g updates and g-1 "
+                                                        "writes back"),
+}
+OVERLAPS[("moe-recompute", "stock")] = OVERLAPS[("moe", "stock")]
+OVERLAPS[("moe-recompute", "flat")] = OVERLAPS[("moe", "flat")]
+
+
+def overlap_for(unit: str, variant: str, stages: int = 1) -> Overlap:
+    """The schedule's overlap for ``(unit, variant)`` with ``stages`` pipeline stages;
+    serial for anything not listed (a whole step's remainder, an unknown unit)."""
+    base = OVERLAPS.get((unit, variant), Overlap())
+    return Overlap(stages=max(1, int(stages)), comm_hidden=base.comm_hidden,
+                   copy_hidden=base.copy_hidden, why=base.why)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one unit and their parts (all predictions, not measurements)."""
+
+    total_s: float
+    compute_s: float
+    gpu_s: float
+    launch_s: float
+    comm_s: float
+    copy_s: float
+    stall_s: float
+    exposed_comm_s: float
+    exposed_copy_s: float
+    device: str
+    overlap: Overlap
+
+    @property
+    def launch_bound(self) -> bool:
+        """The host launches kernels slower than the GPU runs them."""
+        return self.launch_s > self.gpu_s
+
+    def as_dict(self) -> Dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "overlap"}
+        out["overlap"] = asdict(self.overlap)
+        out["launch_bound"] = self.launch_bound
+        out["predicted"] = True
+        return out
+
+
+def _count(counts: Mapping[str, Any], key: str) -> float:
+    value = counts.get(key, 0) or 0
+    if isinstance(value, Mapping):
+        value = sum(value.values())
+    if value < 0:
+        raise PlanError(f"count {key} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def _calls(counts: Mapping[str, Any]) -> float:
+    calls = counts.get("collective_calls", 0) or 0
+    if isinstance(calls, Mapping):
+        # a receive is the other half of a send: one transfer, one latency
+        return float(sum(v for k, v in calls.items() if k != "recv"))
+    return float(calls)
+
+
+def predict(counts: Mapping[str, Any], overlap: Optional[Overlap] = None,
+            device_model: Any = "H200") -> Prediction:
+    """Predicted time of one unit from its counts (the ledger's keys) and its overlap."""
+    dev = device(device_model) if isinstance(device_model, str) else device_model
+    ov = overlap or Overlap()
+    gpu = (_count(counts, "flops") / (dev.flops * dev.matmul_efficiency)
+           + _count(counts, "mem_bytes") / (dev.hbm_bytes_per_s * dev.hbm_efficiency))
+    host = _count(counts, "ops") * dev.launch_s
+    compute = max(gpu, host)
+    comm = ((_count(counts, "all_to_all_bytes") + _count(counts, "other_collective_bytes"))
+            / dev.link_bytes_per_s + _calls(counts) * dev.collective_latency_s)
+    copy = max(_count(counts, "h2d_bytes"), _count(counts, "d2h_bytes")) / dev.pcie_bytes_per_s
+    stalls = _count(counts, "syncs") * dev.sync_stall_s
+    hidden = max(ov.comm_hidden * comm, ov.copy_hidden * copy)
+    s = ov.stages
+    pipelined = max(hidden, compute) * (s - 1) / s + (hidden + compute) / s
+    exposed_comm = (1 - ov.comm_hidden) * comm
+    exposed_copy = (1 - ov.copy_hidden) * copy
+    total = pipelined + exposed_comm + exposed_copy + stalls
+    # what of the hideable transfer the pipeline did not hide
+    leak = pipelined - compute
+    if ov.comm_hidden * comm >= ov.copy_hidden * copy:
+        exposed_comm += leak
+    else:
+        exposed_copy += leak
+    return Prediction(total_s=total, compute_s=compute, gpu_s=gpu, launch_s=host, comm_s=comm,
+                      copy_s=copy, stall_s=stalls, exposed_comm_s=exposed_comm,
+                      exposed_copy_s=exposed_copy, device=dev.name, overlap=ov)
+
+
+def subtract(total: Mapping[str, Any], parts: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
+    """``total`` less the sum of ``parts``, key by key (clamped at 0), for COUNT_KEYS."""
+    parts = list(parts)
+    out: Dict[str, float] = {}
+    for key in COUNT_KEYS:
+        out[key] = max(0.0, _count(total, key) - sum(_count(p, key) for p in parts))
+    out["collective_calls"] = max(0.0, _calls(total) - sum(_calls(p) for p in parts))
+    return out
+
+
+def predict_step(step_counts: Mapping[str, Any],
+                 units: Mapping[str, tuple], device_model: Any = "H200") -> Dict[str, Any]:
+    """A whole step: each unit with its overlap, the rest of the step serial.
+
+    ``units`` maps a name to ``(counts, overlap)``; the units' counts must be part of
+    ``step_counts`` (measured inside the same step, or scaled to it). Returns
+    ``{"total_s", "units": {name: Prediction}, "rest": Prediction, "predicted": True}``.
+    """
+    preds = {name: predict(c, ov, device_model) for name, (c, ov) in units.items()}
+    rest = predict(subtract(step_counts, [c for c, _ in units.values()]), Overlap(),
+                   device_model)
+    total = sum(p.total_s for p in preds.values()) + rest.total_s
+    return {"total_s": total, "units": preds, "rest": rest, "predicted": True}
+
+
+def format_seconds(seconds: float) -> str:
+    """``12.3 ms``, ``456 us``, ``1.23 s`` for tables."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"

@@ -1,0 +1,101 @@
+"""The step-time model: each term as documented, overlap per schedule, bad input refused."""
+
+import math
+
+import pytest
+
+from megatron_flat.plan import PlanError
+from megatron_flat.plan.time import (
+    DEVICES,
+    Overlap,
+    device,
+    overlap_for,
+    predict,
+    predict_step,
+    subtract,
+)
+
+H200 = DEVICES["H200"]
+
+
+def test_reference_device_constants() -> None:
+    assert H200.flops == 989e12 and H200.hbm_bytes_per_s == 4.8e12
+    assert H200.link_bytes_per_s == 450e9 and H200.pcie_bytes_per_s == 55e9
+    with pytest.raises(PlanError, match="unknown device"):
+        device("TPU")
+
+
+def test_zero_counts_predict_zero() -> None:
+    p = predict({})
+    assert p.total_s == 0 and not p.launch_bound
+    assert p.as_dict()["predicted"] is True
+
+
+def test_compute_is_flops_at_efficiency_plus_memory_traffic() -> None:
+    p = predict({"flops": 1e15, "mem_bytes": 4.8e12})
+    want = 1e15 / (989e12 * H200.matmul_efficiency) + 1 / H200.hbm_efficiency
+    assert math.isclose(p.total_s, want) and math.isclose(p.gpu_s, want)
+
+
+def test_launch_bound_when_kernels_are_tiny() -> None:
+    p = predict({"flops": 1e6, "ops": 1000})
+    assert p.launch_bound
+    assert math.isclose(p.total_s, 1000 * H200.launch_s)
+
+
+def test_serial_transfers_add_and_syncs_stall() -> None:
+    counts = {"flops": 989e12 * H200.matmul_efficiency, "all_to_all_bytes": 450e9,
+              "h2d_bytes": 55e9, "d2h_bytes": 11e9, "syncs": 10,
+              "collective_calls": {"all_to_all_single": 4, "recv": 3}}
+    p = predict(counts)
+    want = 1.0 + (1.0 + 4 * H200.collective_latency_s) + 1.0 + 10 * H200.sync_stall_s
+    assert math.isclose(p.total_s, want)
+    assert math.isclose(p.exposed_copy_s, 1.0)
+
+
+def test_pipelined_transfer_hides_behind_compute_but_for_one_stage() -> None:
+    counts = {"flops": 989e12 * H200.matmul_efficiency, "other_collective_bytes": 450e9 / 2}
+    serial = predict(counts, Overlap())
+    hidden = predict(counts, Overlap(stages=8, comm_hidden=1.0))
+    assert math.isclose(serial.total_s, 1.5)
+    # max(0.5, 1)·7/8 + (0.5 + 1)/8: the first transfer is exposed
+    assert math.isclose(hidden.total_s, 7 / 8 + 1.5 / 8)
+    assert math.isclose(hidden.exposed_comm_s, 0.5 / 8)
+    # transfer-bound: compute hides instead
+    big = predict({"flops": 989e12 * H200.matmul_efficiency, "h2d_bytes": 4 * 55e9},
+                  Overlap(stages=4, copy_hidden=1.0))
+    assert math.isclose(big.total_s, 4 * 3 / 4 + 5 / 4)
+
+
+def test_partially_hidden_schedule() -> None:
+    counts = {"flops": 989e12 * H200.matmul_efficiency, "all_to_all_bytes": 450e9}
+    p = predict(counts, Overlap(stages=1_000_000, comm_hidden=0.5))
+    assert math.isclose(p.total_s, 1.5, rel_tol=1e-5)
+
+
+def test_bad_overlap_is_refused() -> None:
+    with pytest.raises(PlanError):
+        Overlap(stages=0)
+    with pytest.raises(PlanError):
+        Overlap(comm_hidden=1.5)
+    with pytest.raises(PlanError):
+        predict({"flops": -1})
+
+
+def test_overlaps_are_written_per_technique() -> None:
+    for unit in ("moe", "vocab", "sco", "optimizer"):
+        stock, flat = overlap_for(unit, "stock", 4), overlap_for(unit, "flat", 4)
+        assert stock.comm_hidden == stock.copy_hidden == 0
+        assert flat.comm_hidden + flat.copy_hidden > 0 and flat.why
+        assert flat.stages == 4
+    assert overlap_for("step", "flat").comm_hidden == 0  # a remainder runs serially
+
+
+def test_step_is_units_plus_serial_rest() -> None:
+    unit = {"flops": 1e14, "all_to_all_bytes": 1e9}
+    step = {"flops": 3e14, "all_to_all_bytes": 1e9, "syncs": 4}
+    out = predict_step(step, {"moe": (unit, overlap_for("moe", "flat", 4))})
+    rest = subtract(step, [unit])
+    assert rest["flops"] == 2e14 and rest["all_to_all_bytes"] == 0 and rest["syncs"] == 4
+    assert math.isclose(out["total_s"], out["units"]["moe"].total_s + predict(rest).total_s)
+    assert out["predicted"] is True
