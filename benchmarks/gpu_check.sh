@@ -1,30 +1,101 @@
 #!/usr/bin/env bash
-# GPU checks for the foundation, in one short run on one GPU (a few minutes):
-#   benchmarks/gpu_check.sh OUTDIR
-# 1. the runtime and optimizer tests, including the CUDA-only ones (meter on CUDA peak
-#    stats, real streams/events, pinned host pool, OffloadStreamAdamW on streams);
-# 2. benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations, and the
-#    tiny MoE GPT forward/backward on one GPU (when megatron-core is importable there; the
-#    GPU image has torch/triton/pytest but not megatron-core: put its wheels in .whl/).
-# 3. benchmarks/optimizer.py at ~1B parameters (step time vs serial CPU AdamW and vs the
-#    host<->device transfer floor).
-# Results land in OUTDIR (junit XML, JSON, log). Uses the machine's python3 with CUDA torch.
+# Everything GPU-only, in one run on one GPU (under 8 minutes on an H200):
+#   benchmarks/gpu_check.sh OUTDIR            # on the GPU machine
+#   benchmarks/gpu_check.sh --dry-run OUTDIR  # anywhere: argument handling, the plan of
+#                                             # stages, and the ledger stage at a tiny shape
+# Stages (each bounded by `timeout`, each writing into OUTDIR; a failed stage does not stop
+# the others, the exit status says whether all passed):
+#  1. tests   the CUDA-only tests (-m cuda) and the runtime/optim/checkpoint suites on CUDA
+#             (meter peak stats, real streams/events, pinned pool, SCO copy races,
+#             OffloadStreamAdamW on streams, the ledger against set_sync_debug_mode)
+#  2. meter   benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations
+#  3. ledger  benchmarks/gpu_ledger.py: per technique, the ledger's counts with the CUDA
+#             sync-debug count beside them, measured time, the step-time model's predicted
+#             time, and a torch.profiler summary of how much copy time ran under compute
+#  4. sco     benchmarks/checkpoint.py on CUDA (64 MiB boundaries, real copy streams)
+#  5. optim   benchmarks/optimizer.py at ~1B parameters (step time vs the transfer floor)
+#  6. vocab   benchmarks/vocab.py at P = 1 on CUDA (dense vs Ring-DTP blocked)
+#  7. summary OUTDIR/summary.txt and summary.json: stage results, predicted vs measured
+# megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
+# Uses the machine's python3 (CUDA torch), or $PYTHON.
 set -uo pipefail
-OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
-cd "$(dirname "$0")/.."
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" \
-  | tee "$OUT/device.txt" || exit 1
-if ! "$PY" -c "import megatron.core" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install --quiet --no-deps --no-index .whl/*.whl
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+if [ $# -ne 1 ] || [ -z "${1:-}" ] || [ "${1#-}" != "$1" ]; then
+  echo "usage: benchmarks/gpu_check.sh [--dry-run] OUTDIR" >&2
+  exit 2
 fi
+OUT="$1"
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT" || { echo "cannot create $OUT" >&2; exit 2; }
+OUT="$(cd "$OUT" && pwd)"
+PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCHDYNAMO_DISABLE=1
+: > "$OUT/stages.tsv"
 status=0
-"$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/optim tests/checkpoint --junitxml="$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/log.txt" || status=1
-"$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
-# SCO with real copy streams (64 MiB boundaries: a reload that skips its wait would show).
-"$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
-# OffloadStreamAdamW at ~1B params: real pinned memory and streams, vs the transfer floor.
-"$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --json "$OUT/optimizer-cuda.json" 2>&1 | tee -a "$OUT/log.txt" || status=1
+
+run_stage() {  # run_stage NAME SECONDS CMD...: bounded, logged, recorded in stages.tsv
+  local name="$1" limit="$2"; shift 2
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/log.txt"
+  if [ $DRY -eq 1 ] && [ "$name" != "ledger" ]; then
+    printf '%s\tplanned\t0\n' "$name" >> "$OUT/stages.tsv"
+    return 0
+  fi
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt"
+  local rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/stages.tsv"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+if [ $DRY -eq 0 ]; then
+  "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" \
+    | tee "$OUT/device.txt" || exit 1
+  if ! "$PY" -c "import megatron.core" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install --quiet --no-deps --no-index .whl/*.whl
+  fi
+  DEV=cuda; TINY=()
+else
+  echo "dry run on $(uname -n): no GPU stage runs; the ledger stage runs on CPU" | tee "$OUT/device.txt"
+  DEV=cpu; TINY=(--tiny)
+fi
+
+run_stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/optim tests/checkpoint \
+  --junitxml="$OUT/cuda-tests.xml"
+run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
+run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --json "$OUT/ledger-gpu.json"
+run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"
+run_stage optim 90 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --json "$OUT/optimizer-cuda.json"
+run_stage vocab 40 "$PY" benchmarks/vocab.py --device cuda --scale 4 --reps 2 --json "$OUT/vocab-cuda.json"
+
+"$PY" - "$OUT" "$DRY" <<'PY' | tee "$OUT/summary.txt"
+import json, os, sys
+out, dry = sys.argv[1], sys.argv[2] == "1"
+stages = [line.rstrip("\n").split("\t") for line in open(os.path.join(out, "stages.tsv"))]
+summary = {"dry_run": dry, "stages": {n: {"rc": rc, "seconds": int(s)} for n, rc, s in stages}}
+print("stage     result    seconds")
+for n, rc, s in stages:
+    print(f"{n:10s}{'ok' if rc == '0' else rc if rc == 'planned' else 'FAILED ' + rc:10s}{s:>7s}")
+path = os.path.join(out, "ledger-gpu.json")
+if os.path.exists(path):
+    data = json.load(open(path))
+    rows = []
+    print("\npredicted (step-time model, H200) vs measured, per unit:")
+    print(f"{'unit':10s}{'variant':8s}{'predicted':>11s}{'measured':>11s}{'ratio':>7s}"
+          f"{'syncs':>7s}{'cuda':>6s}{'copy under compute':>20s}")
+    for r in data["records"]:
+        ratio = r["measured_s"] / r["predicted_s"] if r["predicted_s"] else None
+        ov = (r.get("profile") or {}).get("copy_overlap")
+        rows.append({k: r[k] for k in ("unit", "variant", "predicted_s", "measured_s", "syncs")}
+                    | {"cuda_sync_warnings": r.get("cuda_sync_warnings"), "copy_overlap": ov,
+                       "measured_over_predicted": ratio})
+        print(f"{r['unit']:10s}{r['variant']:8s}{r['predicted_s'] * 1e3:9.2f}ms"
+              f"{r['measured_s'] * 1e3:9.2f}ms{'' if ratio is None else f'{ratio:.2f}':>7s}"
+              f"{r['syncs']:>7d}{str(r.get('cuda_sync_warnings', '-')):>6s}"
+              f"{'-' if ov is None else f'{ov:.0%}':>20s}")
+    summary["ledger"] = rows
+    if dry:
+        print("(dry run: CPU times and CPU counts; not comparable with the prediction)")
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+PY
 exit $status

@@ -31,7 +31,9 @@ meter measures bytes, the ledger counts what a CPU run's wall time hides:
     Operations that on CUDA block the host until the device has drained its
     queue: ``.item()``, ``bool()``/``int()``/``float()`` (all
     ``_local_scalar_dense``), ``.tolist()``, ``.numpy()``, ``.cpu()``,
-    ``torch.equal``, a blocking host↔device copy, and ops whose output shape
+    ``torch.equal``, a blocking host↔device copy (on CUDA only: on CPU the
+    code's ``non_blocking`` choice is made for CPU and says nothing of what it
+    does on a GPU), and ops whose output shape
     depends on device data: ``nonzero`` (``torch.where(c)``, ``argwhere``),
     boolean-mask indexing and index assignment, ``masked_select``, ``unique``
     variants, ``bincount``, ``repeat_interleave`` without ``output_size``.
@@ -66,7 +68,10 @@ Device data on CPU
     ``copy_``, a collective), so a sync on a freshly made device buffer that
     no device data touched is missed; ``.to("cpu")`` of device data is not a
     sync here (on CPU it is the identity and never reaches the dispatcher).
-    On CUDA, ``CostLedger(cuda_sync_check=True)`` also counts the warnings of
+    State made before any ledger saw it (an optimizer's step counters, a
+    cached plan) counts as device data; running the warm-up inside a ledger
+    (whose counts are thrown away) marks it by origin, since marks outlive
+    the block. On CUDA, ``CostLedger(cuda_sync_check=True)`` also counts the warnings of
     ``torch.cuda.set_sync_debug_mode("warn")`` in ``cuda_sync_warnings``, to
     cross-check ``syncs``.
 
@@ -165,15 +170,15 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, *rest: Any, **kw: Any) -> int:
 _FLOPS: dict[Any, Callable[..., int]] = {}
 for _op in _overloads(_aten, "mm"):
     _FLOPS[_op] = lambda a, b, *r, **k: _mm(a, b)
-for _op in _overloads(_aten, "addmm"):
+for _op in _overloads(_aten, "addmm", "addmm_"):
     _FLOPS[_op] = lambda c, a, b, *r, **k: _mm(a, b)
 for _op in _overloads(_aten, "bmm"):
     _FLOPS[_op] = lambda a, b, *r, **k: _bmm(a, b)
-for _op in _overloads(_aten, "baddbmm", "addbmm"):
+for _op in _overloads(_aten, "baddbmm", "addbmm", "baddbmm_", "addbmm_"):
     _FLOPS[_op] = lambda c, a, b, *r, **k: _bmm(a, b)
 for _op in _overloads(_aten, "mv"):
     _FLOPS[_op] = lambda a, v, *r, **k: 2 * a.shape[0] * a.shape[1]
-for _op in _overloads(_aten, "addmv"):
+for _op in _overloads(_aten, "addmv", "addmv_"):
     _FLOPS[_op] = lambda c, a, v, *r, **k: 2 * a.shape[0] * a.shape[1]
 for _op in _overloads(_aten, "dot", "vdot"):
     _FLOPS[_op] = lambda a, b, *r, **k: 2 * a.shape[0]
@@ -277,10 +282,11 @@ def _storage(t: Any) -> Optional[torch.UntypedStorage]:
 
 
 def _taint_of(s: torch.UntypedStorage) -> Optional[str]:
-    mark = getattr(s, _TAINT, None)
-    if mark is None and memory.is_host_storage(s):
+    # A host pool registers its buffer after allocating it (inside an op the ledger
+    # already marked), so the registry wins over the mark.
+    if memory.is_host_storage(s):
         return _HOST_MEMORY
-    return mark
+    return getattr(s, _TAINT, None)
 
 
 def _set_taint(s: torch.UntypedStorage, mark: str) -> None:
@@ -692,7 +698,8 @@ class CostLedger:
         if src_host == dst_host:
             return 0, 0, False
         n = _nbytes(src)
-        return (n, 0, not non_blocking) if src_host else (0, n, not non_blocking)
+        # CPU code copies synchronously by design (there is no stream to wait for)
+        return (n, 0, False) if src_host else (0, n, False)
 
     @staticmethod
     def _sync_kind(

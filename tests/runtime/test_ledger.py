@@ -185,14 +185,40 @@ def test_pool_copies_count_as_host_device_bytes() -> None:
     pool.release(host)
 
 
-def test_blocking_host_copy_is_a_sync() -> None:
+def test_marked_host_memory_copies_count_and_cpu_copies_are_not_syncs() -> None:
     host = torch.empty(8)
     mark_host_memory(host)
     x = torch.randn(8)
     with CostLedger() as ledger:
-        host.copy_(x)
-    assert ledger.d2h_bytes == 32
-    assert ledger.sync_kinds == {"d2h_copy": 1}
+        host.copy_(x)  # blocking on CPU by design; on CUDA the flag decides
+        x.copy_(host)
+    assert ledger.d2h_bytes == 32 and ledger.h2d_bytes == 32
+    assert ledger.syncs == 0
+
+
+def test_inplace_matmuls_count() -> None:
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    c = torch.zeros(3, 5)
+    with CostLedger() as ledger:
+        c.addmm_(a, b)
+        torch.zeros(2, 3, 5).baddbmm_(a.expand(2, 3, 4), b.expand(2, 4, 5))
+    assert ledger.flops == 2 * 3 * 4 * 5 * 3
+
+
+def test_state_made_in_a_ledger_warm_up_keeps_its_origin() -> None:
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = torch.optim.AdamW([w], foreach=False)
+    w.grad = torch.randn(4, 4)
+    with CostLedger():  # warm-up: AdamW makes its step counter from Python data
+        opt.step()
+    with CostLedger() as ledger:
+        opt.step()
+    assert ledger.syncs == 0  # the step counter's .item() reads host data
+    opt2 = torch.optim.AdamW([w], foreach=False)
+    opt2.step()  # made outside any ledger: unknown, so device data
+    with CostLedger() as ledger:
+        opt2.step()
+    assert ledger.sync_kinds == {"item": 1}
 
 
 def test_empty_block_and_quiet_block_count_zero() -> None:
@@ -235,3 +261,35 @@ def test_autograd_backward_is_counted() -> None:
         (x @ w).pow(2).sum().backward()
     # forward mm + backward dW mm (dX is not needed: x does not require grad)
     assert ledger.flops == 2 * (2 * 2 * 3 * 3)
+
+
+def test_pool_made_inside_a_ledger_is_host_memory() -> None:
+    x = torch.randn(16)
+    with CostLedger():
+        pool = HostPool(4096)
+    host = pool.acquire((16,), torch.float32)
+    with CostLedger() as ledger:
+        host.copy_(x, non_blocking=True)
+    assert ledger.d2h_bytes == 64
+    pool.release(host)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_counts_agree_with_sync_debug_mode() -> None:
+    x = torch.randn(1024, device="cuda")
+    host = torch.empty(1024, pin_memory=True)
+    with CostLedger(cuda_sync_check=True) as ledger:
+        x.sum().item()
+        x.nonzero()
+        x.tolist()
+        host.copy_(x, non_blocking=True)  # d2h into pinned memory: no sync
+        x.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+    assert ledger.syncs == 3
+    assert ledger.cuda_sync_warnings >= 3
+    assert ledger.h2d_bytes == 4096 + 0 and ledger.d2h_bytes == 4096 + 4096  # tolist's too
+    with CostLedger(cuda_sync_check=True) as quiet:
+        y = x * 2
+        y.add_(1)
+    assert quiet.syncs == 0 and quiet.cuda_sync_warnings == 0
