@@ -89,6 +89,9 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
                         "(default: the fewest techniques that fit, at their cheapest settings)")
     p.add_argument("--device", default="H200", choices=sorted(DEVICES),
                    help="GPU the step-time model predicts for (default H200)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per step on each GPU (global batch / (micro-batch "
+                        "size x DP)), for the predicted step time (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -99,9 +102,18 @@ UNIT_ROWS = {"dispatch": "dispatch", "vocab": "vocab", "boundaries": "boundaries
 UNIT_LABELS = {
     "dispatch": "MoE layers (experts + all-to-all)",
     "vocab": "projection + loss",
-    "boundaries": "layers' compute + SCO copies",
+    "boundaries": "attention + SCO copies",
     "optimizer": "optimizer step (per step)",
 }
+
+
+def step_seconds(times: Dict[str, Dict[str, Prediction]], variant: str,
+                 microbatches: int) -> float:
+    """Predicted step: every unit once per microbatch, the optimizer once per step (units
+    are disjoint: experts in dispatch, attention in boundaries, the output layer in vocab;
+    norms, embeddings and the pipeline schedule are left out)."""
+    per_mb = sum(times[u][variant].total_s for u in UNITS if u != "optimizer")
+    return microbatches * per_mb + times["optimizer"][variant].total_s
 
 
 def predict_units(res: "PlanResult") -> Dict[str, Dict[str, Prediction]]:
@@ -196,6 +208,7 @@ class PlanResult:
     error: Optional[str]     # why nothing fits (flat_report is then the smallest setting)
     all_on: bool = False     # flat = every technique at its smallest-memory setting
     device: str = "H200"     # what the step-time model predicts for
+    microbatches: int = 1    # per step on each GPU, for the predicted step time
 
     def fits(self, report: PeakReport) -> bool:
         """The criterion ``fit`` uses: total within the usable device bytes, pinned host
@@ -243,6 +256,9 @@ class PlanResult:
             "units": {u: {v: p.as_dict() for v, p in pair.items()} for u, pair in times.items()},
             "cost_s": {u: pair["flat"].total_s - pair["baseline"].total_s
                        for u, pair in times.items()},
+            "microbatches": self.microbatches,
+            "step_s": {v: step_seconds(times, v, self.microbatches)
+                       for v in ("baseline", "flat")},
         }
         if self.error:
             out["error"] = self.error
@@ -255,6 +271,8 @@ def plan(args: argparse.Namespace) -> PlanResult:
     seq = parse_tokens(args.seq)
     device = parse_bytes(args.gpu_mem)
     host = parse_bytes(args.host_mem) if args.host_mem is not None else None
+    if args.microbatches < 1:
+        raise PlanError(f"--microbatches must be >= 1, got {args.microbatches}")
     gpus = args.gpus if args.gpus is not None else PAPER_GPUS.get(model.name)
     if gpus is None:
         raise PlanError(f"give --gpus for {model.name} (only the paper presets have a default)")
@@ -282,7 +300,15 @@ def plan(args: argparse.Namespace) -> PlanResult:
     return PlanResult(model=model, layout=layout, chosen=chosen, seq_len=seq, skew=args.skew,
                       device_bytes=device, budget=usable(device, args.margin), host_bytes=host,
                       baseline=baseline, flat_report=flat_report, flat=flat, reach=reach,
-                      error=error, all_on=args.all_on, device=device_model(args.device).name)
+                      error=error, all_on=args.all_on, device=device_model(args.device).name,
+                      microbatches=args.microbatches)
+
+
+class _Total:
+    """A bare total for ``_cost``."""
+
+    def __init__(self, total_s: float) -> None:
+        self.total_s = total_s
 
 
 def _binds(p: Prediction) -> str:
@@ -352,6 +378,11 @@ def render_table(res: PlanResult) -> str:
         lines.append(f"  {UNIT_LABELS[unit]:36s}{format_seconds(pair['baseline'].total_s):>12s}"
                      f"{format_seconds(pair['flat'].total_s):>12s}   {_cost(pair)}, "
                      f"{_binds(pair['flat'])}")
+    step = {v: step_seconds(times, v, res.microbatches) for v in ("baseline", "flat")}
+    label = f"step ({res.microbatches} microbatch{'es' if res.microbatches != 1 else ''})"
+    lines.append(f"  {label:36s}{format_seconds(step['baseline']):>12s}"
+                 f"{format_seconds(step['flat']):>12s}   "
+                 f"{_cost({'baseline': _Total(step['baseline']), 'flat': _Total(step['flat'])})}")
     if res.error:
         lines += ["", "does not fit: " + res.error]
     return "\n".join(lines)

@@ -196,22 +196,19 @@ def _vocab(model: ModelSpec, layout: Layout, report: PeakReport,
 
 def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
                 flat: Optional[FlatConfig]) -> Tuple[dict, Overlap]:
-    """Checkpoint boundaries of one microbatch on the stage: the copies SCO adds, and the
-    compute they hide behind (forward, recompute and backward of the stage's layers:
-    4 × the forward FLOPs of attention and experts).
+    """The stage's attention for one microbatch (forward, recompute and backward: 4 × the
+    forward FLOPs) and the copies SCO adds beside it.
 
     SCO: every offloaded boundary (N_sp·H·b) goes to the host in the forward and comes
     back in the backward; its layers pipeline the copies (the first reload is exposed).
+    Only attention is counted as the compute that hides them (the experts are the
+    dispatch unit's), so the units add up to a step without counting anything twice and
+    the hiding is, if anything, underestimated.
     """
     first, count = stage_layers(model, layout)[report.stage]
     if not count:
         return {}, overlap_for("sco", "stock")
-    fc1, fc2 = expert_units(model)
-    # the mean rank's routes: the compute here must not change with the dispatch technique
-    routes = model.topk * report.tokens_sp if model.experts else 0
-    per_layer = attention_flops(model, layout, report.seq_len, report.tokens) \
-        + (fc1 + fc2) * 2 * model.hidden * model.expert_ffn * routes
-    flops = 4 * per_layer * count
+    flops = 4 * attention_flops(model, layout, report.seq_len, report.tokens) * count
     if flat is None or not flat.sco:
         return {"flops": flops}, overlap_for("sco", "stock")
     moved = report.boundaries_offloaded * report.boundary_bytes

@@ -176,3 +176,16 @@ def test_predicted_time_json_and_device_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--model", "paper-667b", "--device", "TPU"] + PAPER)
     assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_predicted_step_time_scales_with_microbatches(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json"] + PAPER)
+    one = json.loads(out)["predicted_time"]
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json",
+                              "--microbatches", "4"] + PAPER)
+    four = json.loads(out)["predicted_time"]
+    for variant in ("baseline", "flat"):
+        opt = one["units"]["optimizer"][variant]["total_s"]
+        assert four["step_s"][variant] - opt == pytest.approx(4 * (one["step_s"][variant] - opt))
+    rc, _, err = run(capsys, ["--model", "paper-667b", "--microbatches", "0"] + PAPER)
+    assert rc == 2 and "--microbatches must be >= 1" in err
