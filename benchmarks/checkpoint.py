@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_flat.checkpoint import SelectiveCheckpointOffload
 from megatron_flat.runtime import MemoryMeter
+from megatron_flat.runtime.ledger import count, counts_cells, counts_header
 from megatron_flat.runtime.memory import format_bytes
 
 POOL_ALIGN = 512  # HostPool reserves each block rounded up to this
@@ -162,6 +163,8 @@ def main() -> None:
         for v in variants:  # warm up (allocator, kernels, pool pages)
             case.step(v)
         mem = {v: case.measure(v) for v in variants}
+        for v in variants:
+            mem[v]["ledger"] = count(case.step, v)
         # Paired timing: each rep runs every variant back to back (rotating who goes
         # first) and yields one ratio per variant against plain in that rep; the
         # median ratio is robust to other load on a shared machine.
@@ -206,6 +209,13 @@ def main() -> None:
                   f"{format_bytes(r['peak_host_bytes']):>12s}{ok:>10s}{rest:>9s}"
                   f"{r['time_s']:8.3f}s{r['time_ratio']:7.3f}"
                   f"{r['cpu_time_s']:8.3f}s{r['cpu_time_ratio']:7.3f}")
+
+    print("counts of one step (CostLedger; h2d/d2h: boundary copies to and from the pool)")
+    head = f"{'L':>3s}  {'variant':9s}" + counts_header()
+    print(head)
+    for depth in args.depths:
+        for v in variants:
+            print(f"{depth:3d}  {v:9s}" + counts_cells(rows[(depth, v)]["ledger"]))
 
     sco_peaks = [rows[(d, "sco")]["peak_device_bytes"] for d in args.depths]
     top = args.depths[-1]

@@ -8,7 +8,8 @@ profile). Each layer is wrapped in Megatron's DDP (fp32 ``main_grad`` buffers, a
 training). Peak = MemoryMeter device peak of forward + backward above the resting state
 (weights, gradient buffers, input and output gradient), worst rank. Time =
 wall time of forward + backward between barriers, best of ``--reps``, as a ratio to unchunked
-LLEP in the same run.
+LLEP in the same run. A second table gives the cost ledger's counts of one forward + backward
+(rank 0): FLOPs, all-to-all and other collective bytes, host syncs and ops.
 
 The paper's shape is 8 ranks x 65,536 tokens, 128 experts, top-8, K=10; the default here is
 scaled to a 2-core CPU: 32 experts, top-8, 2,560 tokens per rank with cap 256 (K = 10),
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.profiles import routing_profile
 from megatron_flat.megatron.cpu import enable_cpu_backend
+from megatron_flat.runtime.ledger import count, counts_cells, counts_header
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.testing.distributed import init_distributed, megatron_layout
 from megatron_flat.testing.tiny_gpt import TinyMoE, transformer_config
@@ -169,6 +171,7 @@ def main() -> None:
             ids = routing_profile(profile, args.tokens, args.experts, args.topk).to(device)
             seconds = time_steps(layers, x, grad, ids, device, args.reps)
             for name in VARIANTS:
+                counts = count(step, layers[name], x, grad, ids)
                 peak, stats = measure_peak(layers[name], x, grad, ids, device)
                 worst = torch.tensor([peak, seconds[name] * 1e6,
                                       max(stats.received) if stats else 0],
@@ -176,6 +179,7 @@ def main() -> None:
                 if world > 1:
                     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 rows.append(dict(profile=profile, variant=name, peak_bytes=int(worst[0]),
+                                 ledger=counts,
                                  seconds=float(worst[1]) / 1e6,
                                  num_chunks=stats.num_chunks if stats else None,
                                  max_received_per_chunk=int(worst[2]) if stats else None,
@@ -212,6 +216,12 @@ def report(args, world, device, rows) -> None:
               f"{r['peak_vs_llep']:7.2f}x {r['peak_vs_alltoall']:6.2f}x "
               f"{r['time_vs_llep']:4.2f}x {r['seconds'] * 1e3:6.0f} {k:>3s} {recv:>11s} "
               f"{plan:>5s} {spills:>6s}")
+    print("\ncounts of one forward + backward (CostLedger, rank 0; syncs: host waits on a GPU)")
+    head = f"{'profile':9s} {'variant':21s}" + counts_header()
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['profile']:9s} {r['variant']:21s}" + counts_cells(r["ledger"]))
     checks = targets(by, args.profiles, world)
     for line, ok in checks:
         print(f"[{'ok' if ok else 'MISSED'}] {line}")

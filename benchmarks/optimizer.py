@@ -39,6 +39,7 @@ import torch
 
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.runtime import HostPool, MemoryMeter
+from megatron_flat.runtime.ledger import CostLedger, count, counts_cells, counts_header
 from megatron_flat.runtime.memory import format_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -152,11 +153,15 @@ def run_variant(name: str, build: Callable[[list], Any], args, shapes, dtype, de
     model = Model(shapes, dtype, device)
     gc.collect()
     sync(device)
-    with MemoryMeter(device) as meter:
+    # The warm-up runs inside a throwaway cost ledger, so the state it makes keeps its
+    # origin (AdamW's step counters are host data) when the next step is counted.
+    with MemoryMeter(device) as meter, CostLedger():
         opt = build(model.params)
         for _ in range(args.warmup):
             opt.step()
         sync(device)
+    counts = count(opt.step)  # one more step, every variant alike
+    sync(device)
     times = []
     for _ in range(args.steps):
         sync(device)
@@ -170,6 +175,7 @@ def run_variant(name: str, build: Callable[[list], Any], args, shapes, dtype, de
         "step_times_s": times,
         "peak_device_bytes": meter.peak_device_bytes,
         "peak_host_bytes": meter.peak_host_bytes,
+        "ledger": counts,
     }
     if info is not None:
         row.update(info(opt))
@@ -355,6 +361,11 @@ def main() -> None:
               f"{r['time_ratio_vs_a']:>7.2f}x{r['min_step_s'] * 1e3:>8.1f}ms"
               f"{r['min_time_ratio_vs_a']:>7.2f}x{format_bytes(r['peak_device_bytes']):>13s}"
               f"{staging:>12s}{format_bytes(r['peak_host_bytes']):>12s}")
+    print("counts of one step (CostLedger; h2d/d2h: optimizer state streamed to and from the "
+          "host pool)")
+    print(f"{'variant':18s}" + counts_header())
+    for r in rows:
+        print(f"{r['variant']:18s}" + counts_cells(r["ledger"]))
     for k, v in checks.items():
         print(f"exactness {k}: bitwise_equal={v['bitwise_equal']} max_abs_diff={v['max_abs_diff']:.3g}")
     if device.type == "cuda":

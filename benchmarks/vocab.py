@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_flat.runtime import MemoryMeter
+from megatron_flat.runtime.ledger import count, counts_cells, counts_header
 from megatron_flat.runtime.memory import format_bytes
 from megatron_flat.testing.distributed import init_distributed
 from megatron_flat.vocab import resolve_mode, ring_dtp_cross_entropy
@@ -163,6 +164,7 @@ class Row:
     seconds: float
     strips: float = 0.0
     vs: dict = field(default_factory=dict)  # baseline -> {"peak": ratio, "time": ratio}
+    ledger: dict = field(default_factory=dict)  # CostLedger counts of one forward + backward
 
 
 def _round8(value: float) -> int:
@@ -231,6 +233,14 @@ def measure_peak(method: Method, inp: Inputs) -> tuple[int, int, int]:
     return tuple(int(_slowest(float(p))) for p in peaks)
 
 
+def count_once(method: Method, inp: Inputs) -> dict:
+    """The cost ledger's counts of one forward + backward on this rank."""
+    _clear_grads(inp)
+    counts = count(lambda: method.run(inp).sum().backward())
+    _clear_grads(inp)
+    return counts
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -259,11 +269,13 @@ def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device) -> lis
     for m in methods:  # one-time buffers (Megatron's all-gather buffer) outside the meter
         time_once(m, inp)
     peaks = [measure_peak(m, inp) for m in methods]
+    counts = [count_once(m, inp) for m in methods]
     times = [[] for _ in methods]
     for _ in range(reps):
         for i, m in enumerate(methods):
             times[i].append(time_once(m, inp))
-    rows = [Row(m.name, *pk, seconds=min(ts)) for m, pk, ts in zip(methods, peaks, times)]
+    rows = [Row(m.name, *pk, seconds=min(ts), ledger=c)
+            for m, pk, ts, c in zip(methods, peaks, times, counts)]
     base = {r.method: r for r in rows[: len(BASELINES)]}
     for row in rows:
         row.strips = row.peak_bytes / shape.strip_bytes
@@ -292,6 +304,11 @@ def print_table(shape: Shape, dtype_name: str, rows: list[Row]) -> None:
             v, w = r.vs[n], max(12, len(n) + 6)
             line += f"{v['peak']:{w}.3f}{100 * (1 - v['peak']):6.1f}%{v['time']:{w}.2f}"
         print(line)
+    print("counts of one forward + backward (CostLedger, rank 0; other coll: ring hops and "
+          "Megatron's all-gathers and all-reduces)")
+    print(f"{'method':18s}" + counts_header())
+    for r in rows:
+        print(f"{r.method:18s}" + counts_cells(r.ledger))
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatron_flat.megatron import compat
+from megatron_flat.runtime import ledger
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class _InlineStream:
         return event if event is not None else _InlineEvent()
 
     def synchronize(self) -> None:
-        pass
+        ledger.record_sync("stream_synchronize")  # a host wait on a GPU
 
     def query(self) -> bool:
         return True
@@ -81,7 +82,7 @@ class _InlineEvent:
         pass
 
     def synchronize(self) -> None:
-        pass
+        ledger.record_sync("event_synchronize")  # a host wait on a GPU
 
     def query(self) -> bool:
         return True
@@ -126,7 +127,7 @@ class _CudaOnCpu(types.SimpleNamespace):
 
     @staticmethod
     def synchronize(device=None) -> None:
-        pass
+        ledger.record_sync("device_synchronize")  # a host wait on a GPU
 
     @staticmethod
     def set_device(device) -> None:
@@ -292,13 +293,41 @@ def _patch_split_sizes() -> None:
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         # Megatron converts split sizes to host numbers only for CUDA tensors; on CPU they
-        # stayed tensors, which all_to_all_single rejects as split sizes.
+        # stayed tensors, which all_to_all_single rejects as split sizes. As on a GPU, the
+        # result is a host copy made without waiting (Megatron waits once, on the copy
+        # stream's event): the cost ledger sees a device->host copy and no sync per read.
         if torch.is_tensor(tensor) and tensor.device.type == "cpu":
-            return tensor.numpy() if as_numpy else tensor
+            host = tensor.clone()
+            ledger.mark_host_memory(host)
+            ledger.record_transfer(d2h_bytes=host.numel() * host.element_size())
+            return host.numpy() if as_numpy else host
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _mark_dispatcher_host_indices() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    original = cls.__init__
+    if getattr(original, "_megatron_flat_marks_host", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # Without permute fusion these chunk-sort indices are built with device="cpu", on a
+        # GPU too: their .tolist() reads host memory, not a sync.
+        if str(getattr(self, "permute_idx_device", "")) == "cpu":
+            for name in ("sort_input_by_local_experts", "restore_output_by_local_experts"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    ledger.mark_host(value)
+
+    __init__._megatron_flat_marks_host = True
+    cls.__init__ = __init__
 
 
 def _define_te_general_gemm() -> None:
@@ -506,6 +535,13 @@ PATCHES: List[Patch] = [
         "maybe_move_tensor_to_cpu only converts CUDA tensors, leaving CPU split-size "
         "tensors that all_to_all_single cannot take.",
         _patch_split_sizes,
+    ),
+    Patch(
+        "dispatcher host indices",
+        "The alltoall dispatcher builds its chunk-sort indices on the host (on a GPU too); on "
+        "CPU they are marked host data so the cost ledger does not count reading them as "
+        "host syncs.",
+        _mark_dispatcher_host_indices,
     ),
     Patch(
         "te_general_gemm global",

@@ -35,24 +35,21 @@ __all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops"]
 
 UNITS = ("dispatch", "vocab", "boundaries", "optimizer")
 
-# Host syncs per MoE layer and pass, counted by the ledger on the landed code at EP = 2
-# (benchmarks/ledger.py; pinned by tests/plan/test_costs_world2.py). Megatron's alltoall
-# dispatcher reads the split sizes once per forward; PipelinedLLEP reads the global counts
-# for its plan once per forward and the chunk's split sizes per chunk.
-SYNCS_STOCK_FORWARD = 5
-SYNCS_STOCK_BACKWARD = 2
-SYNCS_FLAT_FORWARD = 9
-SYNCS_FLAT_FORWARD_PER_CHUNK = 2
-SYNCS_FLAT_BACKWARD_PER_CHUNK = 2
-# aten ops (kernel launches) per MoE layer: a fixed part per pass and a part per local
-# expert (SequentialMLP and PipelinedLLEP run one expert at a time), per chunk for flat.
-OPS_STOCK_FORWARD = 60
-OPS_STOCK_FORWARD_PER_EXPERT = 12
-OPS_STOCK_BACKWARD_PER_EXPERT = 16
-OPS_FLAT_FORWARD = 60
-OPS_FLAT_PER_CHUNK = 30
-OPS_FLAT_PER_CHUNK_EXPERT = 14
-OPS_FLAT_BACKWARD_PER_CHUNK_EXPERT = 28
+# Host syncs and aten ops (launches) per MoE layer, counted by the ledger on the landed code
+# at EP = 2, megatron-core 0.16.1 (benchmarks/ledger.py; tests/runtime/test_ledger_world2.py
+# pins them). Megatron's alltoall dispatcher: per forward pass one wait for its split sizes
+# and two masked_select (0.19 has no masked_select). PipelinedLLEP: per forward pass 18 for
+# its checks, the global counts and the plan, and 5 per chunk for the chunk's receive
+# schedule; none in backward. Ops, fitted over E_l in {2, 4, 8} and K in {2, 4, 8}: stock
+# 43 + 6·E_l per forward pass and 22 + 13·E_l in backward; flat 80 + 38·K + 19·E_l per
+# forward pass and 10 + 15·K + 55·E_l in backward.
+SYNCS_STOCK_PER_PASS = 3
+SYNCS_FLAT_FORWARD = 18
+SYNCS_FLAT_PER_CHUNK = 5
+OPS_STOCK_FORWARD, OPS_STOCK_FORWARD_PER_EXPERT = 43, 6
+OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
+OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_EXPERT = 80, 38, 19
+OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_EXPERT = 10, 15, 55
 # Ring-DTP: the fold per strip (forward) and the recompute + grads per strip (backward).
 OPS_RING_PER_STRIP = 12
 OPS_RING_BACKWARD_PER_STRIP = 24
@@ -85,28 +82,146 @@ def attention_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> f
     return proj + core
 
 
+def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: int,
+                     routes_computed: float, routes_sent: float, bytes_per_value: int,
+                     gated: bool = True, flat: bool = False, chunks: int = 1, kept: int = 0,
+                     recompute: bool = False) -> dict:
+    """Counts of one MoE layer, one microbatch, forward + backward on one EP rank.
+
+    ``routes_computed``: routes this rank's experts run; ``routes_sent``: routes it sends to
+    other ranks; ``tokens``: its tokens (N_sp); ``recompute``: inside Megatron's full
+    recompute (the forward runs twice). With u = 2·H·F and F1, F2 = (2, 1) gated, (1, 1)
+    plain, P = forward passes (2 under recompute)::
+
+        flops   = 2·N·H·E·(P + 2)                           router GEMM, its dX and dW
+                + (P·(F1 + F2) + 2·(F1 + F2)                experts forward, backward
+                   + [flat]·F1·(1 − kept/K))·u·routes_computed   + fc1 again per chunk
+        a2a     = stock: routes_sent·(P + 1)·(2·H·b + 4)    tokens + fp32 prob out, output
+                                                            back, per forward and backward
+                  flat:  routes_sent·(P·(2·H·b + 4) + 3·H·b + 8)
+                                                            backward re-sends each token
+                                                            with its output grad (2·H·b + 4)
+                                                            and returns dX and dprob
+                         + P·(EP − 1)·K·E·8                 per-chunk route counts
+        other   = stock: P·(EP − 1)·E·8                     all-gather of tokens per expert
+                  flat:  P·(2·(EP − 1)/EP·EP·(E + 1)·8 + (EP − 1)·16)
+                                                            all-reduce of the global counts,
+                                                            all-gather of the group check
+        syncs, ops: the ledger's counts of the landed code (constants above)
+
+    Checked exactly against the ledger on the tiny layer (``tests/runtime/
+    test_ledger_world2.py``), stock and flat, with and without recompute.
+    """
+    H, F, E, b = hidden, ffn, experts, bytes_per_value
+    e_local = E // ep
+    fc1, fc2 = (2, 1) if gated else (1, 1)
+    passes = 2 if recompute else 1
+    K = max(1, chunks)
+    units = passes * (fc1 + fc2) + 2 * (fc1 + fc2)
+    if flat:
+        units += fc1 * (1 - min(kept, K) / K)
+    flops = 2 * tokens * H * E * (passes + 2) + units * 2 * H * F * routes_computed
+    if not flat:
+        a2a = routes_sent * (passes + 1) * (2 * H * b + PROB_BYTES)
+        other = passes * (ep - 1) * E * 8
+        calls = {"all_to_all_single": 3 * (passes + 1), "all_gather_into_tensor": passes}
+        syncs = passes * SYNCS_STOCK_PER_PASS
+        ops = passes * (OPS_STOCK_FORWARD + OPS_STOCK_FORWARD_PER_EXPERT * e_local) \
+            + OPS_STOCK_BACKWARD + OPS_STOCK_BACKWARD_PER_EXPERT * e_local
+    else:
+        a2a = routes_sent * (passes * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES) \
+            + passes * (ep - 1) * K * E * 8
+        other = passes * (2 * (ep - 1) * (E + 1) * 8 + (ep - 1) * 16)
+        calls = {"all_to_all_single": passes * (2 * K + 1) + 2 * K,
+                 "all_reduce": passes, "all_gather_into_tensor": passes}
+        syncs = passes * (SYNCS_FLAT_FORWARD + SYNCS_FLAT_PER_CHUNK * K)
+        ops = passes * (OPS_FLAT_FORWARD + OPS_FLAT_FORWARD_PER_CHUNK * K
+                        + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \
+            + OPS_FLAT_BACKWARD + OPS_FLAT_BACKWARD_PER_CHUNK * K \
+            + OPS_FLAT_BACKWARD_PER_EXPERT * e_local
+    if ep == 1:
+        a2a, other, calls = 0, 0, {}
+    return {"flops": flops, "all_to_all_bytes": a2a, "other_collective_bytes": other,
+            "collective_calls": calls, "syncs": syncs, "ops": ops}
+
+
+def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_value: int,
+                 sequence_parallel: bool, flat: bool = False, mode: str = "activations",
+                 strips: int = 1) -> dict:
+    """Counts of the output projection + loss, one microbatch, forward + backward.
+
+    ``tokens``: this rank's N_sp (the sequence-parallel share; N = TP·N_sp). Stock
+    (``ColumnParallelLinear`` + ``vocab_parallel_cross_entropy``)::
+
+        flops = 3·2·N·H·V/TP                       logits, their dX and dW
+        other = [SP]·3·N_sp·H·b·(TP − 1)           all-gather forward and again in backward,
+                                                   reduce-scatter of dX
+              + 3·2·(TP − 1)/TP·4·N                three fp32 all-reduces (max, sum, target)
+
+    Ring-DTP (P = TP, each rank its own N_sp tokens over all V/P shards, ``strips`` per
+    shard)::
+
+        flops = 4·2·N_sp·H·V                       strips forward; recomputed, dX, dW backward
+        activations: forward (P − 1)·N_sp·(H·b + 8) tokens and labels + P·12·N_sp states;
+                     backward (P − 1)·N_sp·(H·b + 16) tokens, labels, lse and coefficient
+                     + P·4·H·N_sp fp32 dX
+        weights:     forward (P − 1)·(V/P)·H·b; backward (P − 1)·(V/P)·H·b + P·4·(V/P)·H
+
+    Checked exactly against the ledger at TP = 2 (``tests/runtime/test_ledger_world2.py``).
+    """
+    H, V, b, P, n_sp = hidden, vocab, bytes_per_value, tp, tokens
+    shard = math.ceil(V / P)
+    if not flat:
+        n = n_sp * P if sequence_parallel else n_sp
+        other = 3 * 2 * (P - 1) * 4 * n // P
+        if sequence_parallel:
+            other += 3 * n_sp * H * b * (P - 1)
+        calls = {}
+        if P > 1:
+            calls = {"all_reduce": 3}
+            if sequence_parallel:
+                calls.update(all_gather_into_tensor=2, reduce_scatter_tensor=1)
+        return {"flops": 3 * 2 * n * H * shard, "other_collective_bytes": other if P > 1 else 0,
+                "ops": OPS_VOCAB_STOCK, "collective_calls": calls}
+    flops = 4 * 2 * n_sp * H * shard * P
+    if P == 1:
+        ring, calls = 0, 0
+    elif mode == "weights":
+        ring = (P - 1) * shard * H * b + (P - 1) * shard * H * b + P * 4 * shard * H
+        calls = (P - 1) + (P - 1) + P
+    else:
+        ring = (P - 1) * n_sp * (H * b + 8) + P * 12 * n_sp \
+            + (P - 1) * n_sp * (H * b + 16) + P * 4 * H * n_sp
+        calls = 2 * (P - 1) + P + 3 * (P - 1) + P
+    ops = strips * P * (OPS_RING_PER_STRIP + OPS_RING_BACKWARD_PER_STRIP)
+    return {"flops": flops, "other_collective_bytes": ring, "ops": ops,
+            "collective_calls": {"send": calls}}
+
+
 def _moe_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
     first, count = stage_layers(model, layout)[stage]
     return sum(1 for i in range(first, first + count) if model.is_moe_layer(i))
 
 
+def _scale(counts: dict, factor: float) -> dict:
+    out = {}
+    for key, value in counts.items():
+        out[key] = {k: v * factor for k, v in value.items()} if isinstance(value, dict) \
+            else value * factor
+    return out
+
+
 def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
               flat: Optional[FlatConfig]) -> Tuple[dict, Overlap]:
-    """One microbatch of the stage's MoE layers, forward + full recompute + backward.
+    """The stage's MoE layers, one microbatch, under full recompute (``moe_layer_counts``
+    per layer, times the stage's MoE layers).
 
-    Baseline (alltoall dispatcher): expert work (3 + 3 + 6)·u per route (gated; 2 + 2 + 4
-    plain) on r = σ·k·N_sp routes; all-to-all per route sent off-rank ((EP−1)/EP of the
-    k·N_sp routes): forward and recompute each dispatch H·b + 4 (its fp32 probability) and
-    combine H·b; backward sends the output gradient H·b and the input gradient H·b.
-
-    PipelinedLLEP (recompute of every chunk in its backward, or the first s of K kept):
-    the same passes on r' = σ'·k·N_sp routes, + fc1 once more per recomputed chunk
-    (2u·(1 − s/K) per route); forward and recompute each move (H·b + 4) + H·b per route;
-    backward re-sends the token with its output gradient (2·H·b + 4) and returns the input
-    and probability gradients (H·b + 4). LLEP's weight transfers: the hottest rank's excess
-    (σ − σ')·k·N_sp routes leave with whole experts, about E_l·(σ − σ')/σ of them, each
-    3·H·F·b out and its fp32 gradient back, per pass that computes (forward, recompute,
-    backward).
+    The hottest EP rank sets the pace: it computes σ·k·N_sp routes (σ the routing skew of
+    plain EP; σ' after LLEP with ``--flat-dispatch``) and sends (EP−1)/EP of its k·N_sp
+    routes off-rank. LLEP's weight transfers (not in ``moe_layer_counts``): the hottest
+    rank's excess (σ − σ')·k·N_sp routes leave with whole experts, about E_l·(σ − σ')/σ
+    of them, each F_m·H·F·b out and its fp32 gradient back, per pass that computes
+    (forward, recompute, backward).
     """
     layers = _moe_layers(model, layout, report.stage)
     if not model.experts or not layers:
@@ -114,84 +229,35 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
     H, F, k, b = model.hidden, model.expert_ffn, model.topk, model.bytes_per_value
     n_sp, ep = report.tokens_sp, layout.ep
     e_local = model.experts // ep
-    fc1, fc2 = expert_units(model)
-    u = 2 * H * F
-    off = (ep - 1) / ep
-    sent = k * n_sp * off
     on = flat is not None and flat.dispatch != "off"
-    if not on:
-        r = _skew_baseline(model, layout, report.skew) * k * n_sp
-        flops = 4 * (fc1 + fc2) * u * r
-        a2a = sent * (2 * (2 * H * b + PROB_BYTES) + 2 * H * b)
-        syncs = 2 * SYNCS_STOCK_FORWARD + SYNCS_STOCK_BACKWARD
-        ops = 2 * (OPS_STOCK_FORWARD + OPS_STOCK_FORWARD_PER_EXPERT * e_local) \
-            + OPS_STOCK_BACKWARD_PER_EXPERT * e_local
-        counts = {"flops": flops * layers, "all_to_all_bytes": a2a * layers,
-                  "syncs": syncs * layers, "ops": ops * layers,
-                  "collective_calls": 8 * layers}
-        return counts, overlap_for("moe", "stock")
     sigma = _skew_baseline(model, layout, report.skew)
-    sigma_llep = _skew_llep(model, layout, report.skew, flat)
-    r = sigma_llep * k * n_sp
-    K = report.num_chunks if flat.dispatch == "pipelined" else 1
-    kept = min(flat.dispatch_saved_chunks, K) if flat.dispatch == "pipelined" else K
-    recompute_fc1 = fc1 * (1 - kept / K)
-    flops = (4 * (fc1 + fc2) + recompute_fc1) * u * r
-    a2a = sent * (2 * ((H * b + PROB_BYTES) + H * b) + (2 * H * b + PROB_BYTES)
-                  + (H * b + PROB_BYTES))
-    spilled = e_local * (sigma - sigma_llep) / sigma if sigma > sigma_llep else 0.0
-    weights = spilled * model.ffn_matrices * H * F * (b + 4) * 3
-    syncs = 2 * (SYNCS_FLAT_FORWARD + SYNCS_FLAT_FORWARD_PER_CHUNK * K) \
-        + SYNCS_FLAT_BACKWARD_PER_CHUNK * K
-    ops = 2 * (OPS_FLAT_FORWARD + OPS_FLAT_PER_CHUNK * K + OPS_FLAT_PER_CHUNK_EXPERT * K * e_local) \
-        + OPS_FLAT_BACKWARD_PER_CHUNK_EXPERT * K * e_local
-    counts = {"flops": flops * layers, "all_to_all_bytes": (a2a + weights) * layers,
-              "syncs": syncs * layers, "ops": ops * layers,
-              "collective_calls": (6 * K + 3) * layers}
-    return counts, overlap_for("moe", "flat", K)
+    sigma_run = _skew_llep(model, layout, report.skew, flat) if on else sigma
+    K = report.num_chunks if on and flat.dispatch == "pipelined" else 1
+    kept = min(flat.dispatch_saved_chunks, K) if on and flat.dispatch == "pipelined" else K
+    counts = moe_layer_counts(hidden=H, ffn=F, experts=model.experts, tokens=n_sp, ep=ep,
+                              routes_computed=sigma_run * k * n_sp,
+                              routes_sent=k * n_sp * (ep - 1) / ep, bytes_per_value=b,
+                              gated=model.gated, flat=on, chunks=K, kept=kept,
+                              recompute=True)
+    if on:
+        spilled = e_local * (sigma - sigma_run) / sigma if sigma > sigma_run else 0.0
+        counts["all_to_all_bytes"] += spilled * model.ffn_matrices * H * F * (b + 4) * 3
+    return _scale(counts, layers), overlap_for("moe", "flat" if on else "stock", K)
 
 
 def _vocab(model: ModelSpec, layout: Layout, report: PeakReport,
            flat: Optional[FlatConfig]) -> Tuple[dict, Overlap]:
-    """Output projection + loss, one microbatch, on the last stage.
-
-    Baseline: logits N × V/TP on each rank (SP gathers the N tokens first): 2·N·H·V/TP
-    forward, twice that backward; all-gather of the input (N_sp·H·b·(TP−1)) and
-    reduce-scatter of its gradient under SP; three N-sized fp32 all-reduces (max,
-    sum-exp, target logit) at 2·(TP−1)/TP.
-
-    Ring-DTP (P = TP ranks, each with its own N_sp tokens over all V): forward
-    2·N_sp·H·V, backward recompute + dX + dW = 3·2·N_sp·H·V; per hop the weights mode moves
-    the V/P × H shard (b) forward and the shard plus its fp32 dW backward, P − 1 hops each;
-    the activations mode moves X (b·H), targets (8) and the state (12) per token per hop,
-    with one return hop, forward; X, targets, state and the fp32 dX backward.
-    """
+    """Output projection + loss, one microbatch, on the last stage (``vocab_counts``)."""
     if report.stage != layout.pp - 1:
         return {}, overlap_for("vocab", "stock")
-    H, V, b, P = model.hidden, model.vocab, model.bytes_per_value, layout.tp
-    n, n_sp = report.tokens, report.tokens_sp
-    shard = math.ceil(V / P)
-    if flat is None or not flat.vocab:
-        flops = 3 * 2 * n * H * shard
-        other = 3 * 2 * (P - 1) * 4 * n / P if P > 1 else 0
-        if layout.sp and P > 1:
-            other += 2 * n_sp * H * b * (P - 1)
-        return ({"flops": flops, "other_collective_bytes": other, "ops": OPS_VOCAB_STOCK,
-                 "collective_calls": 5 if P > 1 else 0}, overlap_for("vocab", "stock"))
-    strips_per_shard = math.ceil(shard / flat.vocab_block_size)
-    flops = 4 * 2 * n_sp * H * shard * P
-    mode = report.vocab_mode
-    if P == 1:
-        ring = 0.0
-    elif mode == "weights":
-        ring = (P - 1) * (shard * H * b) + (P - 1) * (shard * H * (b + 4))
-    else:
-        per_token = H * b + 8 + 12
-        ring = P * n_sp * per_token + P * n_sp * (per_token + 4 * H)
-    strips = strips_per_shard * P
-    ops = strips * (OPS_RING_PER_STRIP + OPS_RING_BACKWARD_PER_STRIP)
-    return ({"flops": flops, "other_collective_bytes": ring, "ops": ops,
-             "collective_calls": 4 * P}, overlap_for("vocab", "flat", P))
+    on = flat is not None and flat.vocab
+    shard = math.ceil(model.vocab / layout.tp)
+    strips = math.ceil(shard / flat.vocab_block_size) if on else 1
+    counts = vocab_counts(hidden=model.hidden, vocab=model.vocab, tokens=report.tokens_sp,
+                          tp=layout.tp, bytes_per_value=model.bytes_per_value,
+                          sequence_parallel=bool(layout.sp), flat=on, mode=report.vocab_mode,
+                          strips=strips)
+    return counts, overlap_for("vocab", "flat" if on else "stock", layout.tp if on else 1)
 
 
 def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,

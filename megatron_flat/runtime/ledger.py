@@ -20,6 +20,8 @@ meter measures bytes, the ledger counts what a CPU run's wall time hides:
     (P−1)/P·input; ``all_reduce`` 2·(P−1)/P·bytes; ``broadcast`` the tensor
     (every rank forwards it once in a ring); ``send`` (``send``, ``isend`` and
     ``batch_isend_irecv`` alike) the tensor; ``recv`` counts calls, 0 bytes.
+    Coalesced forms (Megatron's distributed optimizer all-gathers parameters and
+    reduce-scatters gradients in buckets with them) count under the plain name.
 ``h2d_bytes`` / ``d2h_bytes``
     Bytes copied between host memory and the compute device. On CUDA: every
     ``copy_`` / ``_to_copy`` between a CPU and a CUDA tensor. On CPU, host
@@ -102,6 +104,12 @@ __all__ = [
     "mark_host",
     "mark_host_memory",
     "record_flops",
+    "record_sync",
+    "record_transfer",
+    "count",
+    "counts_cells",
+    "counts_header",
+    "format_count",
     "is_device_data",
 ]
 
@@ -245,6 +253,21 @@ def _allgather_list_bytes(outputs, inputs, pg, *r, **k) -> int:
     return sum((size - 1) * _nbytes(t) for t in inputs)
 
 
+def _allgather_coalesced_bytes(outputs, inputs, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return sum((size - 1) * _nbytes(t) for t in inputs)
+
+
+def _reduce_scatter_coalesced_bytes(outputs, inputs, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return sum((size - 1) * _nbytes(t) // size for t in inputs)
+
+
+def _reduce_scatter_list_bytes(outputs, input_lists, pg, *r, **k) -> int:
+    size, _ = _group_size_rank(pg)
+    return sum((size - 1) * _nbytes(out) for out in outputs)
+
+
 def _zero(*r, **k) -> int:
     return 0
 
@@ -262,6 +285,14 @@ for _name, _packet, _fn in (
     ("recv", "recv_", _zero),
     ("recv", "recv_any_source_", _zero),
     ("all_gather", "allgather_", _allgather_list_bytes),
+    ("all_gather", "allgather_coalesced_", _allgather_list_bytes),
+    ("all_gather_into_tensor", "allgather_into_tensor_coalesced_", _allgather_coalesced_bytes),
+    ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced_",
+     _reduce_scatter_coalesced_bytes),
+    ("reduce_scatter", "reduce_scatter_", _reduce_scatter_list_bytes),
+    ("reduce", "reduce_", _list_bytes),
+    ("gather", "gather_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in ins)),
+    ("scatter", "scatter_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in outs)),
     ("all_to_all", "alltoall_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in ins)),
     ("barrier", "barrier", _zero),
 ):
@@ -426,6 +457,29 @@ def _quietly() -> Iterator[None]:
 
 def _open_ledgers() -> list["CostLedger"]:
     return [m.ledger for m in _get_current_dispatch_mode_stack() if isinstance(m, _LedgerMode)]
+
+
+def record_sync(kind: str) -> None:
+    """Count a host sync the dispatcher cannot see (an event or stream synchronize)
+    in every open ledger here. Called by :mod:`megatron_flat.runtime.streams` and by the
+    CPU backend's stand-ins for CUDA events, so that CPU runs count the waits a GPU run
+    makes."""
+    if _quiet():
+        return
+    for ledger in _open_ledgers():
+        for target in ledger._targets():
+            target.add_sync(kind)
+
+
+def record_transfer(h2d_bytes: int = 0, d2h_bytes: int = 0) -> None:
+    """Count a host↔device copy the dispatcher cannot tell from a device copy on CPU
+    (an emulated non-blocking device→host copy) in every open ledger here."""
+    if _quiet():
+        return
+    for ledger in _open_ledgers():
+        for target in ledger._targets():
+            target.h2d_bytes += int(h2d_bytes)
+            target.d2h_bytes += int(d2h_bytes)
 
 
 def record_flops(flops: int) -> None:
@@ -739,3 +793,38 @@ def format_count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"
     return f"{int(n)}"
+
+
+def count(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run ``fn(*args, **kwargs)`` once under a fresh ledger; its totals as plain JSON."""
+    with CostLedger() as ledger:
+        fn(*args, **kwargs)
+    out = ledger.as_dict()
+    out.pop("sections", None)
+    return out
+
+
+# The ledger's columns in benchmark tables: (title, key, width).
+COUNT_COLUMNS = (("FLOPs", "flops", 9), ("a2a", "all_to_all_bytes", 11),
+                 ("other coll", "other_collective_bytes", 11), ("h2d", "h2d_bytes", 11),
+                 ("d2h", "d2h_bytes", 11), ("syncs", "syncs", 6), ("ops", "ops", 7))
+
+
+def counts_header() -> str:
+    """Titles of the ledger's columns, right-aligned as :func:`counts_cells` prints them."""
+    return "".join(f"{title:>{width}s}" for title, _, width in COUNT_COLUMNS)
+
+
+def counts_cells(counts: dict[str, Any]) -> str:
+    """One table row's ledger cells: FLOPs and ops as counts, bytes in binary units."""
+    cells = []
+    for _, key, width in COUNT_COLUMNS:
+        value = counts.get(key, 0)
+        if key.endswith("_bytes"):
+            text = memory.format_bytes(int(value))
+        elif key == "syncs":
+            text = str(int(value))
+        else:
+            text = format_count(value)
+        cells.append(f"{text:>{width}s}")
+    return "".join(cells)

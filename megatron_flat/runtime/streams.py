@@ -13,6 +13,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from megatron_flat.runtime import ledger
+
 __all__ = ["Event", "Stream", "current_stream", "record_stream", "use_stream"]
 
 DeviceLike = Union[str, int, torch.device, None]
@@ -67,7 +69,9 @@ class Event:
         self._event.wait(target.cuda_stream)
 
     def synchronize(self) -> None:
-        """Block the host until the recorded work has completed."""
+        """Block the host until the recorded work has completed (a host sync: counted
+        by open cost ledgers, on CPU too, where it returns at once)."""
+        ledger.record_sync("event_synchronize")
         if self._event is not None:
             self._event.synchronize()
 
@@ -129,7 +133,9 @@ class Stream:
         return event
 
     def synchronize(self) -> None:
-        """Block the host until all work queued on this stream has completed."""
+        """Block the host until all work queued on this stream has completed (a host sync:
+        counted by open cost ledgers, on CPU too)."""
+        ledger.record_sync("stream_synchronize")
         if self._stream is not None:
             self._stream.synchronize()
 

@@ -28,7 +28,7 @@ from megatron_flat.testing.tiny_gpt import TinyMoE, build_tiny_gpt, global_batch
 from megatron_flat.testing.training import CLIP_GRAD, LR, Layout, Trainer
 
 __all__ = ["Layout", "RunResult", "run_reference", "run_layout", "full_tensors", "load_full",
-           "mismatches", "assert_equivalent", "RTOL", "ATOL", "PARAM_ATOL"]
+           "mismatches", "assert_equivalent", "RTOL", "ATOL", "PARAM_ATOL", "PARAM_OUTLIERS"]
 
 # Reductions are reordered by every split (row-parallel partial sums, DP averaging,
 # expert grads summed in another order), so fp32 results agree to rounding, not bitwise.
@@ -42,6 +42,13 @@ ATOL = 1e-6
 # move by a visible fraction of ``lr`` when g changes by one ulp. The bound is 1% of one
 # step; a wrong gradient shard, a missed reduction or a skipped update moves by ~lr.
 PARAM_ATOL = 1e-2 * LR
+# Which elements have rounding-level gradients depends on the processor's summation order
+# (seen: one element of 24,576 in a TP=2 attention weight at 2% of lr on one machine, none
+# on another), so a parameter may have a few such elements: at most PARAM_OUTLIERS of its
+# elements (none in a parameter of fewer than 1,000) may exceed PARAM_ATOL, each by no more than Adam's largest move
+# (lr per step). The step-0 gradients are compared at the tight RTOL / ATOL throughout, and
+# every real error moves many elements or moves them further.
+PARAM_OUTLIERS = 1e-3
 
 @dataclass
 class RunResult:
@@ -262,6 +269,7 @@ def mismatches(result: RunResult, reference: RunResult, *, rtol: float = RTOL,
     for step, (a, b) in enumerate(zip(result.losses, reference.losses)):
         if abs(a - b) > atol + rtol * abs(b):
             out.append(f"step {step} loss {a!r} != reference {b!r}")
+    steps = max(1, len(reference.losses))
     pairs = [("param", result.params, reference.params, param_atol)]
     if result.grads is not None:
         pairs.append(("grad", result.grads, reference.grads, atol))
@@ -273,8 +281,14 @@ def mismatches(result: RunResult, reference: RunResult, *, rtol: float = RTOL,
                 out.append(f"{what} {key}: shape {tuple(got[key].shape)} != "
                            f"{tuple(want[key].shape)}")
             elif not torch.allclose(got[key], want[key], rtol=rtol, atol=abs_tol):
-                err = (got[key] - want[key]).abs().max().item()
-                out.append(f"{what} {key}: max abs error {err:.3g}")
+                diff = (got[key] - want[key]).abs()
+                err = diff.max().item()
+                bad = int((diff > abs_tol + rtol * want[key].abs()).sum())
+                if what == "param" and bad <= int(PARAM_OUTLIERS * diff.numel()) \
+                        and err <= steps * LR:
+                    continue  # rounding-level gradients flipped by Adam (see PARAM_OUTLIERS)
+                out.append(f"{what} {key}: max abs error {err:.3g} ({bad} of {diff.numel()} "
+                           f"elements)")
     return out
 
 

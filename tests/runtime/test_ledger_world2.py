@@ -1,12 +1,129 @@
-"""CostLedger on collectives at world size 2: bytes this rank puts on its links, calls."""
+"""CostLedger at world size 2: collectives of known sizes, and benchmarks/ledger.py's two
+cheapest units at a tiny shape (every key, the structural facts stock vs flat must show, and
+the per-layer formulas of ``megatron_flat.plan.costs`` equal to the counts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_flat.plan.costs import moe_layer_counts, vocab_counts
 from megatron_flat.runtime.ledger import CostLedger
 
 pytestmark = pytest.mark.world(2)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# 4 experts top-2, 64 tokens per rank, chunk cap 16 (K = 4); vocab 2 x 256, 32 tokens per rank.
+TINY = ["--experts", "4", "--topk", "2", "--tokens", "64", "--hidden", "32", "--ffn", "32",
+        "--chunk", "16", "--vocab-tokens", "32", "--vocab-per-rank", "256",
+        "--vocab-block", "64"]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "ledger_benchmark", os.path.join(ROOT, "benchmarks", "ledger.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.fixture(scope="module")
+def run(megatron_cpu):
+    bench = _bench()
+    args = bench.parse_args(TINY)
+    records = bench.unit_moe(args) + bench.unit_moe_recompute(args) + bench.unit_vocab(args)
+    return bench, args, {(r["unit"], r["variant"]): r for r in records}
+
+
+def test_records_have_every_key(run) -> None:
+    bench, _, by = run
+    assert sorted(by) == sorted((u, v) for u in ("moe", "moe-recompute", "vocab")
+                                for v in ("stock", "flat"))
+    for r in by.values():
+        assert set(bench.RECORD_KEYS) <= set(r), set(bench.RECORD_KEYS) - set(r)
+        for key in ("flops", "all_to_all_bytes", "other_collective_bytes", "h2d_bytes",
+                    "d2h_bytes", "syncs", "ops", "mem_bytes", "peak_device_bytes"):
+            assert isinstance(r[key], int) and r[key] >= 0, (r["unit"], r["variant"], key)
+        assert sum(r["sync_kinds"].values()) == r["syncs"]
+        assert sum(r["collective_bytes"].values()) == \
+            r["all_to_all_bytes"] + r["other_collective_bytes"]
+        assert set(r["collective_calls"]) == set(r["collective_bytes"])
+        assert isinstance(r["shape"], dict) and r["shape"]
+        assert r["ops"] > 0 and r["flops"] > 0
+
+
+def test_moe_flops_differ_only_by_the_chunk_recompute(run) -> None:
+    _, args, by = run
+    stock, flat = by[("moe", "stock")], by[("moe", "flat")]
+    # Per routed token: stock fc1 (2 units) + fc2 (1) forward, twice that backward = 9;
+    # PipelinedLLEP recomputes fc1 in backward, 2 more: at most 11/9 of stock.
+    assert stock["flops"] <= flat["flops"] <= stock["flops"] * 11 / 9
+    assert flat["flops"] > stock["flops"]
+    # Both dispatch by all-to-all; PipelinedLLEP re-sends tokens with their gradients.
+    assert 0 < stock["all_to_all_bytes"] < flat["all_to_all_bytes"]
+    assert stock["stages"] == 1
+    assert flat["stages"] == -(-args.tokens // args.chunk)  # K chunks
+    assert flat["peak_device_bytes"] < stock["peak_device_bytes"]
+
+
+def test_vocab_ring_moves_no_logits(run) -> None:
+    _, args, by = run
+    stock, flat = by[("vocab", "stock")], by[("vocab", "flat")]
+    world = stock["shape"]["tp"]
+    logits = args.vocab_tokens * world * args.vocab_per_rank * 4  # stock's [N, V/TP] fp32
+    assert stock["peak_device_bytes"] >= logits
+    assert flat["peak_device_bytes"] < logits
+    assert flat["peak_device_bytes"] < stock["peak_device_bytes"]
+    assert sum(flat["collective_bytes"].values()) > 0
+    assert flat["all_to_all_bytes"] == 0
+    assert flat["stages"] == world and stock["stages"] == 1
+    # Same projection, forward and backward (Ring-DTP recomputes its strips: not fewer).
+    assert flat["flops"] >= stock["flops"]
+
+
+@pytest.mark.parametrize("unit", ["moe", "moe-recompute"])
+@pytest.mark.parametrize("variant", ["stock", "flat"])
+def test_moe_layer_formulas_equal_the_counts(run, unit, variant) -> None:
+    _, args, by = run
+    r = by[(unit, variant)]
+    shape = r["shape"]
+    want = moe_layer_counts(
+        hidden=args.hidden, ffn=args.ffn, experts=args.experts, tokens=args.tokens,
+        ep=shape["ep"], routes_computed=shape["routes_computed"],
+        routes_sent=shape["routes_sent_off_rank"], bytes_per_value=4, gated=True,
+        flat=variant == "flat", chunks=r["stages"], kept=0, recompute=unit == "moe-recompute")
+    assert r["flops"] == want["flops"]
+    assert r["all_to_all_bytes"] == want["all_to_all_bytes"]
+    assert r["other_collective_bytes"] == want["other_collective_bytes"]
+    assert r["collective_calls"] == want["collective_calls"]
+    if variant == "flat":
+        assert r["syncs"] == want["syncs"]
+    else:  # 0.16.1: one wait + two masked_select per pass; 0.19 has no masked_select
+        assert 1 <= r["syncs"] <= want["syncs"]
+    assert abs(r["ops"] - want["ops"]) <= 0.15 * want["ops"]  # a fitted launch proxy
+
+
+@pytest.mark.parametrize("variant", ["stock", "flat"])
+def test_vocab_formulas_equal_the_counts(run, variant) -> None:
+    _, args, by = run
+    r = by[("vocab", variant)]
+    shape = r["shape"]
+    want = vocab_counts(hidden=shape["hidden"], vocab=shape["vocab"],
+                        tokens=shape["tokens_per_rank"], tp=shape["tp"], bytes_per_value=4,
+                        sequence_parallel=shape["sequence_parallel"], flat=variant == "flat",
+                        mode="activations" if shape["tokens_per_rank"] <= shape["vocab_per_rank"]
+                        else "weights")
+    assert r["flops"] == want["flops"]
+    if variant == "stock":
+        assert r["other_collective_bytes"] == want["other_collective_bytes"]
+        assert r["collective_calls"] == want["collective_calls"]
+    else:  # the ring's sends; the all-gather of the ring plan is separate
+        assert r["collective_bytes"]["send"] == want["other_collective_bytes"]
+        assert r["collective_calls"]["send"] == want["collective_calls"]["send"]
 
 
 def test_all_to_all_known_splits(dist_world) -> None:

@@ -35,6 +35,27 @@ def test_each_difference_is_reported(what):
     assert problems, what
 
 
+def test_param_outliers_only_few_and_within_one_adam_move():
+    from megatron_flat.testing.equivalence import PARAM_ATOL
+    from megatron_flat.testing.training import LR
+
+    def with_big(delta_elems, delta):
+        ref, got = _result(), _result()
+        for r in (ref, got):
+            r.params["big"] = torch.zeros(4096)
+        got.params["big"][:delta_elems] += delta
+        return mismatches(got, ref)
+
+    assert PARAM_ATOL < 0.5 * LR
+    assert with_big(1, 0.5 * LR) == []            # one rounding-level flip: accepted
+    assert with_big(4, 1.5 * LR) == []            # a few, within Adam's move over 2 steps
+    assert with_big(1, 3 * LR)                    # further than Adam can move: reported
+    assert with_big(100, 0.5 * LR)                # many elements: a real error
+    ref, got = _result(), _result()
+    got.params["w"][0, 0] += 0.5 * LR             # small tensors get no outlier
+    assert mismatches(got, ref)
+
+
 def test_rounding_level_differences_pass():
     ref, got = _result(), _result()
     got.grads["w"] += 1e-7
