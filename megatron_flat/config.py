@@ -53,6 +53,11 @@ class FlatConfig:
         metadata={"help": "Chunks per MoE layer kept from forward to backward instead of "
                           "recomputed (each expert's first-layer output; 0: recompute all)."},
     )
+    dispatch_debug_checks: bool = field(
+        default=False,
+        metadata={"help": "Check routes, plan consistency and the per-chunk receive bound on "
+                          "every call (each check waits for the device: host syncs)."},
+    )
     llep_alpha: float = field(
         default=1.0, metadata={"help": "LLEP capacity factor alpha (cap = alpha * mean load)."}
     )

@@ -70,7 +70,11 @@ class DispatchOptions:
     one-rank, bias-free fc1; :class:`~megatron_flat.dispatch.experts.GLUExperts`) each
     expert's first-layer output (``[R, F1]``) is kept and saves that GEMM in backward;
     otherwise each expert's whole graph is kept and the chunk's token dispatch in backward
-    is saved too. 0 recomputes every chunk.
+    is saved too. 0 recomputes every chunk. ``debug_checks`` validates the routes' values
+    (ranges, order, at most ``topk`` per token), the counts against the plan and the
+    per-chunk receive bound on every call; each of these reads device data on the host (a
+    host sync on a GPU), so they are off by default: a forward pass then waits for the
+    device twice, for the global counts the plan needs and for the chunks' split sizes.
     """
 
     mode: str = "pipelined"
@@ -82,10 +86,13 @@ class DispatchOptions:
     imbalance_threshold: float = 1.3
     overlap: Optional[bool] = None
     saved_chunks: int = 0
+    debug_checks: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"dispatch mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not isinstance(self.debug_checks, bool):
+            raise ValueError(f"debug_checks must be a bool, got {self.debug_checks!r}")
         for name in ("chunk_tokens", "max_chunks", "min_tokens_per_gemm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,7 +126,8 @@ class DispatchOptions:
                       max_chunks=flat.dispatch_max_chunks, membership=flat.dispatch_membership,
                       alpha=flat.llep_alpha, min_tokens_per_gemm=flat.llep_min_tokens_per_gemm,
                       imbalance_threshold=flat.llep_imbalance_threshold,
-                      saved_chunks=flat.dispatch_saved_chunks)
+                      saved_chunks=flat.dispatch_saved_chunks,
+                      debug_checks=flat.dispatch_debug_checks)
         values.update(overrides)
         return cls(**values)
 
@@ -781,7 +789,7 @@ class PipelinedLLEP:
         if route_expert.numel() != r or route_probs.numel() != r:
             raise ValueError(f"route_token, route_expert and route_probs must have one entry per "
                              f"route; got {r}, {route_expert.numel()} and {route_probs.numel()}")
-        if r:
+        if r and self.options.debug_checks:  # reads device data: host syncs
             if int(route_expert.min()) < 0 or int(route_expert.max()) >= self.num_experts:
                 raise ValueError(f"route_expert must lie in [0, {self.num_experts}): inconsistent "
                                  f"expert count (got ids up to {int(route_expert.max())})")
@@ -861,13 +869,14 @@ class PipelinedLLEP:
         weights = [w for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
         self._check_group(tokens.shape[1], tokens.dtype, device)
 
-        # Global counts: every rank's per-expert route counts and token count.
+        # Global counts: every rank's per-expert route counts and token count. Counted with
+        # index_add_ (bincount's output size depends on the data: a host sync on a GPU).
         counts = torch.zeros((p, e + 1), dtype=torch.long, device=device)
-        counts[rank, :e] = torch.bincount(route_expert, minlength=e)
+        counts[rank, :e].index_add_(0, route_expert, torch.ones_like(route_expert))
         counts[rank, e] = n
         if p > 1:
             dist.all_reduce(counts, group=self.group)
-        counts = counts.cpu()
+        counts = counts.cpu()  # wait 1 of 2: the plan needs the global loads on the host
         by_rank, max_n = counts[:, :e], int(counts[:, e].max())
         plan = plan_dispatch(by_rank.sum(0), p, alpha=o.alpha,
                              min_tokens_per_gemm=o.min_tokens_per_gemm,
@@ -877,17 +886,21 @@ class PipelinedLLEP:
         else:
             k_chunks, c_eff = 1, max_n
         dest = route_destinations(route_expert.view(-1, 1), by_rank.to(device), plan,
-                                  rank).view(-1)
+                                  rank, check=o.debug_checks).view(-1)
         send = send_schedule(route_token, route_expert, dest,
                              token_chunks(n, k_chunks, o.membership, device),
-                             num_chunks=k_chunks, ep_size=p, num_experts=e)
+                             num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False)
         del dest
         (got,) = _exchange([send.counts.reshape(-1)], [k_chunks * e] * p, [k_chunks * e] * p,
                            self.group, p).wait()
-        recv = receive_schedule(got.view(p, k_chunks, e))
+        # Wait 2 of 2: what this rank sends and receives per chunk, in one copy to the host.
+        both = torch.cat([send.counts.reshape(-1), got]).cpu()
+        send.finalize(both[: p * k_chunks * e].view(p, k_chunks, e))
+        recv = receive_schedule(both[p * k_chunks * e:].view(p, k_chunks, e))
         recv.group = [None if g is None else g.to(device) for g in recv.group]
         bound = receive_bound(ep_size=p, topk=self.topk, c_eff=c_eff)
-        self._check_receive_bound(recv.totals, bound, k_chunks, c_eff, device)
+        if o.debug_checks:
+            self._check_receive_bound(recv.totals, bound, k_chunks, c_eff, device)
         wsched = weight_schedule(plan, rank)
         foreign = recv.experts - set(range(rank * (e // p), (rank + 1) * (e // p))) \
             - set(wsched.helper_experts)

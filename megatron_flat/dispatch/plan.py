@@ -364,7 +364,7 @@ def _check_routes(expert_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def route_destinations(expert_ids: torch.Tensor, counts_by_rank: torch.Tensor,
-                       plan: LLEPPlan, rank: int) -> torch.Tensor:
+                       plan: LLEPPlan, rank: int, *, check: bool = True) -> torch.Tensor:
     """Compute rank of each of this source rank's routes under ``plan``.
 
     ``expert_ids`` is this rank's ``[N, k]`` routes (expert id per token and slot);
@@ -372,10 +372,13 @@ def route_destinations(expert_ids: torch.Tensor, counts_by_rank: torch.Tensor,
     ``expert_ids``; column sums must be the plan's expert loads). Within an expert this rank's
     routes are ordered by (token, slot) and follow those of ranks ``< rank`` in the expert's
     global token list; each route goes to the rank whose range holds its position.
-    Returns an int64 ``[N, k]`` tensor on ``expert_ids``' device.
+    Returns an int64 ``[N, k]`` tensor on ``expert_ids``' device. ``check=False`` skips the
+    checks that read device data (route ids in range, counts matching the routes and the
+    plan): each is a host sync on a GPU.
     """
     num_experts, ep_size = plan.num_experts, plan.ep_size
-    _check_routes(expert_ids, num_experts)
+    if check:
+        _check_routes(expert_ids, num_experts)
     rank = _check_int("rank", rank, 0)
     if rank >= ep_size:
         raise ValueError(f"rank must be < ep_size ({ep_size}), got {rank}")
@@ -385,11 +388,11 @@ def route_destinations(expert_ids: torch.Tensor, counts_by_rank: torch.Tensor,
                          f"got {tuple(counts_by_rank.shape)}")
     counts = counts_by_rank.to(device=device, dtype=torch.long)
     flat = expert_ids.reshape(-1).to(torch.long)
-    if not torch.equal(torch.bincount(flat, minlength=num_experts), counts[rank]):
+    if check and not torch.equal(torch.bincount(flat, minlength=num_experts), counts[rank]):
         raise ValueError(f"counts_by_rank[{rank}] does not match the per-expert counts of "
                          f"expert_ids")
     loads = torch.tensor(plan.expert_loads, dtype=torch.long, device=device)
-    if not torch.equal(counts.sum(0), loads):
+    if check and not torch.equal(counts.sum(0), loads):
         raise ValueError("counts_by_rank column sums differ from the plan's expert loads")
 
     # Position of each route in its expert's global list: routes of earlier ranks first, then

@@ -18,7 +18,7 @@ functions say what goes where in every round, without touching a process group:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,12 +30,22 @@ __all__ = ["ReceiveSchedule", "SendSchedule", "WeightSchedule", "receive_schedul
            "weight_schedule"]
 
 
-def routes_from_map(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token, expert)`` int64 of every ``True`` of a ``[N, E]`` routing map, expert-major."""
+def routes_from_map(routing_map: torch.Tensor,
+                    routes: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token, expert)`` int64 of every ``True`` of a ``[N, E]`` routing map, expert-major.
+
+    ``routes``: how many ``True`` the map holds when the caller knows it (top-k routing
+    without token dropping: N·k); the routes are then found without reading the count on
+    the host (``nonzero``'s output size depends on the data: a host sync on a GPU). A map
+    with another count gives wrong routes then: pass None when unsure.
+    """
     if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
         raise ValueError("routing_map must be a [N, E] bool tensor")
-    expert, token = routing_map.t().nonzero(as_tuple=True)
-    return token, expert
+    if routes is None:
+        expert, token = routing_map.t().nonzero(as_tuple=True)
+        return token, expert
+    index = torch.nonzero_static(routing_map.t(), size=routes, fill_value=-1)
+    return index[:, 1], index[:, 0]
 
 
 def routes_from_topk(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,10 +91,10 @@ class SendSchedule:
     """
 
     order: torch.Tensor
-    bounds: list[int]
-    splits: list[list[int]]
-    restore: list[torch.Tensor]
     counts: torch.Tensor
+    bounds: list[int] = field(default_factory=list)
+    splits: list[list[int]] = field(default_factory=list)
+    restore: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_chunks(self) -> int:
@@ -93,25 +103,50 @@ class SendSchedule:
     def chunk(self, i: int) -> torch.Tensor:
         return self.order[self.bounds[i]:self.bounds[i + 1]]
 
+    def finalize(self, host_counts: torch.Tensor) -> "SendSchedule":
+        """Fill ``bounds``, ``splits`` and ``restore`` from ``counts`` copied to the host.
+
+        The caller copies ``counts`` once (with whatever else it needs from the device),
+        so that building the schedule costs no host sync of its own.
+        """
+        host = host_counts.to("cpu", torch.long)
+        if tuple(host.shape) != tuple(self.counts.shape):
+            raise ValueError(f"host counts of shape {tuple(host.shape)} for a schedule of "
+                             f"{tuple(self.counts.shape)}")
+        per_cd = host.sum(2).t()                       # [K, P]
+        self.splits = per_cd.tolist()
+        self.bounds = [0]
+        for size in per_cd.sum(1).tolist():
+            self.bounds.append(self.bounds[-1] + size)
+        self.restore = [torch.argsort(self.chunk(i)) for i in range(len(self.splits))]
+        return self
+
+
+def _counts(key: torch.Tensor, size: int) -> torch.Tensor:
+    """``bincount(key, minlength=size)`` for keys known to lie in [0, size), without
+    reading the data on the host (bincount's output size depends on it)."""
+    out = torch.zeros(size, dtype=torch.long, device=key.device)
+    return out.index_add_(0, key, torch.ones_like(key))
+
 
 def send_schedule(route_token: torch.Tensor, route_expert: torch.Tensor,
                   destinations: torch.Tensor, token_chunk: torch.Tensor, *, num_chunks: int,
-                  ep_size: int, num_experts: int) -> SendSchedule:
+                  ep_size: int, num_experts: int, finalize: bool = True) -> SendSchedule:
     """The :class:`SendSchedule` of expert-major routes ``(route_token, route_expert)`` whose
-    compute ranks are ``destinations``, tokens chunked by ``token_chunk``."""
+    compute ranks are ``destinations``, tokens chunked by ``token_chunk``.
+
+    ``finalize=False`` leaves the host-side fields empty: call :meth:`SendSchedule.finalize`
+    with ``counts`` copied to the host (no host sync here); True copies them now.
+    """
     k, p, e = num_chunks, ep_size, num_experts
     chunk = token_chunk[route_token] if route_token.numel() else route_token
     key = chunk * p + destinations
     order = torch.argsort(key, stable=True)
-    per_cd = torch.bincount(key, minlength=k * p).view(k, p)
-    counts = torch.bincount(key * e + route_expert, minlength=k * p * e).view(k, p, e)
-    sizes = per_cd.sum(1).tolist()
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    restore = [torch.argsort(order[bounds[i]:bounds[i + 1]]) for i in range(k)]
-    return SendSchedule(order=order, bounds=bounds, splits=per_cd.tolist(), restore=restore,
-                        counts=counts.permute(1, 0, 2).contiguous())
+    counts = _counts(key * e + route_expert, k * p * e).view(k, p, e)
+    schedule = SendSchedule(order=order, counts=counts.permute(1, 0, 2).contiguous())
+    if finalize:
+        schedule.finalize(schedule.counts.cpu())
+    return schedule
 
 
 @dataclass

@@ -225,12 +225,22 @@ class FlatMoELayer(MoELayer):
             group=self.ep_group)
 
     def routed_experts_flat(self, hidden_states: torch.Tensor, probs: torch.Tensor,
-                            routing_map: torch.Tensor) -> torch.Tensor:
+                            routing_map: torch.Tensor,
+                            padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Dispatch, expert compute and combine of the routed experts (Megatron's
         preprocess → dispatch → routed_experts_compute → combine → postprocess)."""
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
-        token, expert = routes_from_map(routing_map)
+        # Top-k routing without token dropping or padding gives every token exactly k
+        # routes: then the routes are read without waiting for the device.
+        exact = self.config.moe_expert_capacity_factor is None and padding_mask is None
+        known = tokens.shape[0] * self.config.moe_router_topk if exact else None
+        if known is not None and self.flat.dispatch_debug_checks:
+            found = int(routing_map.sum())
+            if found != known:
+                raise RuntimeError(f"FlatMoELayer: the routing map holds {found} routes, not "
+                                   f"N·k = {known}: a router that drops or pads tokens")
+        token, expert = routes_from_map(routing_map, known)
         out = self.flat_dispatch(tokens, token, expert, probs[token, expert])
         return out.view(shape)
 
@@ -252,7 +262,7 @@ class FlatMoELayer(MoELayer):
         def custom_forward(hidden_states, padding_mask=None):
             shared_expert_output = self.shared_experts_compute(hidden_states)
             probs, routing_map = self.route(hidden_states, padding_mask)
-            output = self.routed_experts_flat(hidden_states, probs, routing_map)
+            output = self.routed_experts_flat(hidden_states, probs, routing_map, padding_mask)
             if shared_expert_output is not None:
                 output = output + shared_expert_output
             return output, None

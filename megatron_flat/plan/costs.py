@@ -38,17 +38,18 @@ UNITS = ("dispatch", "vocab", "boundaries", "optimizer")
 # Host syncs and aten ops (launches) per MoE layer, counted by the ledger on the landed code
 # at EP = 2, megatron-core 0.16.1 (benchmarks/ledger.py; tests/runtime/test_ledger_world2.py
 # pins them). Megatron's alltoall dispatcher: per forward pass one wait for its split sizes
-# and two masked_select (0.19 has no masked_select). PipelinedLLEP: per forward pass 18 for
-# its checks, the global counts and the plan, and 5 per chunk for the chunk's receive
-# schedule; none in backward. Ops, fitted over E_l in {2, 4, 8} and K in {2, 4, 8}: stock
-# 43 + 6·E_l per forward pass and 22 + 13·E_l in backward; flat 80 + 38·K + 19·E_l per
-# forward pass and 10 + 15·K + 55·E_l in backward.
+# and two masked_select (0.19 has no masked_select). PipelinedLLEP: per forward pass two
+# waits, for the global counts its plan needs and for the chunks' split sizes (with
+# --flat-dispatch-debug-checks, more: every check reads device data); none in backward.
+# Ops, fitted over E_l in {2, 4, 8} and K in {2, 4, 8}: stock 43 + 6·E_l per forward pass
+# and 22 + 13·E_l in backward; flat 56 + 36·K + 19·E_l per forward pass and
+# 10 + 15·K + 55·E_l in backward.
 SYNCS_STOCK_PER_PASS = 3
-SYNCS_FLAT_FORWARD = 18
-SYNCS_FLAT_PER_CHUNK = 5
+SYNCS_FLAT_FORWARD = 2
+SYNCS_FLAT_PER_CHUNK = 0
 OPS_STOCK_FORWARD, OPS_STOCK_FORWARD_PER_EXPERT = 43, 6
 OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
-OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_EXPERT = 80, 38, 19
+OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_EXPERT = 56, 36, 19
 OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_EXPERT = 10, 15, 55
 # Ring-DTP: the fold per strip (forward) and the recompute + grads per strip (backward).
 OPS_RING_PER_STRIP = 12
@@ -104,9 +105,7 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
                                                             and returns dX and dprob
                          + P·(EP − 1)·K·E·8                 per-chunk route counts
         other   = stock: P·(EP − 1)·E·8                     all-gather of tokens per expert
-                  flat:  P·(2·(EP − 1)/EP·EP·(E + 1)·8 + (EP − 1)·16)
-                                                            all-reduce of the global counts,
-                                                            all-gather of the group check
+                  flat:  P·2·(EP − 1)·(E + 1)·8             all-reduce of the global counts
         syncs, ops: the ledger's counts of the landed code (constants above)
 
     Checked exactly against the ledger on the tiny layer (``tests/runtime/
@@ -131,9 +130,8 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     else:
         a2a = routes_sent * (passes * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES) \
             + passes * (ep - 1) * K * E * 8
-        other = passes * (2 * (ep - 1) * (E + 1) * 8 + (ep - 1) * 16)
-        calls = {"all_to_all_single": passes * (2 * K + 1) + 2 * K,
-                 "all_reduce": passes, "all_gather_into_tensor": passes}
+        other = passes * 2 * (ep - 1) * (E + 1) * 8
+        calls = {"all_to_all_single": passes * (2 * K + 1) + 2 * K, "all_reduce": passes}
         syncs = passes * (SYNCS_FLAT_FORWARD + SYNCS_FLAT_PER_CHUNK * K)
         ops = passes * (OPS_FLAT_FORWARD + OPS_FLAT_FORWARD_PER_CHUNK * K
                         + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \

@@ -105,21 +105,28 @@ def test_bad_inputs_raise_before_any_collective():
         PipelinedLLEP(bank, num_experts=8, topk=2)
     with pytest.raises(ValueError, match="topk"):
         PipelinedLLEP(bank, num_experts=4, topk=5)
-    eng = PipelinedLLEP(bank, num_experts=4, topk=1)
+    eng = PipelinedLLEP(bank, num_experts=4, topk=1,
+                        options=DispatchOptions(debug_checks=True))
+    fast = PipelinedLLEP(bank, num_experts=4, topk=1)  # checks that read device data off
     b = RankCase(6, 8, 4, 1, seed=1).build()
     args = (b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
-    bad = [((b["tokens"][0],) + args[1:], "tokens"),
-           ((args[0], args[1], args[2] + 4, args[3]), "inconsistent expert count"),
-           ((args[0], args[1].flip(0), args[2], args[3]), "expert-major"),
-           ((args[0], args[1], args[2], args[3][:-1]), "one entry per route"),
-           ((args[0], args[1], args[2].int(), args[3]), "int64")]
-    for call, match in bad:
+    structural = [((b["tokens"][0],) + args[1:], "tokens"),
+                  ((args[0], args[1], args[2], args[3][:-1]), "one entry per route"),
+                  ((args[0], args[1], args[2].int(), args[3]), "int64")]
+    values = [((args[0], args[1], args[2] + 4, args[3]), "inconsistent expert count"),
+              ((args[0], args[1].flip(0), args[2], args[3]), "expert-major")]
+    for call, match in structural + values:
         with pytest.raises(ValueError, match=match):
             eng(*call)
+    for call, match in structural:  # shapes and dtypes cost no sync: always checked
+        with pytest.raises(ValueError, match=match):
+            fast(*call)
     two = RankCase(6, 8, 4, 2, seed=1).build()
     with pytest.raises(ValueError, match="more than topk"):
         eng(two["tokens"], two["route_token"], two["route_expert"], two["route_probs"])
-    assert eng.last is None
+    assert eng.last is None and fast.last is None
+    with pytest.raises(ValueError, match="debug_checks must be a bool"):
+        DispatchOptions(debug_checks=1)
 
 
 def test_receive_bound_violation_is_reported_as_a_bug(monkeypatch):
@@ -127,7 +134,7 @@ def test_receive_bound_violation_is_reported_as_a_bug(monkeypatch):
 
     monkeypatch.setattr(llep, "receive_bound", lambda **kw: 3)  # pretend the bound were 3
     eng = PipelinedLLEP(GLUExperts(2, 8, 8), num_experts=2, topk=2,
-                        options=DispatchOptions(chunk_tokens=4))
+                        options=DispatchOptions(chunk_tokens=4, debug_checks=True))
     b = RankCase(8, 8, 2, 2, seed=1).build()
     with pytest.raises(RuntimeError, match="PipelinedLLEP bug: rank 0 would receive 8 routes"):
         eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])

@@ -136,7 +136,8 @@ def test_bad_input_fails_everywhere_before_a_collective(dist_world):
     from megatron_flat.dispatch.reference import local_bank_from
 
     bank = local_bank_from(full, rank * (E // P), E // P)
-    eng = PipelinedLLEP(bank, num_experts=E, topk=2, options=DispatchOptions(chunk_tokens=2))
+    eng = PipelinedLLEP(bank, num_experts=E, topk=2,
+                        options=DispatchOptions(chunk_tokens=2, debug_checks=True))
     b = RankCase(5, H, E, 2, seed=rank).build()
     with pytest.raises(ValueError, match="inconsistent expert count"):
         eng(b["tokens"], b["route_token"], b["route_expert"] + E, b["route_probs"])
@@ -152,7 +153,8 @@ def test_receive_bound_violation_raises_on_every_rank(dist_world, monkeypatch):
     rank = dist.get_rank()
     full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(1))
     bank = llep_local_bank(full, rank)
-    eng = PipelinedLLEP(bank, num_experts=E, topk=2, options=DispatchOptions(chunk_tokens=4))
+    eng = PipelinedLLEP(bank, num_experts=E, topk=2,
+                        options=DispatchOptions(chunk_tokens=4, debug_checks=True))
     # Rank 0's routes all go to expert 0 (native to rank 0); rank 1's spread out.
     b = RankCase(8, H, E, 2, "0.95/1" if rank == 0 else "balanced", seed=rank).build()
     args = (b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])

@@ -37,7 +37,7 @@ def test_matches_dense_moe(name, dist_world):
     shift = 0 if name in SAME_ROUTING else 1  # same hot expert on every rank, or rotated
     cases = [RankCase(n, H, E, topk, profile, seed=200 + r, shift=shift * r)
              for r, n in enumerate(sizes)]
-    options = DispatchOptions(min_tokens_per_gemm=1, **opts)
+    options = DispatchOptions(min_tokens_per_gemm=1, debug_checks=True, **opts)
     problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-6)
     assert problems == []
     assert max(stats.received) <= stats.receive_bound

@@ -181,3 +181,15 @@ def test_collective_output_is_device_data(dist_world) -> None:
         dist.all_to_all_single(got, counts)
         got.tolist()  # device data received: a sync
     assert ledger.syncs == 1
+
+
+@pytest.mark.parametrize("unit, passes", [("moe", 1), ("moe-recompute", 2)])
+def test_flat_moe_waits_twice_per_forward_pass(run, unit, passes) -> None:
+    """PipelinedLLEP reads the device twice per forward (global counts for the plan, then the
+    chunks' split sizes) and never in backward; Megatron's alltoall dispatcher waits once per
+    forward for its split sizes (plus two masked_select on 0.16)."""
+    _, _, by = run
+    flat, stock = by[(unit, "flat")], by[(unit, "stock")]
+    assert flat["sync_kinds"] == {"cpu": 2 * passes}
+    assert stock["sync_kinds"].get("event_synchronize") == passes
+    assert flat["syncs"] <= 3 * passes
