@@ -180,7 +180,11 @@ def test_collective_output_is_device_data(dist_world) -> None:
         got = torch.empty(2, dtype=torch.long)
         dist.all_to_all_single(got, counts)
         got.tolist()  # device data received: a sync
-    assert ledger.syncs == 1
+        row = torch.tensor([1, 2, 3])  # a host-built row, gathered as on a GPU (NCCL)
+        table = torch.empty(6, dtype=torch.long)
+        dist.all_gather_into_tensor(table, row)
+        table.tolist()  # the gathered table sits in device memory there: a sync
+    assert ledger.syncs == 2
 
 
 @pytest.mark.parametrize("unit, passes", [("moe", 1), ("moe-recompute", 2)])
