@@ -53,11 +53,6 @@ class FlatConfig:
         metadata={"help": "Chunks per MoE layer kept from forward to backward instead of "
                           "recomputed (each expert's first-layer output; 0: recompute all)."},
     )
-    dispatch_debug_checks: bool = field(
-        default=False,
-        metadata={"help": "Check routes, plan consistency and the per-chunk receive bound on "
-                          "every call (each check waits for the device: host syncs)."},
-    )
     llep_alpha: float = field(
         default=1.0, metadata={"help": "LLEP capacity factor alpha (cap = alpha * mean load)."}
     )
@@ -104,6 +99,14 @@ class FlatConfig:
     )
     optimizer_num_slots: int = field(
         default=2, metadata={"help": "Device staging slots for the optimizer pipeline."}
+    )
+
+    # Debugging: checks that read device data on every call.
+    debug_checks: bool = field(
+        default=False,
+        metadata={"help": "Check inputs and plans on every call (dispatch: route ranges and "
+                          "order, counts against the plan, the per-chunk receive bound); each "
+                          "check waits for the device (a host sync)."},
     )
 
     def __post_init__(self) -> None:

@@ -127,7 +127,7 @@ class DispatchOptions:
                       alpha=flat.llep_alpha, min_tokens_per_gemm=flat.llep_min_tokens_per_gemm,
                       imbalance_threshold=flat.llep_imbalance_threshold,
                       saved_chunks=flat.dispatch_saved_chunks,
-                      debug_checks=flat.dispatch_debug_checks)
+                      debug_checks=flat.debug_checks)
         values.update(overrides)
         return cls(**values)
 

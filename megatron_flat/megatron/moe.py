@@ -235,7 +235,7 @@ class FlatMoELayer(MoELayer):
         # routes: then the routes are read without waiting for the device.
         exact = self.config.moe_expert_capacity_factor is None and padding_mask is None
         known = tokens.shape[0] * self.config.moe_router_topk if exact else None
-        if known is not None and self.flat.dispatch_debug_checks:
+        if known is not None and self.flat.debug_checks:
             found = int(routing_map.sum())
             if found != known:
                 raise RuntimeError(f"FlatMoELayer: the routing map holds {found} routes, not "

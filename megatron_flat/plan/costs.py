@@ -40,7 +40,7 @@ UNITS = ("dispatch", "vocab", "boundaries", "optimizer")
 # pins them). Megatron's alltoall dispatcher: per forward pass one wait for its split sizes
 # and two masked_select (0.19 has no masked_select). PipelinedLLEP: per forward pass two
 # waits, for the global counts its plan needs and for the chunks' split sizes (with
-# --flat-dispatch-debug-checks, more: every check reads device data); none in backward.
+# --flat-debug-checks, more: every check reads device data); none in backward.
 # Ops, fitted over E_l in {2, 4, 8} and K in {2, 4, 8}: stock 43 + 6·E_l per forward pass
 # and 22 + 13·E_l in backward; flat 56 + 36·K + 19·E_l per forward pass and
 # 10 + 15·K + 55·E_l in backward.
