@@ -105,8 +105,9 @@ class FlatConfig:
     debug_checks: bool = field(
         default=False,
         metadata={"help": "Check inputs and plans on every call (dispatch: route ranges and "
-                          "order, counts against the plan, the per-chunk receive bound); each "
-                          "check waits for the device (a host sync)."},
+                          "order, counts against the plan, the per-chunk receive bound; "
+                          "Ring-DTP: the label range, and the plan gathered anew); each check "
+                          "waits for the device (a host sync)."},
     )
 
     def __post_init__(self) -> None:

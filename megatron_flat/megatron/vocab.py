@@ -128,7 +128,7 @@ class RingDTPOutputLoss(torch.nn.Module):
 
     def __init__(self, tp_group, *, sequence_parallel: bool, mode: str = "auto",
                  block_size: Optional[int] = None, logit_scale: float = 1.0,
-                 ignore_index: int = IGNORE_INDEX) -> None:
+                 ignore_index: int = IGNORE_INDEX, debug_checks: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -138,6 +138,7 @@ class RingDTPOutputLoss(torch.nn.Module):
         self.block_size = block_size
         self.logit_scale = float(logit_scale)
         self.ignore_index = ignore_index
+        self.debug_checks = bool(debug_checks)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, flat: FlatConfig) -> "RingDTPOutputLoss":
@@ -145,7 +146,7 @@ class RingDTPOutputLoss(torch.nn.Module):
         return cls(model.pg_collection.tp,
                    sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
                    mode=flat.vocab_mode, block_size=flat.vocab_block_size,
-                   logit_scale=compat.logit_multiplier(config))
+                   logit_scale=compat.logit_multiplier(config), debug_checks=flat.debug_checks)
 
     def extra_repr(self) -> str:
         return (f"tp={self.tp}, sequence_parallel={self.sequence_parallel}, mode={self.mode}, "
@@ -179,7 +180,11 @@ class RingDTPOutputLoss(torch.nn.Module):
             x, weight, labels[rows], group=self.tp_group if self.tp > 1 else None,
             mode=self.mode, loss_mask=None if mask is None else mask[rows],
             ignore_index=self.ignore_index,
-            block_size=self.block_size,
+            block_size=self.block_size, debug_checks=self.debug_checks,
+            # Every TP rank's share and settings follow from these, alike on every rank.
+            plan_key=("megatron-output", tuple(labels.shape), tuple(x.shape),
+                      tuple(weight.shape), x.dtype, x.requires_grad, weight.requires_grad,
+                      mask is not None, self.mode, self.block_size),
         )
         if self.tp > 1:
             loss = GatherTokenLoss.apply(loss, counts, self.tp_rank, self.tp_group)

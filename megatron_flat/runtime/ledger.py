@@ -58,9 +58,9 @@ Device data on CPU
     * an op without device-data inputs makes host data: factories
       (``torch.zeros(n)``, ``torch.tensor(list)``, ``arange``) and anything
       computed only from them, i.e. a plan built on the host;
-    * tensors a collective reads or writes are device data (on a GPU, NCCL
-      moves device memory only), so a ``.tolist()`` of a gathered table is a
-      sync, as it is there;
+    * what a collective writes is device data (on a GPU, NCCL moves device
+      memory only), so a ``.tolist()`` of a gathered table is a sync, as it is
+      there;
     * a storage the ledger has never seen (it existed before any ledger
       looked at it: the block's inputs, parameters, gradients, optimizer
       state) is device data, unless marked with :func:`mark_host` (a plan
@@ -668,9 +668,13 @@ class CostLedger:
             for target in targets:
                 target.add_collective(name, nbytes)
                 target.ops += 1
-            # What a collective reads and writes is device data: on a GPU, NCCL moves device
-            # memory only (a gloo group for host data does not exist in a CPU run's picture).
-            self._taint_outputs(leaves, out)
+            # What a collective writes is device data: on a GPU, NCCL moves device memory
+            # only (a gloo group for host data does not exist in a CPU run's picture). Its
+            # inputs keep their mark: on a GPU a host row is copied to the device first, and
+            # on CPU that copy is the row itself.
+            written = [] if name in ("send", "barrier") else [
+                t for t in pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+            self._taint_outputs(written, out)
             return
         if func.is_view:  # no kernel; the alias shares its storage's mark
             if device_in:

@@ -8,7 +8,8 @@ rank passing its own sequence-parallel tokens.
 
 from __future__ import annotations
 
-from typing import Optional
+from collections import OrderedDict
+from typing import Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -283,6 +284,8 @@ def ring_dtp_cross_entropy(
     vocab_size: Optional[int] = None,
     *,
     block_size: Optional[int] = None,
+    debug_checks: bool = False,
+    plan_key: Optional[Hashable] = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ W.T`` against ``labels``; W vocab-sharded.
 
@@ -312,12 +315,20 @@ def ring_dtp_cross_entropy(
     w.r.t. ``hidden`` and ``weight_shard`` (the shard's gradient sums all ranks' tokens).
 
     Raises ValueError, on every rank of the group alike and before any ring hop, when some
-    rank's inputs are malformed, ranks disagree on H/dtype/mode/vocab_size/block_size, the
-    shards do not tile ``[0, vocab_size)``, or an active label (not masked, not
-    ``ignore_index``) lies outside ``[0, vocab_size)`` — in the padded rows, say. The
-    check costs one all-gather of a few integers per rank, issued first: a rank that
-    found a problem still joins it, so every rank learns of the problem and raises
-    instead of leaving its neighbours waiting in a hop.
+    rank's inputs are malformed, ranks disagree on H/dtype/mode/vocab_size/block_size or
+    the shards do not tile ``[0, vocab_size)``. The check costs one all-gather of a few
+    integers per rank, issued first: a rank that found a problem still joins it, so every
+    rank learns of the problem and raises instead of leaving its neighbours waiting in a
+    hop. Reading the gathered table is a host sync. ``plan_key``: a hashable equal on every
+    rank of the ring for this call, that determines every rank's shapes and settings (the
+    global batch shape, say): the plan is kept under it, and a later call with the same key
+    neither gathers nor waits for the device. An active label (not masked, not
+    ``ignore_index``) outside ``[0, vocab_size)`` (in the padded rows, say) makes its
+    token's loss NaN.
+
+    ``debug_checks=True`` (``--flat-debug-checks``) gathers and checks on every call and
+    raises for such labels instead, naming the ranks and ranges (reading the labels' range
+    is a host sync).
     """
     error = _local_error(hidden, weight_shard, labels, loss_mask)
     ring = None
@@ -335,21 +346,62 @@ def ring_dtp_cross_entropy(
             row = describe_rank(
                 hidden.reshape(-1, hidden.shape[-1]), weight_shard, labels.reshape(-1),
                 active.reshape(-1), mode=mode, vocab_start=vocab_start,
-                vocab_size=vocab_size, block_size=block_size,
+                vocab_size=vocab_size, block_size=block_size, check_labels=debug_checks,
             )
         except (TypeError, ValueError) as exc:
             error = str(exc)
-    if row is None:
-        row = planning.error_row()
-    table = ring.gather_rows(row) if ring is not None else row.unsqueeze(0)
-    if error is not None:
-        raise ValueError(f"ring_dtp_cross_entropy: {error}")
-    planning.raise_for_peer_errors(table)
     rank = ring.rank if ring is not None else 0
-    plan = make_plan(table, rank, ignore_index)
+    key = None
+    if plan_key is not None and not debug_checks:
+        key = (id(group) if ring is not None else None, ignore_index, plan_key)
+    cached = _PLANS.get(key) if key is not None else None
+    if cached is not None:
+        if error is not None:
+            raise ValueError(f"ring_dtp_cross_entropy: {error}")
+        kept_row, plan = cached
+        if not torch.equal(kept_row, row):
+            # Every rank found plan_key cached and skips the gather: this rank cannot ask
+            # its peers about its new shapes; the caller broke plan_key's contract.
+            raise ValueError(
+                f"ring_dtp_cross_entropy: plan_key {plan_key!r} was planned for other shapes "
+                f"or settings on this rank ({kept_row.tolist()} then, {row.tolist()} now); "
+                "plan_key must determine every rank's shapes")
+        _PLANS.move_to_end(key)
+    else:
+        if row is None:
+            row = planning.error_row()
+        table = ring.gather_rows(row) if ring is not None else row.unsqueeze(0)
+        if error is not None:
+            raise ValueError(f"ring_dtp_cross_entropy: {error}")
+        planning.raise_for_peer_errors(table)
+        plan = make_plan(table, rank, ignore_index)
+        if key is not None:
+            _remember(key, row, plan)
     shape = labels.shape
+    flat_labels, flat_active = labels.reshape(-1), active.reshape(-1)
     loss = RingDTPCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight_shard, labels.reshape(-1),
-        active.reshape(-1), plan, ring,
+        hidden.reshape(-1, hidden.shape[-1]), weight_shard, flat_labels, flat_active, plan,
+        ring,
     )
+    if not debug_checks:
+        # The label range, judged on the device: an active label outside [0, V) makes its
+        # token's loss NaN (Megatron's NaN check then stops the run) instead of waiting for
+        # the device to raise here; --flat-debug-checks raises with the ranks and ranges.
+        bad = flat_active & ((flat_labels < 0) | (flat_labels >= plan.vocab_size))
+        loss = torch.where(bad, torch.full((), float("nan"), dtype=loss.dtype,
+                                           device=loss.device), loss)
     return loss.view(shape)
+
+
+# Plans by (group, ignore_index, plan_key), with this rank's row of shapes and settings.
+# Every rank of a ring makes the same calls with the same plan_key, so the caches of all
+# ranks hold the same keys: all ranks find a plan, or none does and all gather.
+_PLANS: "OrderedDict[tuple, tuple[torch.Tensor, RingPlan]]" = OrderedDict()
+_PLANS_KEPT = 64
+
+
+def _remember(key: tuple, row: torch.Tensor, plan: RingPlan) -> None:
+    _PLANS[key] = (row, plan)
+    _PLANS.move_to_end(key)
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)

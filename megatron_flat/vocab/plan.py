@@ -64,10 +64,13 @@ def describe_rank(
     vocab_start: Optional[int],
     vocab_size: Optional[int],
     block_size: Optional[int],
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """This rank's row of the plan table (int64 ``[len(_FIELDS)]``, on CPU).
 
     ``active`` (bool ``[N]``) marks tokens that count: only their labels are checked.
+    ``check_labels=False`` leaves the label range out of the row (reading it is a host
+    sync on a GPU): the row then depends on shapes and settings only.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -82,11 +85,11 @@ def describe_rank(
         raise ValueError(f"vocab_start must be >= 0 or None, got {vocab_start!r}")
     if vocab_size is not None and int(vocab_size) < 1:
         raise ValueError(f"vocab_size must be >= 1 or None, got {vocab_size!r}")
-    picked = labels[active]
-    if picked.numel():
-        lo, hi = int(picked.min()), int(picked.max())
-    else:
-        lo, hi = _NO_LABEL_MIN, -1
+    lo, hi = _NO_LABEL_MIN, -1
+    if check_labels:
+        picked = labels[active]
+        if picked.numel():
+            lo, hi = int(picked.min()), int(picked.max())
     row = [
         hidden.shape[0],
         weight_shard.shape[0],

@@ -188,7 +188,12 @@ def check_bad_labels_raise_everywhere(group, rank: int, world: int, culprit: int
     p = make_problem([3] * world, vocab_size=4 * world - 2, rows=4, seed=11)
     p.labels[p.token_slice(culprit)][1] = p.vocab_size  # the first padded row
     with pytest.raises(ValueError, match=r"padded vocab rows"):
-        run_rank(p, rank, group)
+        run_rank(p, rank, group, debug_checks=True)
+    # Without the debug checks nothing waits for the device: the culprit's token gets a
+    # NaN loss on its own rank, every other token its exact loss.
+    loss, _, _ = run_rank(p, rank, group)
+    bad = p.labels[p.token_slice(rank)] >= p.vocab_size
+    assert torch.isnan(loss[bad]).all() and not torch.isnan(loss[~bad]).any()
     bad_shape = rank == culprit
     with pytest.raises(ValueError, match="labels" if bad_shape else r"rank\(s\)"):
         tok = p.token_slice(rank)
@@ -235,3 +240,17 @@ def ring_peak_bound(mode: str, n: int, rows: int, hidden: int) -> int:
     else:
         buffers = 5 * batch + 2 * shard
     return strip + buffers + 16 * n * 4 + 8192
+
+
+def check_steady_state_has_no_sync(group, rank: int, world: int, mode: str) -> None:
+    """With a plan_key, a repeated call of Ring-DTP (forward + backward) makes no host sync
+    (the cost ledger's count): the plan is kept, the label range judged on the device."""
+    from megatron_flat.runtime.ledger import CostLedger
+
+    p = make_problem([5] * world, vocab_size=4 * world, rows=4, seed=3)
+    for warm in (True, False):
+        with CostLedger() as ledger:  # the warm-up's ledger keeps the plan's marks
+            run_rank(p, rank, group, mode=mode, plan_key=("steady", mode))
+        if not warm:
+            assert ledger.syncs == 0, ledger.sync_kinds
+            assert ledger.collective_calls.get("all_gather_into_tensor", 0) == 0

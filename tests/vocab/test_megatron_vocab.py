@@ -15,7 +15,7 @@ import torch
 from megatron_flat.config import FlatConfig
 
 
-def _pair(tiny, *, block_size=48):
+def _pair(tiny, *, block_size=48, debug_checks=False):
     """(stock model, Ring-DTP model) with the same weights, built at TP = 1."""
     from megatron_flat.megatron.vocab import enable_ring_dtp
     from megatron_flat.testing.tiny_gpt import build_tiny_gpt, transformer_config
@@ -23,7 +23,8 @@ def _pair(tiny, *, block_size=48):
     stock = build_tiny_gpt(tiny, transformer_config(tiny))
     flat = build_tiny_gpt(tiny, transformer_config(tiny))
     flat.load_state_dict(stock.state_dict())
-    enable_ring_dtp(flat, FlatConfig(vocab=True, vocab_block_size=block_size))
+    enable_ring_dtp(flat, FlatConfig(vocab=True, vocab_block_size=block_size,
+                                     debug_checks=debug_checks))
     return stock, flat
 
 
@@ -117,8 +118,11 @@ def test_labels_in_no_vocab_row_raise(megatron_cpu):
         mb = global_batch(tiny)[0]
         labels = mb.labels.clone()
         labels[0, 3] = tiny.vocab_size
+        loss = flat(mb.tokens, mb.position_ids, None, labels=labels)
+        assert torch.isnan(loss[0, 3]) and int(torch.isnan(loss).sum()) == 1  # on the device
+        checked = _pair(tiny, debug_checks=True)[1]  # --flat-debug-checks: a clear error
         with pytest.raises(ValueError, match="label"):
-            flat(mb.tokens, mb.position_ids, None, labels=labels)
+            checked(mb.tokens, mb.position_ids, None, labels=labels)
 
 
 def test_a_callers_output_processor_wins(megatron_cpu):

@@ -112,10 +112,46 @@ def test_labels_outside_the_vocabulary_raise(labels, match) -> None:
     x = torch.randn(3, 4)
     w = torch.randn(40, 4)
     with pytest.raises(ValueError, match=match):
-        ring_dtp_cross_entropy(x, w, torch.tensor(labels), vocab_size=V)
+        ring_dtp_cross_entropy(x, w, torch.tensor(labels), vocab_size=V, debug_checks=True)
+    # Without the debug checks (no host sync) the bad token's loss is NaN, the others exact.
+    fast = ring_dtp_cross_entropy(x, w, torch.tensor(labels), vocab_size=V)
+    good = torch.tensor([l in range(V) for l in labels])
+    assert torch.isnan(fast[~good]).all() and not torch.isnan(fast[good]).any()
     # The same label, masked out, is fine.
-    ring_dtp_cross_entropy(x, w, torch.tensor(labels), vocab_size=V,
-                           loss_mask=torch.tensor([l in range(V) for l in labels]))
+    for debug in (True, False):
+        masked = ring_dtp_cross_entropy(x, w, torch.tensor(labels), vocab_size=V,
+                                        loss_mask=good, debug_checks=debug)
+        assert not torch.isnan(masked).any()
+    assert torch.equal(masked[good], fast[good])
+
+
+def test_plan_is_kept_under_plan_key_and_steady_state_has_no_sync() -> None:
+    import importlib
+
+    from megatron_flat.runtime.ledger import CostLedger
+
+    ce = importlib.import_module("megatron_flat.vocab.cross_entropy")
+    x = torch.randn(5, 4, requires_grad=True)
+    w = torch.randn(40, 4, requires_grad=True)
+    labels = torch.tensor([0, 3, 39, 7, 1])
+
+    def call(**kw):
+        ring_dtp_cross_entropy(x, w, labels, block_size=16, **kw).sum().backward()
+
+    with CostLedger():  # warm-up: plans under the key, its marks kept
+        call(plan_key="k")
+    kept = len(ce._PLANS)
+    with CostLedger() as steady:
+        call(plan_key="k")
+    assert steady.syncs == 0 and len(ce._PLANS) == kept
+    with CostLedger() as unkeyed:
+        call()  # no key: planned anew (P = 1: nothing gathered, nothing read)
+    assert unkeyed.syncs == 0
+    with CostLedger() as checked:
+        call(plan_key="k", debug_checks=True)
+    assert checked.syncs > 0  # the label range is read on the host
+    with pytest.raises(ValueError, match="plan_key 'k' was planned for other shapes"):
+        ring_dtp_cross_entropy(x[:3], w, labels[:3], block_size=16, plan_key="k")
 
 
 @pytest.mark.parametrize("kwargs, match", [

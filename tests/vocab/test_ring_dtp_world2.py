@@ -63,3 +63,8 @@ def test_peak_is_one_strip_plus_shard_sized_buffers(dist_world, ring_ref, mode) 
     bound = ring_ref.ring_peak_bound(mode, n, rows, hidden)
     assert peaks["forward"] <= bound and peaks["backward"] <= bound, (peaks, bound)
     assert peaks["total"] < 2 * n * rows * 4  # dense: 2 strips of logits, 2 of their grad
+
+
+@pytest.mark.parametrize("mode", ["weights", "activations"])
+def test_steady_state_has_no_host_sync(dist_world, ring_ref, mode) -> None:
+    ring_ref.check_steady_state_has_no_sync(dist.group.WORLD, dist.get_rank(), 2, mode)
