@@ -42,6 +42,7 @@ from megatron_flat.dispatch.schedule import (
     SendSchedule,
     WeightSchedule,
     receive_schedule,
+    count_keys,
     send_schedule,
     token_chunks,
     weight_schedule,
@@ -872,7 +873,7 @@ class PipelinedLLEP:
         # Global counts: every rank's per-expert route counts and token count. Counted with
         # index_add_ (bincount's output size depends on the data: a host sync on a GPU).
         counts = torch.zeros((p, e + 1), dtype=torch.long, device=device)
-        counts[rank, :e].index_add_(0, route_expert, torch.ones_like(route_expert))
+        counts[rank, :e] = count_keys(route_expert, e)
         counts[rank, e] = n
         if p > 1:
             dist.all_reduce(counts, group=self.group)

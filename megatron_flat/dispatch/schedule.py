@@ -25,7 +25,7 @@ import torch
 
 from megatron_flat.dispatch.plan import LLEPPlan, chunk_indices
 
-__all__ = ["ReceiveSchedule", "SendSchedule", "WeightSchedule", "receive_schedule",
+__all__ = ["ReceiveSchedule", "SendSchedule", "WeightSchedule", "count_keys", "receive_schedule",
            "routes_from_map", "routes_from_topk", "send_schedule", "token_chunks",
            "weight_schedule"]
 
@@ -122,7 +122,7 @@ class SendSchedule:
         return self
 
 
-def _counts(key: torch.Tensor, size: int) -> torch.Tensor:
+def count_keys(key: torch.Tensor, size: int) -> torch.Tensor:
     """``bincount(key, minlength=size)`` for keys known to lie in [0, size), without
     reading the data on the host (bincount's output size depends on it)."""
     out = torch.zeros(size, dtype=torch.long, device=key.device)
@@ -142,7 +142,7 @@ def send_schedule(route_token: torch.Tensor, route_expert: torch.Tensor,
     chunk = token_chunk[route_token] if route_token.numel() else route_token
     key = chunk * p + destinations
     order = torch.argsort(key, stable=True)
-    counts = _counts(key * e + route_expert, k * p * e).view(k, p, e)
+    counts = count_keys(key * e + route_expert, k * p * e).view(k, p, e)
     schedule = SendSchedule(order=order, counts=counts.permute(1, 0, 2).contiguous())
     if finalize:
         schedule.finalize(schedule.counts.cpu())

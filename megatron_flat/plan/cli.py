@@ -127,13 +127,13 @@ def predict_units(res: "PlanResult") -> Dict[str, Dict[str, Prediction]]:
     return out
 
 
-def _cost(pair: Dict[str, Prediction]) -> str:
-    delta = pair["flat"].total_s - pair["baseline"].total_s
+def _cost(base: float, flat: float) -> str:
+    """The flat run's extra predicted seconds over the baseline's, for tables."""
+    delta = flat - base
     if abs(delta) < 5e-7:
         return "+0"
     sign = "+" if delta > 0 else "-"
-    base = pair["baseline"].total_s
-    ratio = pair["flat"].total_s / base if base else float("inf")
+    ratio = flat / base if base else float("inf")
     rel = f" ({delta / base:+.0%})" if ratio < 10 else f" (x{ratio:.0f})" if base else ""
     return f"{sign}{format_seconds(abs(delta))}{rel}"
 
@@ -304,13 +304,6 @@ def plan(args: argparse.Namespace) -> PlanResult:
                       microbatches=args.microbatches)
 
 
-class _Total:
-    """A bare total for ``_cost``."""
-
-    def __init__(self, total_s: float) -> None:
-        self.total_s = total_s
-
-
 def _binds(p: Prediction) -> str:
     parts = {"compute": p.compute_s, "exposed transfers": p.exposed_comm_s + p.exposed_copy_s,
              "sync stalls": p.stall_s}
@@ -335,7 +328,8 @@ def render_table(res: PlanResult) -> str:
         f"{'peak per GPU':34s}{'baseline':>14s}{'flat':>14s}",
     ]
     times = predict_units(res)
-    by_row = {UNIT_ROWS[u]: _cost(pair) for u, pair in times.items()}
+    by_row = {UNIT_ROWS[u]: _cost(pair["baseline"].total_s, pair["flat"].total_s)
+              for u, pair in times.items()}
     lines[-1] += f"   predicted time cost ({res.device})"
     bc, fc = base.components(), r.components()
     for name in COMPONENTS + ("total",):
@@ -376,13 +370,14 @@ def render_table(res: PlanResult) -> str:
     for unit in UNITS:
         pair = times[unit]
         lines.append(f"  {UNIT_LABELS[unit]:36s}{format_seconds(pair['baseline'].total_s):>12s}"
-                     f"{format_seconds(pair['flat'].total_s):>12s}   {_cost(pair)}, "
+                     f"{format_seconds(pair['flat'].total_s):>12s}   "
+                     f"{_cost(pair['baseline'].total_s, pair['flat'].total_s)}, "
                      f"{_binds(pair['flat'])}")
     step = {v: step_seconds(times, v, res.microbatches) for v in ("baseline", "flat")}
     label = f"step ({res.microbatches} microbatch{'es' if res.microbatches != 1 else ''})"
     lines.append(f"  {label:36s}{format_seconds(step['baseline']):>12s}"
                  f"{format_seconds(step['flat']):>12s}   "
-                 f"{_cost({'baseline': _Total(step['baseline']), 'flat': _Total(step['flat'])})}")
+                 f"{_cost(step['baseline'], step['flat'])}")
     if res.error:
         lines += ["", "does not fit: " + res.error]
     return "\n".join(lines)

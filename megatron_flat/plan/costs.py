@@ -68,9 +68,9 @@ OFFLOAD_D2H_BYTES_PER_PARAM = 12
 PROB_BYTES = 4
 
 
-def expert_units(model: ModelSpec) -> Tuple[int, int]:
+def expert_units(gated: bool) -> Tuple[int, int]:
     """(fc1, fc2) work per route in units of u = 2·H·F: (2, 1) gated, (1, 1) plain."""
-    return (2, 1) if model.gated else (1, 1)
+    return (2, 1) if gated else (1, 1)
 
 
 def attention_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> float:
@@ -113,7 +113,7 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     """
     H, F, E, b = hidden, ffn, experts, bytes_per_value
     e_local = E // ep
-    fc1, fc2 = (2, 1) if gated else (1, 1)
+    fc1, fc2 = expert_units(gated)
     passes = 2 if recompute else 1
     K = max(1, chunks)
     units = passes * (fc1 + fc2) + 2 * (fc1 + fc2)

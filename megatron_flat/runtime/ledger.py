@@ -123,10 +123,6 @@ _aten = torch.ops.aten
 _c10d = torch.ops.c10d
 
 
-def _ops(packet: Any, *names: str) -> set:
-    return {getattr(packet, n) for n in names if hasattr(packet, n)}
-
-
 def _overloads(packet: Any, *names: str) -> set:
     out = set()
     for name in names:
@@ -251,12 +247,12 @@ def _list_bytes(tensors, *r, **k) -> int:
     return sum(_nbytes(t) for t in tensors)
 
 
+def _input_bytes(outputs, inputs, *r, **k) -> int:
+    return sum(_nbytes(t) for t in inputs)
+
+
 def _allgather_list_bytes(outputs, inputs, pg, *r, **k) -> int:
-    size, _ = _group_size_rank(pg)
-    return sum((size - 1) * _nbytes(t) for t in inputs)
-
-
-def _allgather_coalesced_bytes(outputs, inputs, pg, *r, **k) -> int:
+    """All-gathers with input tensors (list form and coalesced): (P−1)·each input."""
     size, _ = _group_size_rank(pg)
     return sum((size - 1) * _nbytes(t) for t in inputs)
 
@@ -275,7 +271,7 @@ def _zero(*r, **k) -> int:
     return 0
 
 
-# c10d op -> (name in the ledger, bytes this rank sends, index of the written outputs)
+# c10d op -> (name in the ledger, bytes this rank sends)
 _COLLECTIVES: dict[Any, tuple[str, Callable[..., int]]] = {}
 for _name, _packet, _fn in (
     ("all_to_all_single", "alltoall_base_", _a2a_bytes),
@@ -289,14 +285,14 @@ for _name, _packet, _fn in (
     ("recv", "recv_any_source_", _zero),
     ("all_gather", "allgather_", _allgather_list_bytes),
     ("all_gather", "allgather_coalesced_", _allgather_list_bytes),
-    ("all_gather_into_tensor", "allgather_into_tensor_coalesced_", _allgather_coalesced_bytes),
+    ("all_gather_into_tensor", "allgather_into_tensor_coalesced_", _allgather_list_bytes),
     ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced_",
      _reduce_scatter_coalesced_bytes),
     ("reduce_scatter", "reduce_scatter_", _reduce_scatter_list_bytes),
     ("reduce", "reduce_", _list_bytes),
-    ("gather", "gather_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in ins)),
+    ("gather", "gather_", _input_bytes),
     ("scatter", "scatter_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in outs)),
-    ("all_to_all", "alltoall_", lambda outs, ins, *r, **k: sum(_nbytes(t) for t in ins)),
+    ("all_to_all", "alltoall_", _input_bytes),
     ("barrier", "barrier", _zero),
 ):
     for _op in _overloads(_c10d, _packet):
@@ -462,36 +458,34 @@ def _open_ledgers() -> list["CostLedger"]:
     return [m.ledger for m in _get_current_dispatch_mode_stack() if isinstance(m, _LedgerMode)]
 
 
+def _open_targets() -> list["Costs"]:
+    """Every open ledger's and section's figures in this thread (none while quiet)."""
+    if _quiet():
+        return []
+    return [target for ledger in _open_ledgers() for target in ledger._targets()]
+
+
 def record_sync(kind: str) -> None:
     """Count a host sync the dispatcher cannot see (an event or stream synchronize)
     in every open ledger here. Called by :mod:`megatron_flat.runtime.streams` and by the
     CPU backend's stand-ins for CUDA events, so that CPU runs count the waits a GPU run
     makes."""
-    if _quiet():
-        return
-    for ledger in _open_ledgers():
-        for target in ledger._targets():
-            target.add_sync(kind)
+    for target in _open_targets():
+        target.add_sync(kind)
 
 
 def record_transfer(h2d_bytes: int = 0, d2h_bytes: int = 0) -> None:
     """Count a host↔device copy the dispatcher cannot tell from a device copy on CPU
     (an emulated non-blocking device→host copy) in every open ledger here."""
-    if _quiet():
-        return
-    for ledger in _open_ledgers():
-        for target in ledger._targets():
-            target.h2d_bytes += int(h2d_bytes)
-            target.d2h_bytes += int(d2h_bytes)
+    for target in _open_targets():
+        target.h2d_bytes += int(h2d_bytes)
+        target.d2h_bytes += int(d2h_bytes)
 
 
 def record_flops(flops: int) -> None:
     """Add FLOPs of a kernel the dispatcher does not see to every open ledger here."""
-    if _quiet():
-        return
-    for ledger in _open_ledgers():
-        for target in ledger._targets():
-            target.flops += int(flops)
+    for target in _open_targets():
+        target.flops += int(flops)
 
 
 # -- Python-level syncs: methods that never reach the dispatcher on CPU -----------
@@ -502,15 +496,14 @@ _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
 def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
-    if _quiet() or not isinstance(t, torch.Tensor) or not is_device_data(t):
+    if not isinstance(t, torch.Tensor) or not is_device_data(t):
         return False
-    ledgers = _open_ledgers()
-    for ledger in ledgers:
-        for target in ledger._targets():
-            target.add_sync(kind)
-            target.d2h_bytes += _nbytes(t)
-            target.ops += 1
-    return bool(ledgers)
+    targets = _open_targets()
+    for target in targets:
+        target.add_sync(kind)
+        target.d2h_bytes += _nbytes(t)
+        target.ops += 1
+    return bool(targets)
 
 
 def _patched(name: str) -> Callable[..., Any]:
