@@ -162,8 +162,9 @@ def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_val
         flops = 4·2·N_sp·H·V                       strips forward; recomputed, dX, dW backward
         activations: forward (P − 1)·N_sp·(H·b + 8) tokens and labels + P·12·N_sp states;
                      backward (P − 1)·N_sp·(H·b + 16) tokens, labels, lse and coefficient
-                     + P·4·H·N_sp fp32 dX
-        weights:     forward (P − 1)·(V/P)·H·b; backward (P − 1)·(V/P)·H·b + P·4·(V/P)·H
+                     + (P − 1)·4·H·N_sp fp32 dX sums (relayed in pieces)
+        weights:     forward (P − 1)·(V/P)·H·b; backward (P − 1)·(V/P)·H·b
+                     + (P − 1)·4·(V/P)·H fp32 shard-gradient sums (relayed in pieces)
 
     Checked exactly against the ledger at TP = 2 (``tests/runtime/test_ledger_world2.py``).
     """
@@ -181,16 +182,20 @@ def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_val
                 calls.update(all_gather_into_tensor=2, reduce_scatter_tensor=1)
         return {"flops": 3 * 2 * n * H * shard, "other_collective_bytes": other if P > 1 else 0,
                 "ops": OPS_VOCAB_STOCK, "collective_calls": calls}
+    from megatron_flat.vocab.plan import relay_piece_rows, relay_pieces
+
     flops = 4 * 2 * n_sp * H * shard * P
     if P == 1:
         ring, calls = 0, 0
     elif mode == "weights":
-        ring = (P - 1) * shard * H * b + (P - 1) * shard * H * b + P * 4 * shard * H
-        calls = (P - 1) + (P - 1) + P
+        pieces = relay_pieces(shard, relay_piece_rows([shard]))
+        ring = (P - 1) * shard * H * b + (P - 1) * shard * H * b + (P - 1) * 4 * shard * H
+        calls = (P - 1) + (P - 1) + (P - 1) * pieces
     else:
+        pieces = relay_pieces(n_sp, relay_piece_rows([n_sp]))
         ring = (P - 1) * n_sp * (H * b + 8) + P * 12 * n_sp \
-            + (P - 1) * n_sp * (H * b + 16) + P * 4 * H * n_sp
-        calls = 2 * (P - 1) + P + 3 * (P - 1) + P
+            + (P - 1) * n_sp * (H * b + 16) + (P - 1) * 4 * H * n_sp
+        calls = 2 * (P - 1) + P + 3 * (P - 1) + (P - 1) * pieces
     ops = strips * P * (OPS_RING_PER_STRIP + OPS_RING_BACKWARD_PER_STRIP)
     return {"flops": flops, "other_collective_bytes": ring, "ops": ops,
             "collective_calls": {"send": calls}}

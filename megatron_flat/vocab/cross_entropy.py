@@ -23,7 +23,13 @@ from megatron_flat.vocab.online_lse import (
     logsumexp,
     merge,
 )
-from megatron_flat.vocab.plan import IGNORE_INDEX, RingPlan, describe_rank, make_plan
+from megatron_flat.vocab.plan import (
+    IGNORE_INDEX,
+    RingPlan,
+    describe_rank,
+    make_plan,
+    relay_piece_rows,
+)
 from megatron_flat.vocab.ring import Ring
 from megatron_flat.vocab.strips import fold_shard, grad_shard
 
@@ -83,75 +89,133 @@ def _forward_activations(plan: RingPlan, ring: Ring, x, w, labels, acc) -> LSESt
 # -- backward schedules -----------------------------------------------------------------
 
 
-def _backward_weights(plan: RingPlan, ring: Optional[Ring], x, w, labels, lse, coef):
-    """Shards circulate again, each with the fp32 gradient accumulated for it so far.
+class _TravellingSum:
+    """The gradient that travels the ring (weights: shard gradients; activations: dX).
 
-    Step k: post the next shard's hop, add this rank's tokens' contribution for shard q
-    into a fresh buffer while shard q's accumulator (from ranks q .. rank-1) arrives, add
-    the two and send the sum on. After step P-1 the sum is complete and one hop from home.
+    At step k this rank adds its contribution for item ``i = rank - k`` (a shard or a token
+    batch, whose owner is rank i). Step 0 is its own item: the contribution goes straight
+    into ``home`` (the final gradient, e.g. Megatron's ``main_grad``). Steps 1 .. P-1 add into
+    one relay buffer (zeros at step 1, then the partial sum of ranks i+1 .. rank-1, received
+    in place) that is passed on after each step; after step P-1 what arrives is this rank's
+    own item, summed over every other rank, and is added to ``home``. One buffer of the
+    largest item plus a relay slot (1/``RELAY_PIECES`` of it) is in flight, never more.
+    """
+
+    def __init__(self, plan: RingPlan, ring: Ring, home: torch.Tensor, sizes, width: int):
+        self.plan, self.ring, self.home, self.sizes = plan, ring, home, sizes
+        self.buffer = torch.zeros(max(sizes), width, dtype=home.dtype, device=home.device)
+        self.piece_rows = relay_piece_rows(sizes)
+        self.pending = None
+
+    def target(self, k: int, item: int) -> torch.Tensor:
+        return self.home if k == 0 else self.buffer[: self.sizes[item]]
+
+    def arrived(self) -> None:
+        """Make the compute stream wait for the relay still arriving (if any)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def pass_on(self, item: int) -> None:
+        """After this rank's step on ``item`` (k >= 1): relay the sum to the next rank and
+        take the previous rank's sum for ``item - 1`` (this rank's next item) in its place."""
+        self.arrived()
+        nxt = (item - 1) % self.plan.world
+        self.pending = self.ring.relay(self.buffer, self.sizes[item], self.sizes[nxt],
+                                       self.piece_rows, _STATE)
+
+    def finish(self) -> None:
+        self.arrived()
+        self.home.add_(self.buffer[: self.sizes[self.plan.rank]])
+        self.buffer = None
+
+
+def _backward_blocked(plan: RingPlan, x, w, labels, lse, coef, dw_home):
+    """P = 1: every block's dW is written once, straight into the input-dtype gradient
+    (or accumulated into ``dw_home``, Megatron's ``main_grad``, when given)."""
+    acc, q = lse.dtype, plan.rank
+    dx = torch.zeros(x.shape[0], plan.hidden, dtype=acc, device=x.device) if plan.needs_dx else None
+    direct = plan.needs_dw and dw_home is None
+    dw = torch.zeros_like(w) if direct else dw_home if plan.needs_dw else None
+    grad_shard(x, w, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw, dw_direct=direct)
+    return dx, dw
+
+
+def _backward_weights(plan: RingPlan, ring: Ring, x, w, labels, lse, coef, dw_home):
+    """Shards circulate again; their fp32 gradients travel with them (:class:`_TravellingSum`).
+
+    Step k: post the next shard's hop, then compute this rank's tokens' strips for shard q
+    (overlapping the hop and the gradient relay still arriving) into dX (local) and into
+    shard q's travelling gradient, which is then relayed on. The relay after step P-1 brings
+    this rank's shard gradient home.
     """
     p, q, acc = plan.world, plan.rank, lse.dtype
     dx = torch.zeros(x.shape[0], plan.hidden, dtype=acc, device=x.device) if plan.needs_dx else None
-    if p == 1:
-        # Every block's dW is written once: straight into the input-dtype gradient.
-        dw = torch.zeros_like(w) if plan.needs_dw else None
-        grad_shard(x, w, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw,
-                   dw_direct=True)
-        return dx, dw
-    w_cur, dw_hop = w, None
+    dw = travel = None
+    if plan.needs_dw:
+        dw = dw_home if dw_home is not None else torch.zeros(
+            plan.rows[q], plan.hidden, dtype=acc, device=x.device)
+        travel = _TravellingSum(plan, ring, dw, plan.rows, plan.hidden)
+    w_cur = w
     for k in range(p):
         nxt = (q - 1) % p
         w_hop = (ring.shift([w_cur], [w.new_empty(plan.rows[nxt], plan.hidden)], _W)
                  if k < p - 1 else None)
-        dw_mine = (torch.zeros(plan.rows[q], plan.hidden, dtype=acc, device=x.device)
-                   if plan.needs_dw else None)
-        grad_shard(x, w_cur, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw_mine)
-        if dw_mine is not None:
-            if dw_hop is not None:
-                (arrived,) = dw_hop.wait()
-                dw_mine.add_(arrived)
-                del arrived
-            dw_hop = ring.shift([dw_mine], [torch.empty(plan.rows[nxt], plan.hidden, dtype=acc,
-                                                        device=x.device)], _STATE)
-            del dw_mine
+        grad_shard(x, w_cur, labels, lse, coef, plan.starts[q], plan.blocks(q), dx,
+                   travel.target(k, q) if travel is not None else None,
+                   before_write=travel.arrived if travel is not None else None)
+        if travel is not None and k > 0:
+            travel.pass_on(q)
         if w_hop is not None:
             (w_cur,), q = w_hop.wait(), nxt
-    dw = dw_hop.wait()[0] if dw_hop is not None else None
+    if travel is not None:
+        travel.finish()
     return dx, dw
 
 
-def _backward_activations(plan: RingPlan, ring: Ring, x, w, labels, lse, coef):
-    """(tokens, labels, lse, grad) circulate; dX accumulators follow, one return hop.
+def _backward_activations(plan: RingPlan, ring: Ring, x, w, labels, lse, coef, dw_home):
+    """(tokens, labels, lse, grad) circulate; dX sums travel with them (:class:`_TravellingSum`).
 
-    This rank's shard gradient accumulates locally over all P batches (no hop); each batch's
-    dX accumulator travels the ring like the forward state and arrives home after step P-1.
+    This rank's shard gradient accumulates where the shard lives, over all P batches,
+    straight into ``dw_home`` when given (no hop); each batch's dX sum travels the ring like
+    the forward state and arrives home with the relay after step P-1.
     """
     p, r, n, acc = plan.world, plan.rank, plan.n_tokens, lse.dtype
-    dw = torch.zeros(w.shape[0], plan.hidden, dtype=acc, device=x.device) if plan.needs_dw else None
+    dw = None
+    if plan.needs_dw:
+        dw = dw_home if dw_home is not None else torch.zeros(
+            w.shape[0], plan.hidden, dtype=acc, device=x.device)
+    dx = travel = None
+    if plan.needs_dx:
+        dx = torch.zeros(n[r], plan.hidden, dtype=acc, device=x.device)
+        travel = _TravellingSum(plan, ring, dx, n, plan.hidden)
     s, x_cur, lab_cur, aux_cur = r, x, labels, torch.stack((lse, coef))
-    dx_hop = None
     for k in range(p):
         prv = (s - 1) % p
         data_hop = (ring.shift(
             [x_cur, lab_cur, aux_cur],
             [x.new_empty(n[prv], plan.hidden), labels.new_empty(n[prv]),
              aux_cur.new_empty(2, n[prv])], _W) if k < p - 1 else None)
-        dx_mine = (torch.zeros(n[s], plan.hidden, dtype=acc, device=x.device)
-                   if plan.needs_dx else None)
         grad_shard(x_cur, w, lab_cur, aux_cur[0], aux_cur[1], plan.starts[r], plan.blocks(r),
-                   dx_mine, dw)
-        if dx_mine is not None:
-            if dx_hop is not None:
-                (arrived,) = dx_hop.wait()
-                dx_mine.add_(arrived)
-                del arrived
-            dx_hop = ring.shift([dx_mine], [torch.empty(n[prv], plan.hidden, dtype=acc,
-                                                        device=x.device)], _STATE)
-            del dx_mine
+                   travel.target(k, s) if travel is not None else None, dw,
+                   before_write=travel.arrived if travel is not None else None)
+        if travel is not None and k > 0:
+            travel.pass_on(s)
         if data_hop is not None:
             (x_cur, lab_cur, aux_cur), s = data_hop.wait(), prv
-    dx = dx_hop.wait()[0] if dx_hop is not None else None
+    if travel is not None:
+        travel.finish()
     return dx, dw
+
+
+def _main_grad(weight: torch.Tensor, acc: torch.dtype) -> Optional[torch.Tensor]:
+    """Megatron DDP's gradient buffer for ``weight`` when the shard's gradient can accumulate
+    there in place (same shape, device and accumulation dtype), else None."""
+    home = getattr(weight, "main_grad", None)
+    if (not isinstance(home, torch.Tensor) or home.shape != weight.shape
+            or home.dtype != acc or home.device != weight.device):
+        return None
+    return home
 
 
 # -- autograd ---------------------------------------------------------------------------
@@ -176,12 +240,13 @@ class RingDTPCrossEntropy(torch.autograd.Function):
       integers per rank: sizes, vocab ranges and the label range; see :mod:`.plan`.)
 
     Communication, backward:
-      * ``weights``: P-1 hops of one shard again, and P hops of its fp32 gradient
-        accumulator (``V/P x H``), the last one taking the finished gradient home.
-      * ``activations``: P-1 hops of (tokens, labels, lse and grad: ``N x H + 3N``) and P
-        hops of the fp32 dX accumulator (``N x H``), the last one home. Shard gradients
+      * ``weights``: P-1 hops of one shard again, and P-1 relays of a shard's fp32
+        gradient sum (``V/P x H``), the last one taking this rank's finished sum home.
+      * ``activations``: P-1 hops of (tokens, labels, lse and grad: ``N x H + 3N``) and P-1
+        relays of a batch's fp32 dX sum (``N x H``), the last one home. Shard gradients
         accumulate where the shard lives.
       * ``blocked``: none.
+      A relay goes in ``RELAY_PIECES`` pieces, in place (:meth:`.Ring.relay`).
 
     Saved for backward: the inputs themselves (no copies), ``lse = m + log z`` (``N`` fp32)
     and ``active``. Backward recomputes each strip from ``lse``:
@@ -191,13 +256,21 @@ class RingDTPCrossEntropy(torch.autograd.Function):
     ``block_size`` rows, default the whole shard ``V/P`` when P > 1): one strip live
     (1.25 with half inputs: its input-dtype copy is made a quarter at a time), never
     ``N x V``; ``B < V/P`` lowers it below ``N x V/P``. Besides the strip, ``weights``:
-    2 shards in flight and, in backward, 3 fp32 shard-gradient buffers (the one being
-    filled, the one arriving, the one leaving: the price of overlapping that hop) and dX
-    (``N x H`` fp32); ``activations``: 2 token batches in flight and, in backward, 3 fp32
-    ``N x H`` dX buffers and the fp32 shard gradient (``V/P x H``). Each ``V/P x H`` buffer is
-    ``H/N`` strips and each ``N x H`` one ``H/(V/P)`` strips, so with ``auto`` (moving the
-    smaller operand) the buffers stay small against the strip when ``H << V/P``, except
-    the activations-mode shard gradient at small N (``H/N`` strips).
+    2 shards in flight and, in backward, dX (``N x H`` fp32), this rank's shard gradient
+    (fp32 ``V/P x H``; none when the weight has Megatron's ``main_grad``: it accumulates
+    there in place, strip by strip, and backward returns no shard-sized gradient) and ONE
+    travelling fp32 shard-gradient sum plus its relay slot (1/``RELAY_PIECES`` of it);
+    ``activations``: 2 token batches in flight and, in backward, dX, one travelling dX sum
+    plus its slot, and the shard gradient (again ``main_grad`` itself when there is one).
+    Each ``V/P x H`` buffer is ``H/N`` strips and each ``N x H`` one ``H/(V/P)`` strips, so
+    with ``auto`` (moving the smaller operand) the buffers stay small against the strip
+    when ``H << V/P``.
+
+    Weight gradient and Megatron DDP: when ``weight`` has a ``main_grad`` of its shape in
+    the accumulation dtype, every strip's ``dW`` is added there in place (as Megatron's
+    fused weight-gradient accumulation does, whatever ``gradient_accumulation_fusion``
+    says) and, under DDP, ``grad_added_to_main_grad`` is set; see
+    :func:`_added_to_main_grad`. A ``main_grad`` of another dtype is left to DDP's hook.
 
     Exactness: mathematically exact cross-entropy and gradient. Numerically: logits, state
     and all accumulation over strips, shards and ranks are fp32 (fp64 for fp64 inputs),
@@ -235,11 +308,35 @@ class RingDTPCrossEntropy(torch.autograd.Function):
         x, w = hidden.detach(), weight.detach().contiguous()
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         coef = torch.where(active, grad_loss.to(lse.dtype), zero)
-        schedule = _backward_activations if plan.mode == "activations" else _backward_weights
-        dx, dw = schedule(plan, ring, x, w, labels, lse, coef)
+        home = _main_grad(weight, lse.dtype) if ctx.needs_input_grad[1] else None
+        if ring is None:
+            dx, dw = _backward_blocked(plan, x, w, labels, lse, coef, home)
+        elif plan.mode == "activations":
+            dx, dw = _backward_activations(plan, ring, x, w, labels, lse, coef, home)
+        else:
+            dx, dw = _backward_weights(plan, ring, x, w, labels, lse, coef, home)
         dx = dx.to(hidden.dtype) if ctx.needs_input_grad[0] and dx is not None else None
-        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] and dw is not None else None
+        if home is not None:
+            dw = _added_to_main_grad(weight)
+        else:
+            dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] and dw is not None else None
         return dx, dw, None, None, None, None
+
+
+def _added_to_main_grad(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """What backward returns for a weight whose gradient went into ``main_grad``.
+
+    As Megatron's fused weight-gradient accumulation does: under Megatron DDP (the weight
+    has ``grad_added_to_main_grad``) flag it and return a zero gradient, so DDP's hook still
+    runs (it marks the bucket ready) but adds nothing of ours again (a tied embedding's
+    ``zero_out_wgrad`` makes the hook add the embedding lookup's gradient, which autograd
+    summed with these zeros). The zeros are one broadcast scalar, not a shard-sized buffer.
+    Without DDP: None.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
 # -- entry point ------------------------------------------------------------------------

@@ -125,6 +125,22 @@ def raise_for_peer_errors(table: torch.Tensor) -> None:
         )
 
 
+# A travelling gradient sum is relayed in this many pieces (:meth:`.ring.Ring.relay`); its
+# slot is one piece: 1/RELAY_PIECES of the buffer.
+RELAY_PIECES = 8
+
+
+def relay_piece_rows(sizes) -> int:
+    """Rows per relay piece for travelling sums of ``sizes`` rows (one per ring item): the
+    same on every rank, from sizes every rank knows."""
+    return max(1, -(-max(sizes, default=0) // RELAY_PIECES))
+
+
+def relay_pieces(rows: int, piece_rows: int) -> int:
+    """Pieces (one exchange each) that carry ``rows`` rows."""
+    return -(-rows // piece_rows)
+
+
 def resolve_mode(mode: str, max_tokens: int, max_rows: int, world: int) -> str:
     """The schedule ``mode`` means for this group.
 

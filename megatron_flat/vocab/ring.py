@@ -12,6 +12,11 @@ are recorded on that stream so the caching allocator does not hand them out agai
 the transfer ends, and :meth:`Hop.wait` makes the compute stream (not the host) wait for
 the transfer. The next strip's matmul, queued on the compute stream meanwhile, overlaps it.
 On CPU the streams are inline and only gloo's own threads overlap.
+
+:meth:`Ring.relay` passes an accumulator on in place: the rank sends its buffer's rows to
+the next rank and receives the previous rank's into the same buffer, a piece at a time
+through one piece-sized slot, so a travelling sum costs one buffer plus one piece, not the
+three (filling, arriving, leaving) of an overlapped :meth:`Ring.shift`.
 """
 
 from __future__ import annotations
@@ -91,3 +96,44 @@ class Ring:
             for tensor in (*sends, *recvs):
                 record_stream(tensor, self.stream)
         return Hop(works, list(recvs), sends, self.stream, self.device)
+
+    def relay(self, buffer: torch.Tensor, send_rows: int, recv_rows: int, piece_rows: int,
+              channel: int = 0) -> Hop:
+        """Send ``buffer[:send_rows]`` to the next rank; receive the previous rank's
+        ``recv_rows`` rows into ``buffer[:recv_rows]`` (in place). Returns a :class:`Hop`
+        whose ``wait()`` gives ``[buffer[:recv_rows]]``.
+
+        Rows go in pieces ``[j*piece_rows, (j+1)*piece_rows)``: piece j is sent, the previous
+        rank's piece j lands in a slot, and once both are done the slot is copied over the
+        rows just sent. ``piece_rows`` must be the same on every rank of the ring (derive it
+        from sizes every rank knows) and ``recv_rows`` equal the previous rank's
+        ``send_rows``. Extra memory: one slot of ``piece_rows`` rows. On CUDA the pieces and
+        their copies run in order on the ring's side stream, which waits for the compute
+        stream once, at the start; the host never waits. Data movement only: exact.
+        """
+        if piece_rows < 1 or max(send_rows, recv_rows) > buffer.shape[0]:
+            raise ValueError(f"relay: {send_rows}/{recv_rows} rows in pieces of {piece_rows} "
+                             f"do not fit a buffer of {buffer.shape[0]} rows")
+        total = max(send_rows, recv_rows)
+        slot = buffer.new_empty((min(piece_rows, recv_rows),) + tuple(buffer.shape[1:]))
+        if self.stream is not None:
+            self.stream.wait_stream(current_stream(self.device))
+        with use_stream(self.stream):
+            for j, start in enumerate(range(0, total, piece_rows)):
+                tag = channel * _TAGS_PER_CHANNEL + j % _TAGS_PER_CHANNEL
+                sent, got = min(start + piece_rows, send_rows), min(start + piece_rows, recv_rows)
+                ops = []
+                if sent > start:
+                    ops.append(dist.P2POp(dist.isend, buffer[start:sent], self.next,
+                                          self.group, tag))
+                if got > start:
+                    ops.append(dist.P2POp(dist.irecv, slot[: got - start], self.prev,
+                                          self.group, tag))
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()  # on the side stream (CUDA); the rows sent are free now
+                if got > start:
+                    buffer[start:got].copy_(slot[: got - start])
+        if self.stream is not None:
+            record_stream(buffer, self.stream)
+            record_stream(slot, self.stream)
+        return Hop([], [buffer[:recv_rows]], [slot], self.stream, self.device)

@@ -14,7 +14,7 @@ made a quarter of its rows at a time, so they add 1/4 strip, not 1/2.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -111,6 +111,7 @@ def grad_shard(
     dw: Optional[torch.Tensor],
     *,
     dw_direct: bool = False,
+    before_write: Optional[Callable[[], None]] = None,
 ) -> None:
     """Accumulate this shard's gradient into ``dx [N, H]`` and ``dw [rows, H]``.
 
@@ -119,6 +120,9 @@ def grad_shard(
     With ``dw_direct`` the strip's ``dY.T @ x`` is written to ``dw[b]`` (input dtype)
     instead of added: for a ``dw`` that each block touches once (one rounding, exactly as
     precise as an fp32 accumulator cast at the end, at a third of its memory).
+    ``before_write`` is called once, after the first strip is computed and before anything
+    is written to ``dx``/``dw``: the moment to wait for a buffer still arriving, so that
+    the strip's matmul overlaps its arrival.
     """
     acc = lse.dtype
     lse_col = lse.unsqueeze(1)
@@ -133,6 +137,9 @@ def grad_shard(
         strip.scatter_add_(1, torch.where(hit, local, 0).unsqueeze(1),
                            hit.to(acc).neg_().unsqueeze(1))
         strip.mul_(coef_col)
+        if before_write is not None:
+            before_write()
+            before_write = None
         w_b = w[b0:b1]
         if x.dtype == acc:
             if dx is not None:

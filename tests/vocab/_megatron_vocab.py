@@ -133,7 +133,8 @@ def check_against_megatron(case_name: str, mode: str, tp: int) -> None:
 def ring_wrapper(mode: str = "auto", block_size: Optional[int] = None, seen: list = None):
     """A harness ``wrap_model`` turning Ring-DTP on; records, per model chunk, its Ring-DTP
     module (None off the last pipeline stage), calls of it and of the stock output layer
-    (must stay 0 in a step with labels), and whether it is a last stage."""
+    (must stay 0 in a step with labels), whether it is a last stage, and its output weight
+    (whose gradient Ring-DTP adds to DDP's ``main_grad`` itself)."""
     from megatron_flat.config import FlatConfig
     from megatron_flat.megatron.vocab import enable_ring_dtp, ring_dtp_output
 
@@ -150,7 +151,12 @@ def ring_wrapper(mode: str = "auto", block_size: Optional[int] = None, seen: lis
                     lambda *_: calls.__setitem__("stock", calls["stock"] + 1))
                 ring.register_forward_pre_hook(
                     lambda *_: calls.__setitem__("ring", calls["ring"] + 1))
-            seen.append((ring, calls, bool(model.post_process)))
+            weight = None
+            if model.post_process:
+                weight = (model.shared_embedding_or_output_weight()
+                          if model.share_embeddings_and_output_weights
+                          else model.output_layer.weight)
+            seen.append((ring, calls, bool(model.post_process), weight))
         return model
 
     return wrap

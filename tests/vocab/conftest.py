@@ -172,6 +172,58 @@ def check_rank(p: Problem, rank: int, group=None, **kwargs) -> None:
     assert torch.count_nonzero(dw[pad_from:]) == 0
 
 
+def run_rank_main_grad(p: Problem, rank: int, group=None, ddp: bool = True,
+                       tied: bool = False, **kwargs):
+    """The op on ``rank``'s slice with the shard as Megatron DDP holds it: a Parameter whose
+    ``main_grad`` (accumulation dtype) already holds earlier gradients and, with ``ddp``, a
+    ``grad_added_to_main_grad`` flag. ``tied``: the weight also gets a second, plain
+    gradient (a tied embedding's lookup), ``extra``. Returns
+    ``(loss, dx, weight, main_grad before, extra)``."""
+    tok, row = p.token_slice(rank), p.row_slice(rank)
+    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = p.x[tok].to(p.dtype).requires_grad_()
+    w = torch.nn.Parameter(p.w[row].to(p.dtype))
+    before = torch.randn(w.shape, generator=gen, dtype=acc)
+    w.main_grad = before.clone()
+    if ddp:
+        w.grad_added_to_main_grad = False
+    extra = torch.randn(w.shape, generator=gen).to(p.dtype) if tied else None
+    mask = None if p.loss_mask is None else p.loss_mask[tok]
+    loss = ring_dtp_cross_entropy(x, w, p.labels[tok], group=group, loss_mask=mask,
+                                  vocab_size=p.vocab_size, **kwargs)
+    total = (loss * p.grad[tok].to(loss.dtype)).sum()
+    if tied:
+        total = total + (w * extra).sum()
+    total.backward()
+    return loss, x.grad, w, before, extra
+
+
+def check_main_grad(p: Problem, rank: int, group=None, ddp: bool = True, tied: bool = False,
+                    **kwargs) -> None:
+    """The shard gradient lands in ``main_grad`` (added to what it held), none in ``.grad``
+    beyond DDP's zero placeholder (plus a tied lookup's own gradient, untouched)."""
+    loss, dx, w, before, extra = run_rank_main_grad(p, rank, group, ddp, tied, **kwargs)
+    ref_loss, ref_dx, ref_dw = reference(p)
+    tok, row = p.token_slice(rank), p.row_slice(rank)
+    loss_tol, grad_tol, rtol = tolerances(p, ref_dx, ref_dw)
+    torch.testing.assert_close(loss.double(), ref_loss[tok], atol=loss_tol, rtol=rtol)
+    torch.testing.assert_close(dx.double(), ref_dx[tok], atol=grad_tol, rtol=rtol)
+    assert w.main_grad.dtype == before.dtype
+    # Adding to |before| ~ 1 costs one rounding of main_grad's dtype per element.
+    atol = grad_tol + 4 * EPS[before.dtype] * float(before.abs().max())
+    torch.testing.assert_close((w.main_grad - before).double(), ref_dw[row], atol=atol,
+                               rtol=rtol)
+    pad_from = max(0, min(p.rows, p.vocab_size - rank * p.rows))
+    assert torch.equal(w.main_grad[pad_from:], before[pad_from:])
+    if ddp:
+        assert w.grad_added_to_main_grad is True
+        expected = extra if tied else torch.zeros_like(w)
+        assert w.grad is not None and torch.equal(w.grad, expected)
+    else:
+        assert (w.grad is None) if not tied else torch.equal(w.grad, extra)
+
+
 @pytest.fixture(scope="session")
 def ring_ref():
     """This module: ``make_problem``, ``reference``, ``run_rank``, ``check_rank``..."""
@@ -207,14 +259,20 @@ def check_bad_labels_raise_everywhere(group, rank: int, world: int, culprit: int
 
 
 def measure_ring_peak(group, rank: int, world: int, mode: str, n: int, rows: int,
-                      hidden: int) -> dict:
-    """Peaks (bytes) of forward and backward of one rank, fp32, one strip per shard."""
+                      hidden: int, main_grad: bool = False) -> dict:
+    """Peaks (bytes) of forward and backward of one rank, fp32, one strip per shard.
+
+    ``main_grad``: the shard is a Megatron-DDP-style parameter whose ``main_grad`` exists
+    before the meter opens (as DDP's gradient buffer does), so it is not counted."""
     from megatron_flat.runtime import MemoryMeter
 
     p = make_problem([n] * world, vocab_size=rows * world, hidden=hidden, rows=rows, seed=12)
     tok, row = p.token_slice(rank), p.row_slice(rank)
     x = p.x[tok].float().requires_grad_()
-    w = p.w[row].float().requires_grad_()
+    w = torch.nn.Parameter(p.w[row].float())
+    if main_grad:
+        w.main_grad = torch.zeros_like(w)
+        w.grad_added_to_main_grad = False
     labels = p.labels[tok]
     with MemoryMeter("cpu") as meter:
         with meter.section("forward"):
@@ -226,20 +284,23 @@ def measure_ring_peak(group, rank: int, world: int, mode: str, n: int, rows: int
             "total": meter.peak_device_bytes}
 
 
-def ring_peak_bound(mode: str, n: int, rows: int, hidden: int) -> int:
+def ring_peak_bound(mode: str, n: int, rows: int, hidden: int, main_grad: bool = False) -> int:
     """The fp32 per-rank bound of :class:`RingDTPCrossEntropy`'s docstring, in bytes.
 
-    One strip (``n x rows``); weights: 2 shards in flight + 3 shard-gradient buffers and
-    dX; activations: 2 token batches + 3 dX buffers and the shard gradient; plus per-token
-    vectors (labels, state, lse, grad: < 16 words per token) and 8 KiB of slack.
+    One strip (``n x rows``); weights: 2 shards in flight, the shard gradient (unless in
+    ``main_grad``), one travelling shard-gradient sum + its relay slot (1/8) and dX;
+    activations: 2 token batches, dX, one travelling dX sum + slot and the shard gradient
+    (unless in ``main_grad``); plus per-token vectors (labels, state, lse, grad: < 16 words
+    per token) and 8 KiB of slack.
     """
     strip = n * rows * 4
     shard, batch = rows * hidden * 4, n * hidden * 4
+    home = 0 if main_grad else 1
     if mode == "weights":
-        buffers = 5 * shard + 2 * batch
+        buffers = (2 + home + 1.125) * shard + batch
     else:
-        buffers = 5 * batch + 2 * shard
-    return strip + buffers + 16 * n * 4 + 8192
+        buffers = (2 + 1 + 1.125) * batch + home * shard
+    return int(strip + buffers + 16 * n * 4 + 8192)
 
 
 def check_steady_state_has_no_sync(group, rank: int, world: int, mode: str) -> None:

@@ -64,8 +64,10 @@ def test_gpt_step_matches_stock_model(references, name, tied):
     assert_equivalent(result, reference)
     assert result.grads is not None
     assert result.losses[1] != result.losses[0]
-    (ring, calls, last_stage), = seen  # one model chunk per rank, a last stage
+    (ring, calls, last_stage, weight), = seen  # one model chunk per rank, a last stage
     assert last_stage
+    # The shard's gradient went straight into DDP's main_grad (Megatron's fused way).
+    assert weight.grad_added_to_main_grad is True
     assert ring is not None and ring.tp == layout.get("tp", 1) and ring.mode == mode
     # Every micro-batch went through Ring-DTP; the stock output layer never ran.
     micro = tiny.global_batch_size // tiny.micro_batch_size // (2 // ring.tp)

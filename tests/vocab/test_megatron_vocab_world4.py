@@ -61,7 +61,7 @@ def test_gpt_step_matches_stock_model(tied, name):
     assert_equivalent(result, reference)
     assert result.grads is not None
     assert result.losses[1] != result.losses[0]
-    (ring, calls, last_stage), = seen
+    (ring, calls, last_stage, weight), = seen
     assert (ring is not None) == last_stage
     assert last_stage or layout.get("pp", 1) > 1
     if last_stage:
@@ -69,3 +69,4 @@ def test_gpt_step_matches_stock_model(tied, name):
         micro = tiny.global_batch_size // tiny.micro_batch_size // dp
         assert ring.tp == layout["tp"] and ring.mode == mode
         assert calls == {"stock": 0, "ring": 2 * micro}
+        assert weight.grad_added_to_main_grad is True  # straight into DDP's main_grad

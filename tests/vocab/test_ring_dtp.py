@@ -26,6 +26,27 @@ def test_dtypes(dtype, ring_ref) -> None:
     ring_ref.check_rank(p, 0, block_size=5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("ddp, tied", [(True, False), (True, True), (False, False)])
+def test_weight_gradient_accumulates_into_main_grad(dtype, ddp, tied, ring_ref) -> None:
+    p = ring_ref.make_problem([20], V, hidden=16, rows=48, dtype=dtype, seed=4)
+    ring_ref.check_main_grad(p, 0, ddp=ddp, tied=tied, block_size=5)
+
+
+def test_main_grad_of_another_dtype_is_left_to_ddp(ring_ref) -> None:
+    # A bf16 main_grad cannot take fp32 strips in place: the gradient comes back as .grad.
+    p = ring_ref.make_problem([12], V, hidden=8, dtype=torch.bfloat16, seed=5)
+    x = p.x.to(p.dtype).requires_grad_()
+    w = torch.nn.Parameter(p.w.to(p.dtype))
+    w.main_grad = torch.zeros_like(w)
+    w.grad_added_to_main_grad = False
+    loss = ring_dtp_cross_entropy(x, w, p.labels, vocab_size=V)
+    loss.backward(p.grad.to(loss.dtype))
+    assert not w.main_grad.any() and w.grad_added_to_main_grad is False
+    _, _, dw = ring_ref.run_rank(p, 0)
+    assert torch.equal(w.grad, dw)
+
+
 def test_padded_rows_never_contribute_and_get_zero_grad(ring_ref) -> None:
     # 37 real ids in a 48-row (padded) weight; the padded rows hold random values.
     ring_ref.check_rank(ring_ref.make_problem([16], V, rows=48, seed=3), 0, block_size=7)
