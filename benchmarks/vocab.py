@@ -15,9 +15,22 @@ time of projection + per-token cross-entropy, forward and backward, for
   P = 1: ``ring-blocked`` (the single-device version, 8192-row strips by default) and
   ``ring-blocked-B/4``.
 
+* multi-token prediction (``--mtp-heads D``, default 1): ``megatron-vp-ce+mtpD`` and
+  ``ring-auto+mtpD`` run the projection + loss 1 + D times per step (the main head and D
+  heads on labels shifted by 1..D, as Megatron's MTP loop does): Megatron keeps every
+  head's fp32 softmax until the backward, Ring-DTP only each head's lse.
+
 Baselines live in ``BASELINES`` and the methods under test in ``METHODS``: a new column is
 one more ``Method`` appended to ``BASELINES``; every method is reported against every
-baseline.
+baseline. The ring methods pass a ``plan_key`` as the Megatron module does, so the counted
+(second) call is the steady state: no plan gather, no host sync.
+
+Counts (CostLedger, one forward + backward of rank 0): FLOPs (every matmul, the backward's
+recomputed strips included), ring bytes (what this rank sends to its neighbour: shards or
+tokens, partial states, travelling gradient sums) and per ring step (P - 1 steps forward,
+P - 1 backward), host syncs. ``--json PATH`` writes a list of records, one per (method,
+tokens): ``method``, ``P``, ``tokens``, ``peak_bytes``, ``strips``, ``syncs``, ``flops``,
+``time_ms`` and more (forward/backward peaks, ring bytes, the ratios to each baseline).
 
 Shapes are the paper's per-rank shapes (H = 7168, V = 200,000 over P = 8, so V/P = 25,000,
 and N = 16K / 32K tokens per rank) divided by ``--scale``, so that one strip
@@ -27,6 +40,7 @@ in bytes and in strips (``N_local * V/P * 4`` bytes); times are the fastest of `
 rounds, slowest rank, reported as ratios (DESIGN.md §5). Run::
 
     torchrun --nproc-per-node 4 benchmarks/vocab.py --json results/vocab.json
+    torchrun --nproc-per-node 8 benchmarks/vocab.py --scale 160 --reps 1   # the paper's P
     python benchmarks/vocab.py            # P = 1: dense vs the blocked version
 """
 
@@ -36,7 +50,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -90,16 +104,30 @@ def dense_cross_entropy(inp: Inputs) -> torch.Tensor:
 def ring(mode: str, strips_per_shard: int = 0) -> Callable[[Inputs], torch.Tensor]:
     """Ring-DTP in ``mode``; ``strips_per_shard`` > 0 cuts each shard into that many strips
     (else ``--block-size``, else the op's default: the whole shard)."""
-    def run(inp: Inputs) -> torch.Tensor:
+    def run(inp: Inputs, shift: int = 0) -> torch.Tensor:
         block = inp.block_size
         if strips_per_shard:
             block = -(-inp.vocab_per_rank // strips_per_shard)
-        return ring_dtp_cross_entropy(inp.x, inp.w_shard, inp.labels, group=inp.group,
-                                      mode=mode, vocab_size=inp.vocab_size, block_size=block)
+        labels = torch.roll(inp.labels, -shift) if shift else inp.labels
+        return ring_dtp_cross_entropy(
+            inp.x, inp.w_shard, labels, group=inp.group,
+            mode=mode, vocab_size=inp.vocab_size, block_size=block,
+            plan_key=("bench", mode, block, tuple(inp.x.shape), inp.x.dtype))
     return run
 
 
-def megatron_vocab_parallel_ce(inp: Inputs) -> torch.Tensor:
+def with_mtp_heads(run_head: Callable, heads: int) -> Callable[[Inputs], torch.Tensor]:
+    """The main head and ``heads`` MTP heads: the projection + loss 1 + heads times, head k
+    on this rank's labels shifted left by k (Megatron's MTP roll); returns their sum."""
+    def run(inp: Inputs) -> torch.Tensor:
+        total = run_head(inp)
+        for k in range(1, heads + 1):
+            total = total + run_head(inp, k)
+        return total
+    return run
+
+
+def megatron_vocab_parallel_ce(inp: Inputs, shift: int = 0) -> torch.Tensor:
     """Megatron's output layer + loss at TP = P, sequence parallel (GPTModel's path without
     Ring-DTP); returns this rank's tokens' loss (every rank computes all N = P * N_local).
 
@@ -119,7 +147,10 @@ def megatron_vocab_parallel_ce(inp: Inputs) -> torch.Tensor:
         inp.x.unsqueeze(1), inp.w_shard, None, gradient_accumulation_fusion=False,
         allreduce_dgrad=False, sequence_parallel=inp.world > 1, tp_group=tp_group,
     )  # [N, 1, V/P]
-    loss = compat.vocab_parallel_cross_entropy(logits, inp.labels_full.unsqueeze(1), tp_group)
+    target = inp.labels_full
+    if shift:  # an MTP head: every rank's labels rolled as the ring methods roll them
+        target = torch.roll(target.view(inp.world, -1), -shift, dims=1).reshape(-1)
+    loss = compat.vocab_parallel_cross_entropy(logits, target.unsqueeze(1), tp_group)
     del logits  # consumed in place by the loss
     n = inp.x.shape[0]
     return loss[inp.rank * n: (inp.rank + 1) * n, 0]
@@ -260,13 +291,32 @@ def time_once(method: Method, inp: Inputs) -> float:
     return elapsed
 
 
-def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device) -> list[Row]:
+def methods_for(shape: Shape, mtp_heads: int) -> tuple[list[Method], int]:
+    """(every method run at this shape, how many of them are baselines)."""
+    if shape.world > 1:
+        tested = list(METHODS)
+    else:
+        tested = [Method("ring-blocked", ring("auto"), "the single-device version"),
+                  Method("ring-blocked-B/4", ring("auto", 4), "each strip 1/4 of V")]
+    baselines = list(BASELINES)
+    if mtp_heads:
+        suffix = f"+mtp{mtp_heads}"
+        baselines.append(Method("megatron-vp-ce" + suffix,
+                                with_mtp_heads(megatron_vocab_parallel_ce, mtp_heads),
+                                f"megatron-vp-ce, main head + {mtp_heads} MTP head(s)"))
+        tested.append(Method(("ring-auto" if shape.world > 1 else "ring-blocked") + suffix,
+                             with_mtp_heads(ring("auto"), mtp_heads),
+                             f"ring-auto, main head + {mtp_heads} MTP head(s)"))
+    return baselines + tested, len(baselines)
+
+
+def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device,
+              mtp_heads: int = 0) -> list[Row]:
     """Peaks, then ``reps`` timing rounds over all methods (interleaved, so load spikes on a
     shared machine hit every method alike); each method keeps its fastest round."""
     inp = make_inputs(shape, dtype, group, rank, block_size, device)
-    blocked = [Method("ring-blocked", ring("auto")), Method("ring-blocked-B/4", ring("auto", 4))]
-    methods = BASELINES + (METHODS if shape.world > 1 else blocked)
-    for m in methods:  # one-time buffers (Megatron's all-gather buffer) outside the meter
+    methods, n_base = methods_for(shape, mtp_heads)
+    for m in methods:  # one-time buffers (Megatron's all-gather buffer, ring plans) unmetered
         time_once(m, inp)
     peaks = [measure_peak(m, inp) for m in methods]
     counts = [count_once(m, inp) for m in methods]
@@ -276,7 +326,7 @@ def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device) -> lis
             times[i].append(time_once(m, inp))
     rows = [Row(m.name, *pk, seconds=min(ts), ledger=c)
             for m, pk, ts, c in zip(methods, peaks, times, counts)]
-    base = {r.method: r for r in rows[: len(BASELINES)]}
+    base = {r.method: r for r in rows[:n_base]}
     for row in rows:
         row.strips = row.peak_bytes / shape.strip_bytes
         row.vs = {name: {"peak": row.peak_bytes / max(b.peak_bytes, 1),
@@ -285,33 +335,60 @@ def run_shape(shape: Shape, dtype, group, rank, reps, block_size, device) -> lis
     return rows
 
 
-def print_table(shape: Shape, dtype_name: str, rows: list[Row]) -> None:
+def ring_bytes(row: Row) -> int:
+    """Bytes this rank sent to its ring neighbour (point-to-point sends)."""
+    return int(row.ledger.get("collective_bytes", {}).get("send", 0))
+
+
+def record(shape: Shape, dtype_name: str, row: Row) -> dict:
+    """One JSON record (see the module docstring for the keys)."""
+    steps = 2 * (shape.world - 1)
+    return {
+        "method": row.method, "P": shape.world, "tokens": shape.tokens,
+        "peak_bytes": row.peak_bytes, "strips": row.strips,
+        "syncs": int(row.ledger.get("syncs", 0)), "flops": int(row.ledger.get("flops", 0)),
+        "time_ms": 1e3 * row.seconds,
+        "forward_bytes": row.forward_bytes, "backward_bytes": row.backward_bytes,
+        "ring_bytes": ring_bytes(row),
+        "ring_bytes_per_step": ring_bytes(row) // steps if steps else 0,
+        "other_collective_bytes": int(row.ledger.get("other_collective_bytes", 0)),
+        "hidden": shape.hidden, "vocab_per_rank": shape.vocab_per_rank,
+        "strip_bytes": shape.strip_bytes, "dtype": dtype_name,
+        "auto": resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world),
+        "vs": row.vs,
+    }
+
+
+def print_table(shape: Shape, dtype_name: str, rows: list[Row], n_base: int) -> None:
     auto = resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world)
     print(f"\nP={shape.world} N_local={shape.tokens} H={shape.hidden} V={shape.vocab} "
           f"V/P={shape.vocab_per_rank} {dtype_name}; strip = N_local*V/P*4 = "
           f"{format_bytes(shape.strip_bytes)}; auto -> {auto}")
-    names = [b.name for b in BASELINES]
-    head = f"{'method':18s}{'peak':>12s}{'strips':>8s}{'fwd':>12s}{'bwd':>12s}{'time s':>9s}"
+    names = [r.method for r in rows[:n_base]]
+    head = f"{'method':22s}{'peak':>12s}{'strips':>8s}{'fwd':>12s}{'bwd':>12s}{'time s':>9s}"
     for n in names:
         w = max(12, len(n) + 6)
-        head += f"{'peak/' + n:>{w}s}{'-%':>7s}{'time/' + n:>{w}s}"
+        head += f"{'peak/' + n:>{w}s}{'time/' + n:>{w}s}"
     print(head)
     for r in rows:
-        line = (f"{r.method:18s}{format_bytes(r.peak_bytes):>12s}{r.strips:8.2f}"
+        line = (f"{r.method:22s}{format_bytes(r.peak_bytes):>12s}{r.strips:8.2f}"
                 f"{format_bytes(r.forward_bytes):>12s}{format_bytes(r.backward_bytes):>12s}"
                 f"{r.seconds:9.3f}")
         for n in names:
             v, w = r.vs[n], max(12, len(n) + 6)
-            line += f"{v['peak']:{w}.3f}{100 * (1 - v['peak']):6.1f}%{v['time']:{w}.2f}"
+            line += f"{v['peak']:{w}.3f}{v['time']:{w}.2f}"
         print(line)
-    print("counts of one forward + backward (CostLedger, rank 0; other coll: ring hops and "
-          "Megatron's all-gathers and all-reduces)")
-    print(f"{'method':18s}" + counts_header())
+    steps = 2 * (shape.world - 1)
+    print("counts of one forward + backward (CostLedger, rank 0; FLOPs include the backward's "
+          "recomputed strips; ring: bytes sent to the next rank, in all and per ring step)")
+    print(f"{'method':22s}" + counts_header() + f"{'ring':>11s}{'ring/step':>11s}")
     for r in rows:
-        print(f"{r.method:18s}" + counts_cells(r.ledger))
+        per_step = ring_bytes(r) // steps if steps else 0
+        print(f"{r.method:22s}" + counts_cells(r.ledger)
+              + f"{format_bytes(ring_bytes(r)):>11s}{format_bytes(per_step):>11s}")
 
 
-def main() -> None:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=float, default=40.0,
                    help="divide the paper's per-rank shapes by this (default 40)")
@@ -324,50 +401,58 @@ def main() -> None:
                    help="timed rounds per method (the fastest is kept)")
     p.add_argument("--hidden", type=int, default=None, help="override H")
     p.add_argument("--vocab-per-rank", type=int, default=None, help="override V/P")
+    p.add_argument("--mtp-heads", type=int, default=1,
+                   help="MTP heads of the +mtp rows (0: no MTP rows; default 1)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda for a one-GPU check of the blocked version, e.g. "
                         "--device cuda --tokens 32768 --hidden 7168 --vocab-per-rank 200000 "
                         "(untested: no GPU here)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--json", default=None, help="write the list of records here (rank 0)")
+    args = p.parse_args(argv)
+    if args.mtp_heads < 0:
+        p.error(f"--mtp-heads must be >= 0, got {args.mtp_heads}")
+    return args
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Every shape and method on this process's ring (call inside ``init_distributed``)."""
+    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.testing.distributed import megatron_layout
 
     device = torch.device(args.device)
-    world = init_distributed()
-    rank = dist.get_rank()
+    world, rank = dist.get_world_size(), dist.get_rank()
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD if world > 1 else None
     torch.manual_seed(0)
-    results = []
+    records = []
     shapes = scaled_shapes(args.scale, world, args.tokens, args.hidden, args.vocab_per_rank)
-    # Megatron's parallel state at TP = P over the world (the megatron-vp-ce baseline).
-    from megatron_flat.megatron.cpu import enable_cpu_backend
-    from megatron_flat.testing.distributed import megatron_layout
-
     enable_cpu_backend()
+    # Megatron's parallel state at TP = P over the world (the megatron-vp-ce baseline).
     with megatron_layout(tp=world):
         for shape in shapes:
             rows = run_shape(shape, DTYPES[args.dtype], group, rank, args.reps,
-                             args.block_size, device)
+                             args.block_size, device, args.mtp_heads)
             if rank == 0:
-                print_table(shape, args.dtype, rows)
-            auto = resolve_mode("auto", shape.tokens, shape.vocab_per_rank, shape.world)
-            results.append({"shape": asdict(shape) | {"vocab": shape.vocab, "auto": auto,
-                                                      "strip_bytes": shape.strip_bytes},
-                            "rows": [asdict(r) for r in rows]})
-    if rank == 0 and args.json:
+                print_table(shape, args.dtype, rows, methods_for(shape, args.mtp_heads)[1])
+            records += [record(shape, args.dtype, r) for r in rows]
+    return records
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    args = parse_args(argv)
+    init_distributed()
+    records = run(args)
+    if dist.get_rank() == 0 and args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"paper": PAPER, "scale": args.scale, "dtype": args.dtype,
-                       "device": str(device),
-                       "world": world, "block_size": args.block_size,
-                       "baselines": [b.name for b in BASELINES],
-                       "methods": [m.name for m in METHODS], "results": results}, f, indent=2)
+            json.dump(records, f, indent=1)
         print(f"wrote {args.json}")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    return records
 
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

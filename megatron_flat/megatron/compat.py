@@ -154,6 +154,54 @@ def postprocess_has_output_processor() -> bool:
     return "output_processor" in inspect.signature(GPTModel._postprocess).parameters
 
 
+# Multi-token prediction (``config.mtp_num_layers``): both releases run the MTP block inside
+# ``_postprocess``, split its output into 1 + D chunks of the main hidden states' shape and,
+# per head, call ``output_layer(chunk, weight=..., runtime_gather_output=...)``, roll labels
+# and loss mask left by one (``roll_tensor``), ``compute_language_model_loss(labels,
+# logits)``, mask, log and attach the scaled loss to the main hidden states through
+# ``MTPLossAutoScaler``.
+# * 0.16: the per-head loop is inline in ``_postprocess``, reading ``self.output_layer`` and
+#   ``self.compute_language_model_loss``; the main head then goes through the same pair.
+# * 0.19: the loop is the module function ``gpt_model.process_mtp_loss`` (looked up at call
+#   time, called with keywords, ``output_layer``/``compute_language_model_loss`` passed in);
+#   the main head goes through ``output_processor``. Each head also counts its top-1
+#   acceptance (``multi_token_prediction._compute_mtp_acceptance_counts``, an argmax over
+#   the logits).
+
+
+def mtp_loss_function():
+    """(module, name) of 0.19's per-head MTP loop ``process_mtp_loss`` as ``_postprocess``
+    looks it up, or None (0.16: inline)."""
+    from megatron.core.models.gpt import gpt_model
+
+    return (gpt_model, "process_mtp_loss") if hasattr(gpt_model, "process_mtp_loss") else None
+
+
+def mtp_acceptance_function():
+    """(module, name) of 0.19's MTP acceptance counter, or None (0.16 counts none)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    name = "_compute_mtp_acceptance_counts"
+    return (mtp, name) if hasattr(mtp, name) else None
+
+
+def roll_left(tensor, cp_group, packed_seq_params=None):
+    """``tensor`` ``[b, s]`` rolled left by one token as MTP rolls labels and loss mask
+    (the last position zeroed; context-parallel and packed sequences as Megatron does)."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    rolled, _ = roll_tensor(tensor, shifts=-1, dims=-1, cp_group=cp_group,
+                            packed_seq_params=packed_seq_params)
+    return rolled
+
+
+def cp_group(model):
+    """The model's context-parallel group (``pg_collection.cp``; 0.16 also ``cp_group``)."""
+    pgs = getattr(model, "pg_collection", None)
+    group = getattr(pgs, "cp", None) if pgs is not None else None
+    return group if group is not None else getattr(model, "cp_group", None)
+
+
 def logit_multiplier(config) -> float:
     """The factor ``GPTModel._scale_logits`` applies to the logits (0.19 MuP; 1.0 in 0.16)."""
     if getattr(config, "use_mup", False):

@@ -499,8 +499,9 @@ def _tied_embedding_copy_on_cpu() -> None:
 PATCHES: List[Patch] = [
     Patch(
         "torch.cuda view",
-        "MoE dispatchers, p2p communication, schedules, DDP buffers and the optimizer call "
-        "torch.cuda.current_device()/Stream()/current_stream() unconditionally.",
+        "MoE dispatchers, p2p communication, schedules, DDP buffers, the optimizer and MTP's "
+        "loss tracker call torch.cuda.current_device()/Stream()/current_stream() "
+        "unconditionally.",
         _proxy_torch_in(
             "megatron.core.transformer.moe.token_dispatcher",
             "megatron.core.transformer.moe.moe_utils",
@@ -522,6 +523,7 @@ PATCHES: List[Patch] = [
             "megatron.core.optimizer.distrib_optimizer",
             "megatron.core.optimizer.clip_grads",
             "megatron.core.optimizer.grad_scaler",
+            "megatron.core.transformer.multi_token_prediction",
         ),
     ),
     Patch(

@@ -29,13 +29,21 @@ model without Ring-DTP) runs Megatron's path unchanged. See ``compat`` for the g
 Loss mask: when given, masked tokens get loss 0 and no gradient (Megatron's stock loss
 keeps their cross-entropy, which its loss function multiplies by the mask's 0: the same
 training signal). Labels equal to ``ignore_index`` (-100) likewise count as masked; any other
-label outside ``[0, V)`` on an active token is an error (Megatron's stock loss would silently
-use a target logit of 0). Not supported (refused when enabled): multi-token prediction
-(``mtp_num_layers``) and ``defer_embedding_wgrad_compute``.
+label outside ``[0, V)`` on an active token makes its loss NaN (``--flat-debug-checks``: an
+error; Megatron's stock loss would silently use a target logit of 0).
+
+Multi-token prediction (``mtp_num_layers``): Megatron's own MTP loop runs (the block, the
+chunks, the label and mask rolls, masking, scaling, logging and ``MTPLossAutoScaler``) with
+:class:`RingDTPHeads` standing in for the output layer and the loss, so every head's
+projection + loss goes through the same Ring-DTP module (same ring, strips and mask rules)
+and no head forms logits; 0.19's acceptance counts come from the ring's top-1 flags. Not
+supported (refused when enabled): ``defer_embedding_wgrad_compute``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 from typing import Any, List, Optional, Sequence
@@ -123,7 +131,8 @@ class RingDTPOutputLoss(torch.nn.Module):
     output this rank holds, ``[s/TP, b, H]`` with sequence parallelism else ``[s, b, H]``;
     ``weight`` this rank's ``[V/TP, H]`` rows (Megatron's shard: rank r holds ids
     ``[r V/TP, (r+1) V/TP)``); ``labels``/``loss_mask`` ``[b, s]`` as GPTModel takes them.
-    Returns fp32 ``[b, s]``, the same on every TP rank. Holds no parameters.
+    Returns fp32 ``[b, s]``, the same on every TP rank; with ``with_top1`` also a bool
+    ``[b, s]``: the label is the token's top-1 (a tie counts). Holds no parameters.
     """
 
     def __init__(self, tp_group, *, sequence_parallel: bool, mode: str = "auto",
@@ -153,7 +162,7 @@ class RingDTPOutputLoss(torch.nn.Module):
                 f"block_size={self.block_size}")
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_mask: Optional[torch.Tensor] = None, *, with_top1: bool = False):
         s_local, b = hidden_states.shape[0], hidden_states.shape[1]
         labels = labels.transpose(0, 1)  # [s, b], as the decoder lays out tokens
         mask = loss_mask.transpose(0, 1) if loss_mask is not None else None
@@ -176,7 +185,7 @@ class RingDTPOutputLoss(torch.nn.Module):
             x = x[rows]
         if self.logit_scale != 1.0:
             x = x * self.logit_scale  # (c x) W^T = c (x W^T): MuP's output multiplier
-        loss = ring_dtp_cross_entropy(
+        out = ring_dtp_cross_entropy(
             x, weight, labels[rows], group=self.tp_group if self.tp > 1 else None,
             mode=self.mode, loss_mask=None if mask is None else mask[rows],
             ignore_index=self.ignore_index,
@@ -185,10 +194,15 @@ class RingDTPOutputLoss(torch.nn.Module):
             plan_key=("megatron-output", tuple(labels.shape), tuple(x.shape),
                       tuple(weight.shape), x.dtype, x.requires_grad, weight.requires_grad,
                       mask is not None, self.mode, self.block_size),
+            return_top1=with_top1,
         )
+        if with_top1:  # one gather for both: [s, b, 2] = (loss, top-1 as 0/1)
+            loss, top1 = out
+            out = torch.stack((loss, top1.to(loss.dtype)), dim=-1)
         if self.tp > 1:
-            loss = GatherTokenLoss.apply(loss, counts, self.tp_rank, self.tp_group)
-        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
+            out = GatherTokenLoss.apply(out, counts, self.tp_rank, self.tp_group)
+        out = out.transpose(0, 1).contiguous()  # [s, b, ...] -> [b, s, ...]
+        return (out[..., 0], out[..., 1] != 0) if with_top1 else out
 
     def _full_rows(self, s_local: int) -> int:
         return s_local * self.tp if self.sequence_parallel else s_local
@@ -200,14 +214,69 @@ class RingDTPOutputLoss(torch.nn.Module):
         return self(hidden_states, weight, labels, loss_mask)
 
 
+# --------------------------------------------------------------------------- MTP heads
+class RingDTPHeads:
+    """Megatron's multi-token-prediction loop, with every head's projection + loss on Ring-DTP.
+
+    Stands in for ``output_layer`` (called) and ``compute_language_model_loss`` (:meth:`loss`)
+    while Megatron runs its MTP loop (see ``compat``): the "projection" keeps the weight it
+    is given (or the output layer's) and passes the head's hidden states through as its
+    "logits"; the loss sends them with the labels Megatron rolled through the model's
+    Ring-DTP module, under this module's own copy of the loss mask rolled alike, so masked
+    tokens and the rolled-in tail cost no gradient and never look at their label. Megatron
+    keeps everything else: the chunks, the rolls, masking, ``num_tokens``, the scaling, the
+    loss tracker and ``MTPLossAutoScaler``. On 0.16 the main head comes through the same
+    pair (recognised by its labels, the caller's tensor) and gets the caller's mask.
+    Top-1 acceptance (0.19) comes from :meth:`acceptance_counts`: each head's ring reports
+    which tokens' label was their top-1 (a tie counts; Megatron's argmax takes the first).
+    """
+
+    def __init__(self, model: torch.nn.Module, ring: RingDTPOutputLoss, labels: torch.Tensor,
+                 loss_mask: Optional[torch.Tensor], packed_seq_params=None,
+                 count_top1: bool = False) -> None:
+        self._layer = model.output_layer
+        self._ring = ring
+        self._labels = labels
+        self._mask = loss_mask
+        self._rolled = loss_mask if loss_mask is not None else torch.ones_like(labels)
+        self._cp = compat.cp_group(model)
+        self._packed = packed_seq_params
+        self._count_top1 = count_top1
+        self._weight = None
+        self._top1 = None
+
+    @property
+    def weight(self) -> torch.Tensor:  # what Megatron reads as output_layer.weight
+        return self._layer.weight
+
+    def __call__(self, hidden_states, weight=None, runtime_gather_output=None, **_: Any):
+        self._weight = weight if weight is not None else self._layer.weight
+        return hidden_states, None
+
+    def loss(self, labels: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if labels is self._labels:
+            mask = self._mask
+        else:  # an MTP head: Megatron just rolled its labels and mask left by one
+            self._rolled = compat.roll_left(self._rolled, self._cp, self._packed)
+            mask = self._rolled
+        if not self._count_top1:
+            return self._ring(hidden_states, self._weight, labels, mask)
+        loss, self._top1 = self._ring(hidden_states, self._weight, labels, mask, with_top1=True)
+        return loss
+
+    def acceptance_counts(self, loss_mask: torch.Tensor):
+        """(correct, total) fp32 scalars of the last head, as Megatron's counter returns."""
+        valid = loss_mask.bool()
+        correct = (self._top1 & valid).sum().float() if self._top1 is not None else \
+            torch.zeros((), device=loss_mask.device)
+        return correct, valid.sum().float()
+
+
 # --------------------------------------------------------------------------- enabling
 def unsupported_settings(megatron: Any) -> List[str]:
     """Reasons Ring-DTP cannot replace the output layer of a model configured by
     ``megatron`` (a TransformerConfig or Megatron-LM args); empty when it can."""
     problems = []
-    if getattr(megatron, "mtp_num_layers", None):
-        problems.append("multi-token prediction (--mtp-num-layers) computes its own logits "
-                        "through the output layer: not supported with --flat-vocab yet")
     if getattr(megatron, "defer_embedding_wgrad_compute", False):
         problems.append("--defer-embedding-wgrad-compute computes the output weight's "
                         "gradient from buffers the Ring-DTP path does not fill")
@@ -285,44 +354,114 @@ def wire_vocab(flat: FlatConfig, megatron: Any = None) -> None:
 
 
 # --------------------------------------------------------------------------- the patch
-_STOCK: dict = {}
+_STOCK: dict = {}  # (owner, attribute) -> the stock function, for _unpatch_for_tests
+# The Ring-DTP module of the _postprocess call in progress (0.19: read by the MTP loop's
+# wrapper, so MTP heads go through Ring-DTP exactly when the main head does).
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ring_dtp_active", default=None)
+
+
+def _patch(owner: Any, name: str, make) -> None:
+    stock = getattr(owner, name)
+    wrapped = functools.wraps(stock)(make(stock))
+    wrapped._megatron_flat_stock = stock
+    _STOCK[(owner, name)] = stock
+    setattr(owner, name, wrapped)
 
 
 def _patch_gpt_postprocess() -> None:
-    """Wrap ``GPTModel._postprocess`` once (idempotent; inert for models without Ring-DTP)."""
+    """Wrap ``GPTModel._postprocess`` once (idempotent; inert for models without Ring-DTP),
+    and on 0.19 the MTP loop and its acceptance counter it calls."""
     if _STOCK:
         return
     from megatron.core.models.gpt import GPTModel
 
-    stock = GPTModel._postprocess
-    signature = inspect.signature(stock)
     use_hook = compat.postprocess_has_output_processor()
+    signature = inspect.signature(GPTModel._postprocess)
 
-    @functools.wraps(stock)
-    def _postprocess(self, *args: Any, **kwargs: Any):
-        bound = signature.bind(self, *args, **kwargs)
-        call = bound.arguments
-        if call.get("labels") is None or not self.post_process or compat.inference_active(
-                call.get("inference_context")):
-            return stock(self, *args, **kwargs)
-        ring = ring_dtp_output(self)
-        if ring is None:
-            return stock(self, *args, **kwargs)
-        if use_hook:  # 0.19: Megatron's own hook, after its MTP handling
-            if call.get("output_processor") is not None:
+    def make_postprocess(stock):
+        def _postprocess(self, *args: Any, **kwargs: Any):
+            bound = signature.bind(self, *args, **kwargs)
+            call = bound.arguments
+            if call.get("labels") is None or not self.post_process or compat.inference_active(
+                    call.get("inference_context")):
                 return stock(self, *args, **kwargs)
-            return stock(self, *args, **{**kwargs, "output_processor": ring.output_processor})
-        # 0.16: the projection + loss tail of _postprocess, MTP refused at enable time.
-        weight = (self.shared_embedding_or_output_weight()
-                  if self.share_embeddings_and_output_weights else self.output_layer.weight)
-        return ring(call["hidden_states"], weight, call["labels"], call.get("loss_mask"))
+            ring = ring_dtp_output(self)
+            if ring is None:
+                return stock(self, *args, **kwargs)
+            if use_hook:  # 0.19: Megatron's own hook, after its MTP loop (wrapped below)
+                if call.get("output_processor") is not None:
+                    return stock(self, *args, **kwargs)
+                token = _ACTIVE.set(ring)
+                try:
+                    return stock(self, *args, **{**kwargs,
+                                                 "output_processor": ring.output_processor})
+                finally:
+                    _ACTIVE.reset(token)
+            if getattr(self.config, "mtp_num_layers", None):
+                # 0.16 with MTP: the stock loop runs, with the heads' stand-ins in place of
+                # the output layer and the loss (the main head comes through them too).
+                heads = RingDTPHeads(self, ring, call["labels"], call.get("loss_mask"),
+                                     call.get("packed_seq_params"))
+                with _shadowed(self, output_layer=heads, compute_language_model_loss=heads.loss):
+                    return stock(self, *args, **kwargs)
+            # 0.16: the projection + loss tail of _postprocess.
+            weight = (self.shared_embedding_or_output_weight()
+                      if self.share_embeddings_and_output_weights else self.output_layer.weight)
+            return ring(call["hidden_states"], weight, call["labels"], call.get("loss_mask"))
+        return _postprocess
 
-    _postprocess._megatron_flat_stock = stock
-    _STOCK[GPTModel] = stock
-    GPTModel._postprocess = _postprocess
+    _patch(GPTModel, "_postprocess", make_postprocess)
+    mtp_loop = compat.mtp_loss_function()
+    if mtp_loop is not None:
+        _patch(*mtp_loop, _make_mtp_loop)
+    counter = compat.mtp_acceptance_function()
+    if counter is not None:
+        _patch(*counter, _make_acceptance_counter)
+
+
+def _make_mtp_loop(stock):
+    """0.19's ``process_mtp_loss`` (all keywords), every head on Ring-DTP while a model's
+    ``_postprocess`` runs its main head through Ring-DTP."""
+    def process_mtp_loss(**kwargs: Any):
+        ring = _ACTIVE.get()
+        if ring is None or kwargs.get("labels") is None:
+            return stock(**kwargs)
+        model = getattr(kwargs["compute_language_model_loss"], "__self__", None)
+        if model is None:
+            return stock(**kwargs)
+        heads = RingDTPHeads(model, ring, kwargs["labels"], kwargs.get("loss_mask"),
+                             kwargs.get("packed_seq_params"),
+                             count_top1=bool(kwargs.get("is_training")))
+        # MuP's output multiplier is the ring's logit_scale (as for the main head).
+        return stock(**{**kwargs, "output_layer": heads,
+                        "compute_language_model_loss": heads.loss, "scale_logits_fn": None})
+    return process_mtp_loss
+
+
+def _make_acceptance_counter(stock):
+    """0.19's MTP acceptance counter: for Ring-DTP heads, the top-1 flags their ring
+    reported (there are no logits to take an argmax of)."""
+    def _compute_mtp_acceptance_counts(mtp_logits, mtp_labels, loss_mask, output_layer,
+                                       *args: Any, **kwargs: Any):
+        if isinstance(output_layer, RingDTPHeads):
+            return output_layer.acceptance_counts(loss_mask)
+        return stock(mtp_logits, mtp_labels, loss_mask, output_layer, *args, **kwargs)
+    return _compute_mtp_acceptance_counts
+
+
+@contextlib.contextmanager
+def _shadowed(module: torch.nn.Module, **attributes: Any):
+    """Instance attributes that hide ``module``'s own (submodules included) for a block."""
+    for name, value in attributes.items():
+        object.__setattr__(module, name, value)  # __dict__ wins over nn.Module's lookup
+    try:
+        yield
+    finally:
+        for name in attributes:
+            module.__dict__.pop(name, None)
 
 
 def _unpatch_for_tests() -> None:
-    for cls, stock in _STOCK.items():
-        cls._postprocess = stock
+    for (owner, name), stock in _STOCK.items():
+        setattr(owner, name, stock)
     _STOCK.clear()

@@ -250,7 +250,8 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
 
 def _vocab(model: ModelSpec, layout: Layout, report: PeakReport,
            flat: Optional[FlatConfig]) -> Tuple[dict, Overlap]:
-    """Output projection + loss, one microbatch, on the last stage (``vocab_counts``)."""
+    """Output projection + loss, one microbatch, on the last stage (``vocab_counts``; the
+    main head and each MTP head)."""
     if report.stage != layout.pp - 1:
         return {}, overlap_for("vocab", "stock")
     on = flat is not None and flat.vocab
@@ -260,6 +261,8 @@ def _vocab(model: ModelSpec, layout: Layout, report: PeakReport,
                           tp=layout.tp, bytes_per_value=model.bytes_per_value,
                           sequence_parallel=bool(layout.sp), flat=on, mode=report.vocab_mode,
                           strips=strips)
+    # Every MTP head is one more projection + loss of the same shape.
+    counts = _scale(counts, 1 + model.mtp_layers)
     return counts, overlap_for("vocab", "flat" if on else "stock", layout.tp if on else 1)
 
 

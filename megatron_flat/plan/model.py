@@ -39,6 +39,9 @@ class ModelSpec:
     ``attention_params`` overrides the per-layer attention parameter count for attention
     shapes other than (grouped-query) multi-head attention, e.g. MLA.
     ``gated``: SwiGLU-style FFN (fc1 is 2F wide).
+    ``mtp_layers``: multi-token-prediction heads (Megatron's ``mtp_num_layers``; DeepSeek-V3's
+    ``num_nextn_predict_layers``): each adds another N × V projection + loss on the last
+    stage (the vocab term counts them); the heads' own transformer layers are not modelled.
     """
 
     name: str
@@ -61,6 +64,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     dtype: str = "bf16"
     source: str = ""
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -68,7 +72,7 @@ class ModelSpec:
                 raise PlanError(f"model {self.name!r}: {name} must be a positive integer, "
                                 f"got {getattr(self, name)!r}")
         for name in ("experts", "topk", "expert_ffn", "shared_experts", "shared_expert_ffn",
-                     "dense_ffn", "dense_layers"):
+                     "dense_ffn", "dense_layers", "mtp_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"model {self.name!r}: {name} must be an integer >= 0, "
                                 f"got {getattr(self, name)!r}")
@@ -152,6 +156,8 @@ class ModelSpec:
         if self.dense_layers or not self.experts:
             parts.append(f"{self.dense_layers if self.experts else self.layers} dense "
                          f"ffn {self.dense_ffn}")
+        if self.mtp_layers:
+            parts.append(f"{self.mtp_layers} MTP head{'s' if self.mtp_layers > 1 else ''}")
         parts += [f"vocab {self.vocab:,}", self.dtype,
                   f"{self.total_params() / 1e9:.1f}B params"]
         return ", ".join(parts)
@@ -199,12 +205,13 @@ PRESETS: Dict[str, ModelSpec] = {
     # kv heads = 128; q/k head dim = qk_nope 128 + qk_rope 64 = 192, v_head_dim 128),
     # n_routed_experts 256, num_experts_per_tok 8, moe_intermediate_size 2048,
     # n_shared_experts 1 (width moe_intermediate_size), first_k_dense_replace 3 with
-    # intermediate_size 18432, vocab_size 129280, untied. The MTP module is not modelled.
+    # intermediate_size 18432, vocab_size 129280, untied, num_nextn_predict_layers 1 (one
+    # MTP head: its projection + loss counted, its transformer layer not modelled).
     "deepseek-v3": ModelSpec(name="deepseek-v3", hidden=7168, layers=61, heads=128,
                              kv_heads=128, head_dim=192, v_head_dim=128,
                              attention_params=_deepseek_v3_mla_params(), experts=256, topk=8,
                              expert_ffn=2048, shared_experts=1, shared_expert_ffn=2048,
-                             dense_ffn=18432, dense_layers=3, vocab=129_280,
+                             dense_ffn=18432, dense_layers=3, vocab=129_280, mtp_layers=1,
                              source="deepseek-ai/DeepSeek-V3 config.json"),
     # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48,
     # num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
@@ -321,6 +328,8 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
         dense_layers=dense_layers, vocab=int(cfg["vocab_size"]),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=dtype, source=source,
+        mtp_layers=int(_first(cfg, "num_nextn_predict_layers", "mtp_num_layers", default=0)
+                       or 0),
     )
 
 
@@ -332,8 +341,8 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
     ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``), ``ffn_hidden_size``,
     ``moe_shared_expert_intermediate_size`` (one shared expert of that width),
     ``moe_layer_freq`` (an int N: every N-th layer is MoE; or a list of 0/1), ``padded_vocab_size``
-    or ``vocab_size``, ``swiglu``, ``untie_embeddings_and_output_weights``, ``bf16``/``fp16``.
-    A ``moe_layer_freq`` pattern is modelled as its count of dense layers placed first.
+    or ``vocab_size``, ``swiglu``, ``untie_embeddings_and_output_weights``, ``bf16``/``fp16``,
+    ``mtp_num_layers``. A ``moe_layer_freq`` pattern is modelled as its count of dense layers placed first.
     """
     def get(attr, default=None):
         value = getattr(args, attr, None)
@@ -372,6 +381,7 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
         gated=bool(get("swiglu", False)),
         tied_embeddings=not get("untie_embeddings_and_output_weights", False),
         dtype=dtype, source="Megatron-LM args",
+        mtp_layers=int(get("mtp_num_layers", 0) or 0),
     )
 
 

@@ -385,6 +385,11 @@ def _pipelined_transient(model: ModelSpec, layout: Layout, n_sp: int, K: int, c_
     return transient
 
 
+# Bytes per token an MTP head's Ring-DTP call keeps for the backward: lse (fp32), the
+# rolled labels (int64) and the active mask (bool).
+MTP_SAVED_PER_TOKEN = 4 + 8 + 1
+
+
 def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
                flat: Optional[FlatConfig]) -> Dict[str, float]:
     """Output projection + cross-entropy on the last stage.
@@ -402,6 +407,16 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
                 + [unfused]·(V/TP)·H·b   transient weight grad (fused: straight into main_grad)
         section = max(fwd, bwd)          (the meter: relative to each section's entry)
         vocab   = max(fwd, saved + bwd)  (absolute, for the step composition)
+
+    Multi-token prediction (D = ``mtp_layers`` heads): Megatron runs each head's projection +
+    loss before the main head's, and each keeps its fp32 softmax for the backward, so the
+    baseline's forward peak meets D saved softmaxes and its backward (1 + D)::
+
+        vocab   = max(fwd + D·saved, (1 + D)·saved + bwd)
+
+    Ring-DTP: a head keeps only lse, labels and the active mask (``MTP_SAVED_PER_TOKEN`` bytes
+    per token) and its strips are gone when the next head starts:
+    vocab += D·13·N_sp (N on one rank).
 
     DESIGN §1's "≈ 3·N·V fp32" describes an out-of-place loss; Megatron's in-place one keeps
     one fp32 copy (plus the model-dtype logits), which is what is measured.
@@ -450,9 +465,13 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
         saved = 4 * n * shard
         bwd = n * shard * cast + b * n * H * (2 if gathered else 1) \
             + (0 if layout.fused_kernels else shard * H * b)
-        return {"value": max(fwd, saved + bwd), "section": max(fwd, bwd), "mode": "none"}
+        heads = model.mtp_layers
+        return {"value": max(fwd + heads * saved, (1 + heads) * saved + bwd),
+                "section": max(fwd, bwd), "mode": "none"}
     if P == 1:
-        return _blocked_vocab(model, layout, n, flat.vocab_block_size)
+        term = _blocked_vocab(model, layout, n, flat.vocab_block_size)
+        term["value"] += model.mtp_layers * MTP_SAVED_PER_TOKEN * n
+        return term
     shard = math.ceil(V / P)
     # Each V/P shard is folded in strips of at most vocab_block_size rows, of equal width.
     width = math.ceil(shard / math.ceil(shard / flat.vocab_block_size))
@@ -466,7 +485,8 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
     else:
         ring = 2 * n_sp * (H * b + 12 + 8) + 4 * (n_sp + relay_piece_rows([n_sp])) * H
     value = strips + state + ring + CE_BYTES_PER_TOKEN * n_sp
-    return {"value": value, "section": value, "mode": mode}
+    return {"value": value + model.mtp_layers * MTP_SAVED_PER_TOKEN * n_sp, "section": value,
+            "mode": mode}
 
 
 def _blocked_vocab(model: ModelSpec, layout: Layout, n: int, block: int) -> Dict[str, float]:

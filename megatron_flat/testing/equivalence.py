@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_flat.testing.distributed import megatron_layout
-from megatron_flat.testing.tiny_gpt import TinyMoE, build_tiny_gpt, global_batch, transformer_config
+from megatron_flat.testing.tiny_gpt import (
+    TinyMoE,
+    build_tiny_gpt,
+    global_batch,
+    reset_mtp_tracker,
+    transformer_config,
+)
 from megatron_flat.testing.training import CLIP_GRAD, LR, Layout, Trainer
 
 __all__ = ["Layout", "RunResult", "run_reference", "run_layout", "full_tensors", "load_full",
@@ -194,6 +200,9 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
             batch = global_batch(tiny, step)
             opt.zero_grad(set_to_none=False)
             total = 0.0
+            # MTP heads' losses reach the gradient through MTPLossAutoScaler, scaled as
+            # Megatron's schedule scales them: 1 / microbatches, like the main loss.
+            _set_mtp_scale(config, 1.0 / len(batch))
             for mb in batch:
                 loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels).float().mean()
                 (loss / len(batch)).backward()
@@ -205,6 +214,15 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
             opt.step()
         params = full_tensors([model], gather=False)
     return RunResult(losses, grads, params, initial)
+
+
+def _set_mtp_scale(config, scale: float) -> None:
+    if getattr(config, "mtp_num_layers", None):
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(scale))
+        reset_mtp_tracker()
+
 
 
 # --------------------------------------------------------------------------- layouts

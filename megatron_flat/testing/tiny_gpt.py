@@ -40,6 +40,10 @@ class TinyMoE:
     # Tie the output layer to the word embedding (GPTModel's
     # share_embeddings_and_output_weights).
     share_embeddings: bool = False
+    # Multi-token prediction heads (GPTModel's mtp_num_layers; 0 = none). Each head is one
+    # more transformer layer plus a projection + loss on the next-but-k token, its loss
+    # scaled by 0.1 / heads (Megatron's default mtp_loss_scaling_factor).
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -50,6 +54,9 @@ class TinyMoE:
                              f"{self.num_attention_heads} heads")
         if not 1 <= self.topk <= self.num_experts:
             raise ValueError(f"topk {self.topk} must be in 1..num_experts ({self.num_experts})")
+        if self.mtp_num_layers < 0 or self.mtp_num_layers >= self.seq_length:
+            raise ValueError(f"mtp_num_layers {self.mtp_num_layers} must be in "
+                             f"0..seq_length-1 ({self.seq_length - 1})")
         if self.data not in ("random", "zipf"):
             raise ValueError(f"unknown synthetic data {self.data!r}: use 'random' or 'zipf'")
 
@@ -128,6 +135,8 @@ def transformer_config(
                       recompute_modules=list(recompute_modules or ("core_attn",)))
     elif recompute is not None:
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
+    if tiny.mtp_num_layers:
+        kwargs.update(mtp_num_layers=tiny.mtp_num_layers)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -136,10 +145,18 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
     """Build this rank's pipeline stage of the tiny MoE GPT (call inside a layout)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     if layer_spec is None:
         layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts, normalization="RMSNorm")
+    mtp = {}
+    if getattr(config, "mtp_num_layers", None):
+        # The MTP heads' layers are the decoder's layer spec (None off the last stage).
+        mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(config, layer_spec,
+                                                       use_transformer_engine=False)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -149,7 +166,16 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
         share_embeddings_and_output_weights=tiny.share_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        **mtp,
     )
+
+
+def reset_mtp_tracker() -> None:
+    """Empty Megatron's process-wide MTP loss tracker (sized by the first model's head
+    count; Megatron-LM empties it after logging each step)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
 
 
 @dataclass

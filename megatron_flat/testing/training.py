@@ -22,6 +22,7 @@ from megatron_flat.testing.tiny_gpt import (
     build_tiny_gpt,
     dp_share,
     global_batch,
+    reset_mtp_tracker,
     transformer_config,
 )
 
@@ -103,6 +104,8 @@ class Trainer:
             **(config_overrides or {}),
         )
         self.flat = flat
+        if getattr(self.config, "mtp_num_layers", None):
+            reset_mtp_tracker()
         if flat is not None and flat.sco and layout.recompute != "full":
             raise ValueError("FlatConfig.sco offloads full-recompute boundaries: the layout "
                              f"needs recompute='full' (got {layout.recompute!r})")

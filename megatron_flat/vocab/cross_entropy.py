@@ -14,6 +14,7 @@ from typing import Hashable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_flat.runtime.ledger import mark_host
 from megatron_flat.vocab import plan as planning
 from megatron_flat.vocab.online_lse import (
     LSEState,
@@ -226,8 +227,10 @@ class RingDTPCrossEntropy(torch.autograd.Function):
 
     Inputs (this rank): ``hidden [N_r, H]``, ``weight [V/P, H]`` (its shard, rows
     ``plan.starts[r] ..``, padding rows past ``vocab_size`` ignored), ``labels [N_r]``,
-    ``active [N_r]`` bool (False = masked or ignored). Output: loss ``[N_r]`` in the
-    accumulation dtype (fp32; fp64 for fp64 inputs), 0 where not active. ``N_r`` may differ
+    ``active [N_r]`` bool (False = masked or ignored). Outputs: loss ``[N_r]`` in the
+    accumulation dtype (fp32; fp64 for fp64 inputs), 0 where not active, and ``top1 [N_r]``
+    bool (not differentiable): active and the label's logit is the row's largest (a tie
+    counts), from the online state at no extra cost. ``N_r`` may differ
     between ranks (any N_r >= 0); the shards may differ in rows.
 
     Communication, forward (``plan.mode``):
@@ -296,13 +299,16 @@ class RingDTPCrossEntropy(torch.autograd.Function):
         zero = torch.zeros((), dtype=acc, device=x.device)
         loss = torch.where(active, cross_entropy(state), zero)
         lse = logsumexp(state)
+        # Top-1: the label's logit is the largest (ties count as top-1), read off the state.
+        top1 = active & (state.t >= state.m)
         del state
         ctx.save_for_backward(hidden, weight, labels, active, lse)
         ctx.plan, ctx.ring = plan, ring
-        return loss
+        ctx.mark_non_differentiable(top1)
+        return loss, top1
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_top1=None):
         hidden, weight, labels, active, lse = ctx.saved_tensors
         plan, ring = ctx.plan, ctx.ring
         x, w = hidden.detach(), weight.detach().contiguous()
@@ -383,7 +389,8 @@ def ring_dtp_cross_entropy(
     block_size: Optional[int] = None,
     debug_checks: bool = False,
     plan_key: Optional[Hashable] = None,
-) -> torch.Tensor:
+    return_top1: bool = False,
+):
     """Per-token cross-entropy of ``hidden @ W.T`` against ``labels``; W vocab-sharded.
 
     Args:
@@ -410,6 +417,9 @@ def ring_dtp_cross_entropy(
 
     Returns: loss ``[...]`` (labels' shape), fp32 (fp64 for fp64 inputs); differentiable
     w.r.t. ``hidden`` and ``weight_shard`` (the shard's gradient sums all ranks' tokens).
+    With ``return_top1``: ``(loss, top1)``, ``top1`` bool of labels' shape: the token is
+    active and its label's logit is the largest of its row (a tie counts), as a top-1
+    accuracy or MTP acceptance count needs, without any logits.
 
     Raises ValueError, on every rank of the group alike and before any ring hop, when some
     rank's inputs are malformed, ranks disagree on H/dtype/mode/vocab_size/block_size or
@@ -476,7 +486,7 @@ def ring_dtp_cross_entropy(
             _remember(key, row, plan)
     shape = labels.shape
     flat_labels, flat_active = labels.reshape(-1), active.reshape(-1)
-    loss = RingDTPCrossEntropy.apply(
+    loss, top1 = RingDTPCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight_shard, flat_labels, flat_active, plan,
         ring,
     )
@@ -487,6 +497,8 @@ def ring_dtp_cross_entropy(
         bad = flat_active & ((flat_labels < 0) | (flat_labels >= plan.vocab_size))
         loss = torch.where(bad, torch.full((), float("nan"), dtype=loss.dtype,
                                            device=loss.device), loss)
+    if return_top1:
+        return loss.view(shape), top1.view(shape)
     return loss.view(shape)
 
 
@@ -498,6 +510,7 @@ _PLANS_KEPT = 64
 
 
 def _remember(key: tuple, row: torch.Tensor, plan: RingPlan) -> None:
+    mark_host(row)  # a host-side table: comparing it later waits for no device
     _PLANS[key] = (row, plan)
     _PLANS.move_to_end(key)
     while len(_PLANS) > _PLANS_KEPT:

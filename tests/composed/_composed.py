@@ -89,7 +89,9 @@ def assert_composed_equal(tiny, layout) -> None:
     from megatron_flat.testing.equivalence import ATOL, mismatches
 
     stock, flat, used = run_composed(tiny, layout)
-    assert used["flat_moe_layers"] == tiny.num_layers // layout.pp, used
+    # The MTP heads' layers (on the last stage) are MoE layers too.
+    mtp_layers = tiny.mtp_num_layers if used["post_process"] else 0
+    assert used["flat_moe_layers"] == tiny.num_layers // layout.pp + mtp_layers, used
     assert used["chunks"] > 1, used
     assert used["ring_dtp"] == used["post_process"], used
     assert used["boundaries_offloaded"] > 0, used

@@ -1,5 +1,5 @@
 """All four techniques on vs off at EP=2 (DP=2 for the dense part), with full recompute,
-with and without Megatron's distributed optimizer (2 ranks, gloo)."""
+with and without Megatron's distributed optimizer, and with an MTP head (2 ranks, gloo)."""
 
 import importlib.util
 import pathlib
@@ -16,7 +16,10 @@ _spec.loader.exec_module(composed)
 LAYOUTS = {
     "ep2": dict(ep=2, recompute="full"),
     "ep2-distopt": dict(ep=2, recompute="full", distributed_optimizer=True),
+    "ep2-mtp": dict(ep=2, recompute="full"),  # with an MTP head
 }
+# The tiny model's variant per layout (TinyMoE fields); default: the plain tiny model.
+MODELS = {"ep2-mtp": dict(mtp_num_layers=1)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -24,4 +27,4 @@ def test_all_four_on_equals_all_four_off(megatron_cpu, name):
     from megatron_flat.testing.equivalence import Layout
     from megatron_flat.testing.tiny_gpt import TinyMoE
 
-    composed.assert_composed_equal(TinyMoE(), Layout(**LAYOUTS[name]))
+    composed.assert_composed_equal(TinyMoE(**MODELS.get(name, {})), Layout(**LAYOUTS[name]))

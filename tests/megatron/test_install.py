@@ -96,7 +96,11 @@ def test_vocab_and_optimizer_offload_are_wired_by_install(megatron_cpu):
     assert optimizer._active_flat() is None and vocab._installed_vocab() is None
 
 
-def test_vocab_refuses_multi_token_prediction():
-    with pytest.raises(inst.FlatConfigError, match="multi-token prediction"):
-        megatron_flat.install(megatron_args("--flat-vocab", mtp_num_layers=1))
+def test_vocab_takes_multi_token_prediction_and_refuses_deferred_embedding_wgrad(
+        megatron_cpu):
+    with pytest.raises(inst.FlatConfigError, match="defer-embedding-wgrad-compute"):
+        megatron_flat.install(megatron_args("--flat-vocab", mtp_num_layers=1,
+                                            defer_embedding_wgrad_compute=True))
     assert inst.installed() is None
+    cfg = megatron_flat.install(megatron_args("--flat-vocab", mtp_num_layers=2))
+    assert cfg.vocab and inst.installed() == cfg

@@ -71,9 +71,11 @@ def test_hf_config_deepseek_style():
            "moe_intermediate_size": 2048, "intermediate_size": 18432, "n_shared_experts": 1,
            "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-           "vocab_size": 129280}
+           "vocab_size": 129280, "num_nextn_predict_layers": 1}
     m = model_from_hf_config(cfg, name="dsv3")
     ref = preset("deepseek-v3")
+    assert m.mtp_layers == ref.mtp_layers == 1  # DeepSeek-V3's MTP head
+    assert "1 MTP head" in ref.describe()
     assert (m.head_dim, m.v_head_dim, m.kv_heads) == (192, 128, 128)
     assert (m.shared_experts, m.shared_expert_ffn, m.dense_layers, m.dense_ffn) == \
         (1, 2048, 3, 18432)

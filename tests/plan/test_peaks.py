@@ -121,6 +121,23 @@ def test_ring_dtp_bounds_the_vocab_by_strips():
     assert one.vocab == 4 * n + max(4 * n * H + 4 * n * 8 + 29 * n, 4 * V * H)
 
 
+def test_mtp_heads_add_a_softmax_each_to_the_baseline_and_a_few_bytes_to_ring_dtp():
+    n = 4096
+    tp = Layout(tp=2, distributed_optimizer=False)
+    heads = ModelSpec(**{**MODEL.__dict__, "mtp_layers": 2})
+    base, base_mtp = estimate(MODEL, tp, n), estimate(heads, tp, n)
+    saved = 4 * n * (V // 2)  # one head's fp32 softmax kept for its backward
+    assert base_mtp.vocab == base.vocab + 2 * saved  # the backward meets all three
+    flat = FlatConfig(vocab=True, vocab_mode="weights")
+    ring, ring_mtp = estimate(MODEL, tp, n, flat), estimate(heads, tp, n, flat)
+    from megatron_flat.plan.peaks import MTP_SAVED_PER_TOKEN
+
+    assert ring_mtp.vocab == ring.vocab + 2 * MTP_SAVED_PER_TOKEN * (n // 2)
+    one = FlatConfig(vocab=True, vocab_block_size=8)
+    assert estimate(heads, REF, n, one).vocab == \
+        estimate(MODEL, REF, n, one).vocab + 2 * MTP_SAVED_PER_TOKEN * n
+
+
 def test_sco_keeps_prefetch_plus_one_on_device():
     model = ModelSpec(**{**MODEL.__dict__, "layers": 6})
     B = N * H * 4

@@ -59,6 +59,58 @@ def test_loss_and_grads_match_the_stock_model(megatron_cpu, tied):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _mtp_tracker():
+    """Megatron's MTP loss tracker values (the logged per-head losses), then cleared."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    out = {k: v.clone() for k, v in tracker.items() if isinstance(v, torch.Tensor)}
+    tracker.clear()
+    return out
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mtp_heads_match_the_stock_model(megatron_cpu, tied, heads):
+    """Every MTP head's projection + loss through Ring-DTP: the main loss, the heads' logged
+    losses and every gradient (MTP layers, embedding, output weight) as stock Megatron."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from megatron_flat.megatron.vocab import RingDTPHeads
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE, global_batch
+
+    tiny = TinyMoE(share_embeddings=tied, mtp_num_layers=heads)
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    _mtp_tracker()
+    calls = []
+    original = RingDTPHeads.loss
+    with megatron_layout(seed=tiny.seed):
+        stock, flat = _pair(tiny)
+        stock.train(), flat.train()
+        mb = global_batch(tiny)[0]
+        mask = torch.ones(mb.labels.shape)
+        mask[:, ::5] = 0
+        want_loss, want = _step(stock, mb, mask)
+        want_logged = _mtp_tracker()
+        try:
+            RingDTPHeads.loss = lambda self, *a: calls.append(1) or original(self, *a)
+            got_loss, got = _step(flat, mb, mask)
+        finally:
+            RingDTPHeads.loss = original
+        got_logged = _mtp_tracker()
+    # Ring-DTP ran every head (0.16 routes the main head through the same stand-in).
+    assert len(calls) in (heads, heads + 1)
+    torch.testing.assert_close(got_loss * mask, want_loss * mask, rtol=1e-5, atol=1e-6)
+    assert want_logged and set(got_logged) >= set(want_logged)
+    for key, value in want_logged.items():
+        torch.testing.assert_close(got_logged[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert set(got) == set(want) and any(name.startswith("mtp.") for name in want)
+    for name in want:
+        assert want[name].any() or not got[name].any(), name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_install_wiring_turns_every_gpt_model_on(megatron_cpu, monkeypatch):
     """``wire_vocab`` (install's hook) + an installed FlatConfig with vocab on: a GPTModel
     built afterwards computes its loss through Ring-DTP with the installed knobs."""
@@ -95,9 +147,10 @@ def test_unsupported_settings_are_refused(megatron_cpu):
     from megatron_flat.megatron.vocab import unsupported_settings, wire_vocab
 
     assert unsupported_settings(SimpleNamespace()) == []
+    assert unsupported_settings(SimpleNamespace(mtp_num_layers=2)) == []  # MTP heads: supported
     args = SimpleNamespace(mtp_num_layers=1, defer_embedding_wgrad_compute=True)
-    assert len(unsupported_settings(args)) == 2
-    with pytest.raises(ValueError, match="multi-token prediction"):
+    assert len(unsupported_settings(args)) == 1
+    with pytest.raises(ValueError, match="defer-embedding-wgrad-compute"):
         wire_vocab(FlatConfig(vocab=True), args)
 
 

@@ -98,3 +98,43 @@ def test_without_labels_the_model_returns_megatron_logits(megatron_cpu):
             flat = model(mb.tokens, mb.position_ids, None)
     assert stock.shape == (tiny.micro_batch_size, tiny.seq_length, tiny.vocab_size // 2)
     assert torch.equal(stock, flat)
+
+
+# ---------------------------------------------------------------------------- MTP heads
+@pytest.fixture(scope="module")
+def mtp_references(megatron_cpu):
+    from megatron_flat.testing.equivalence import run_reference
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    tinies = {tied: TinyMoE(share_embeddings=tied, mtp_num_layers=2 if tied else 1)
+              for tied in (False, True)}
+    return {tied: (tiny, run_reference(tiny)) for tied, tiny in tinies.items()}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied-1-head", "tied-2-heads"])
+@pytest.mark.parametrize("name", ["tp2-sp-activations", "tp2-sp-weights", "dp2-blocked"])
+def test_gpt_step_with_mtp_heads_matches_stock_model(mtp_references, name, tied):
+    """Multi-token prediction: the main head and every MTP head through Ring-DTP, against
+    the stock single-rank model with Megatron's own MTP loss (loss, every gradient, the
+    parameters after two steps)."""
+    from megatron_flat.megatron.vocab import RingDTPHeads
+    from megatron_flat.testing.equivalence import assert_equivalent
+
+    tiny, reference = mtp_references[tied]
+    layout, mode, block = STEPS[name]
+    heads = []
+    original = RingDTPHeads.loss
+    RingDTPHeads.loss = lambda self, labels, hidden: (
+        heads.append(labels is not self._labels) or original(self, labels, hidden))
+    try:
+        result, seen = helpers.gpt_step(tiny, reference, layout, mode, block)
+    finally:
+        RingDTPHeads.loss = original
+    assert_equivalent(result, reference)
+    assert any(key.startswith("mtp.") for key in result.grads)
+    (ring, calls, last_stage, weight), = seen
+    micro = tiny.global_batch_size // tiny.micro_batch_size // (2 // ring.tp)
+    # Every MTP head of every micro-batch (forward steps: 2 steps) went through Ring-DTP.
+    assert sum(heads) == 2 * micro * tiny.mtp_num_layers
+    assert calls["stock"] == 0
+    assert weight.grad_added_to_main_grad is True

@@ -65,7 +65,7 @@ def test_peak_is_one_strip_plus_shard_sized_buffers(dist_world, ring_ref, mode) 
     assert peaks["total"] < 2 * n * rows * 4  # dense: 2 strips of logits, 2 of their grad
 
 
-@pytest.mark.parametrize("mode", ["weights", "activations"])
+@pytest.mark.parametrize("mode", MODES)
 def test_steady_state_has_no_host_sync(dist_world, ring_ref, mode) -> None:
     ring_ref.check_steady_state_has_no_sync(dist.group.WORLD, dist.get_rank(), 2, mode)
 
