@@ -85,6 +85,70 @@ def build_moe_layer(spec, config, pg_collection=None):
     return spec(config=config, pg_collection=pg_collection)  # 0.19
 
 
+# Grouped experts (--moe-grouped-gemm): 0.16 has ``GroupedMLP`` (weights ``weight1 [H, E_l·2F]``
+# and ``weight2 [E_l·F, H]``, read as ``[E_l, H, 2F]`` / ``[E_l, F, H]`` blocks, the transposes of
+# SequentialMLP's) and ``TEGroupedMLP`` (submodules ``MLPSubmodules``); 0.19 dropped
+# ``GroupedMLP`` and gives ``TEGroupedMLP`` ``GroupedMLPSubmodules`` (per-expert ``weight{i}``,
+# SequentialMLP's layout). An MoE spec's experts are replaced the way its release builds.
+
+
+def grouped_mlp_class():
+    """0.16's ``GroupedMLP`` (the ``grouped_gemm`` experts), or None (0.19 has none)."""
+    from megatron.core.transformer.moe import experts
+
+    return getattr(experts, "GroupedMLP", None)
+
+
+def te_grouped_mlp_spec(linear_fc1: type, linear_fc2: type):
+    """A spec building ``TEGroupedMLP`` with the given grouped linears (either release)."""
+    from megatron.core.transformer.moe import experts
+
+    if minor() >= (0, 19):
+        return functools.partial(experts.TEGroupedMLP, submodules=experts.GroupedMLPSubmodules(
+            linear_fc1=linear_fc1, linear_fc2=linear_fc2))
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=experts.TEGroupedMLP,
+                      submodules=MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2))
+
+
+def replace_experts(spec, experts_spec):
+    """An MoE spec of either release with its experts built from ``experts_spec``."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):  # 0.16
+        return dataclasses.replace(
+            spec, submodules=dataclasses.replace(spec.submodules, experts=experts_spec))
+    if isinstance(spec, functools.partial):  # 0.19
+        submodules = dataclasses.replace(spec.keywords["submodules"], experts=experts_spec)
+        return functools.partial(spec.func, *spec.args,
+                                 **{**spec.keywords, "submodules": submodules})
+    raise TypeError(f"not an MoE module spec: {spec!r}")
+
+
+def local_expert_weights(experts, *, grads: bool = False) -> list:
+    """``[(fc1 [2F or F, H], fc2 [H, F])]`` per local expert, in SequentialMLP's layout, as
+    views of ``experts``' parameters (``SequentialMLP``, ``GroupedMLP`` or ``TEGroupedMLP``);
+    ``grads``: of their ``.grad`` instead."""
+    def get(p):
+        return p.grad if grads else p
+
+    n = experts.num_local_experts
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        return [(get(e.linear_fc1.weight), get(e.linear_fc2.weight))
+                for e in experts.local_experts]
+    if hasattr(experts, "weight1"):  # GroupedMLP
+        hidden = experts.config.hidden_size
+        fc1 = get(experts.weight1).view(n, hidden, -1)
+        fc2 = get(experts.weight2).view(n, -1, hidden)
+        return [(fc1[i].t(), fc2[i].t()) for i in range(n)]
+    return [(get(getattr(experts.linear_fc1, f"weight{i}")),
+             get(getattr(experts.linear_fc2, f"weight{i}"))) for i in range(n)]  # TEGroupedMLP
+
+
 def moe_layer_recompute(layer) -> bool:
     """Whether ``MoELayer.forward`` wraps its body in ``tensor_parallel.checkpoint``.
 

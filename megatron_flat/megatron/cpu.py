@@ -496,6 +496,12 @@ def _tied_embedding_copy_on_cpu() -> None:
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _grouped_reference() -> None:
+    from megatron_flat.megatron.cpu_grouped import install_reference_gmm
+
+    install_reference_gmm()
+
+
 PATCHES: List[Patch] = [
     Patch(
         "torch.cuda view",
@@ -582,6 +588,13 @@ PATCHES: List[Patch] = [
         "setup_embeddings_and_output_layer moves the last stage's shared output weight with "
         "weight.data.cuda() before the embedding-group all-reduce (PP > 1, tied embeddings).",
         _tied_embedding_copy_on_cpu,
+    ),
+    Patch(
+        "grouped_gemm reference",
+        "GroupedMLP (--moe-grouped-gemm) calls the CUDA-only grouped_gemm package and asserts "
+        "bf16; a per-expert matmul loop (megatron.cpu_grouped.gmm) stands in, in any dtype.",
+        _grouped_reference,
+        versions=((0, 16), (0, 16)),
     ),
 ]
 

@@ -89,3 +89,71 @@ def differences(want, got, *, exact: bool) -> list:
         elif not torch.allclose(b, a, rtol=RTOL, atol=ATOL):
             problems.append(f"{name}: max abs error {(a - b).abs().max():.3g}")
     return problems
+
+
+# ---------------------------------------------------------------------------- grouped experts
+GROUPED_KINDS = ("grouped-mlp", "te-grouped-mlp")  # GroupedMLP exists in 0.16 only
+
+
+def grouped_experts_spec(kind: str):
+    """The experts spec of ``kind`` runnable on CPU (None when the release has no such class)."""
+    from megatron_flat.megatron import compat
+    from megatron_flat.megatron.cpu_grouped import (
+        CpuColumnParallelGroupedLinear,
+        CpuRowParallelGroupedLinear,
+    )
+
+    if kind == "grouped-mlp":
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        cls = compat.grouped_mlp_class()  # 0.16 only; 0.16 specs are ModuleSpecs
+        return None if cls is None else ModuleSpec(module=cls)
+    return compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
+                                      CpuRowParallelGroupedLinear)
+
+
+def build_grouped_pair(tiny: TinyMoE, ep: int, kind: str, seed: int = 7):
+    """(stock MoELayer with SequentialMLP, stock MoELayer with ``kind`` grouped experts) with
+    identical weights (the experts' copied through their SequentialMLP-layout views)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    from megatron_flat.megatron import compat
+
+    config = layer_config(tiny, ep)
+    spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(),
+                                           num_experts=tiny.num_experts)
+    torch.manual_seed(seed)
+    sequential = compat.build_moe_layer(spec, config)
+    sequential.set_layer_number(1)
+    grouped = compat.build_moe_layer(compat.replace_experts(spec, grouped_experts_spec(kind)),
+                                     config)
+    grouped.set_layer_number(1)
+    with torch.no_grad():
+        grouped.router.weight.copy_(sequential.router.weight)
+        for (g1, g2), (s1, s2) in zip(compat.local_expert_weights(grouped.experts),
+                                      compat.local_expert_weights(sequential.experts)):
+            g1.copy_(s1)
+            g2.copy_(s2)
+    return sequential, grouped
+
+
+def grouped_differences(sequential, grouped, x, grad, expert_ids, *, exact: bool = True
+                        ) -> list:
+    """Run both layers; differences (empty: equal, bitwise when ``exact``, else to
+    RTOL/ATOL) in output, input grad, router grad and every local expert's weight gradients
+    (mapped to SequentialMLP's layout)."""
+    from megatron_flat.megatron import compat
+
+    want_out, want_dx, want = run(sequential, x, grad, expert_ids)
+    got_out, got_dx, got = run(grouped, x, grad, expert_ids)
+    pairs = [("output", want_out, got_out), ("input grad", want_dx, got_dx),
+             ("router grad", want["router.weight"], got["router.weight"])]
+    for e, (w, g) in enumerate(zip(compat.local_expert_weights(sequential.experts, grads=True),
+                                   compat.local_expert_weights(grouped.experts, grads=True))):
+        pairs += [(f"expert {e} fc1 grad", w[0], g[0]), (f"expert {e} fc2 grad", w[1], g[1])]
+    def same(a, b):
+        return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+
+    return [f"{name}: max abs diff {(a - b).abs().max().item():.3g}"
+            for name, a, b in pairs if not same(a, b)]

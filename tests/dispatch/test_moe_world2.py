@@ -106,6 +106,31 @@ def test_layer_matches_alltoall(case, megatron_cpu):
                                    exact=True) == []
 
 
+@pytest.mark.parametrize("profile", ["balanced", "1/1", "0.7/1"])
+@pytest.mark.parametrize("kind", helpers.GROUPED_KINDS)
+def test_grouped_reference_equals_sequential_at_ep2(kind, profile, megatron_cpu):
+    """The CPU grouped-GEMM reference at EP=2 (stock alltoall dispatcher): grouped experts
+    equal SequentialMLP (bitwise for TEGroupedMLP; see test_grouped_reference.py), including
+    a rank that receives no rows ("1/1": every route to expert 0)."""
+    from megatron_flat.dispatch.profiles import routing_profile
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    if helpers.grouped_experts_spec(kind) is None:
+        pytest.skip("megatron-core 0.19 has no GroupedMLP (TEGroupedMLP is tested)")
+    rank = dist.get_rank()
+    tiny = TinyMoE(num_experts=2 * P)
+    gen = torch.Generator().manual_seed(60 + rank)
+    x = torch.randn(5, 2, tiny.hidden_size, generator=gen)
+    g = torch.randn(5, 2, tiny.hidden_size, generator=gen)
+    ids = routing_profile(profile, 10, tiny.num_experts, tiny.topk)
+    with megatron_layout(ep=P):
+        sequential, grouped = helpers.build_grouped_pair(tiny, P, kind)
+        assert grouped.experts.num_local_experts == tiny.num_experts // P
+        assert helpers.grouped_differences(sequential, grouped, x, g, ids,
+                                           exact=kind == "te-grouped-mlp") == []
+
+
 # ---------------------------------------------------------------------------- whole model
 @pytest.fixture(scope="module")
 def tiny():

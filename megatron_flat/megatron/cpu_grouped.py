@@ -1,0 +1,132 @@
+"""Grouped-GEMM experts on CPU: the reference kernels Megatron's grouped experts call.
+
+Megatron's grouped experts (``--moe-grouped-gemm``) need CUDA-only kernels: 0.16's
+``GroupedMLP`` calls ``grouped_gemm.ops.gmm`` (a separate CUDA package) and asserts bf16;
+``TEGroupedMLP`` (0.16 and 0.19; 0.19 has no ``GroupedMLP``) builds its two linears from
+transformer-engine's ``GroupedLinear``. Here they get exact CPU stand-ins, so the stock
+grouped layer runs under the CPU backend and is an exactness reference:
+
+* :func:`gmm` — the ``grouped_gemm.ops.gmm`` contract as a per-expert matmul loop; the CPU
+  backend's "grouped_gemm reference" patch installs it where ``GroupedMLP`` looks it up
+  (``moe.grouped_gemm_util``) and lets ``GroupedMLP`` run in fp32 (the bf16 assert guards
+  the CUDA kernel, not the maths).
+* :class:`CpuColumnParallelGroupedLinear` / :class:`CpuRowParallelGroupedLinear` — a
+  ``GroupedLinear`` for ``TEGroupedMLP``'s builder protocol: one weight per local expert in
+  TE's layout (``weight{i}``, exactly ``SequentialMLP``'s ``linear_fc{1,2}.weight`` of
+  expert i), each expert's rows through Megatron's own linear function (so ``main_grad`` and
+  ``gradient_accumulation_fusion`` behave as Megatron's linears do). Expert tensor
+  parallelism 1 and no bias (refused otherwise).
+
+Every expert's rows go through the same ``x @ W`` a ``SequentialMLP`` expert computes, so on
+this machine's BLAS the grouped layer equals the sequential one bitwise (tests check it).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from typing import Sequence
+
+import torch
+
+__all__ = ["gmm", "install_reference_gmm", "CpuColumnParallelGroupedLinear",
+           "CpuRowParallelGroupedLinear"]
+
+
+def _split_sizes(a: torch.Tensor, b: torch.Tensor, batch_sizes) -> list:
+    sizes = [int(s) for s in (batch_sizes.tolist() if torch.is_tensor(batch_sizes)
+                              else batch_sizes)]
+    if a.dim() != 2 or b.dim() != 3 or len(sizes) != b.shape[0] or sum(sizes) != a.shape[0]:
+        raise ValueError(f"gmm: a {tuple(a.shape)} rows grouped by batch_sizes {sizes} do not "
+                         f"match b {tuple(b.shape)} ([experts, K, N])")
+    return sizes
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) -> torch.Tensor:
+    """``grouped_gemm.ops.gmm``: ``a [T, K]`` with rows grouped by expert in order
+    (``batch_sizes [E]``, host integers), ``b [E, K, N]`` (``[E, N, K]`` with ``trans_b``);
+    returns ``[T, N]`` with expert e's rows times ``b[e]`` (``b[e].T``). Plain autograd."""
+    sizes = _split_sizes(a, b, batch_sizes)
+    rows = torch.split(a, sizes)
+    return torch.cat([x @ (b[e].t() if trans_b else b[e]) for e, x in enumerate(rows)])
+
+
+def install_reference_gmm() -> None:
+    """CPU patch (0.16): ``GroupedMLP`` finds a ``grouped_gemm`` whose ``ops.gmm`` is
+    :func:`gmm`, and runs without ``config.bf16`` (it is given a private copy of its config
+    with the flag set for the call: nothing else in its forward reads it)."""
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
+
+    ops = types.SimpleNamespace(gmm=gmm)
+    grouped_gemm_util.grouped_gemm = types.SimpleNamespace(ops=ops, __name__="cpu_reference")
+    grouped_gemm_util.ops = ops
+    stock = experts.GroupedMLP.forward
+    if getattr(stock, "_megatron_flat", False):
+        return
+
+    @functools.wraps(stock)
+    def forward(self, *args, **kwargs):
+        config = self.config
+        if config.bf16:
+            return stock(self, *args, **kwargs)
+        self.config = copy.copy(config)
+        self.config.bf16 = True
+        try:
+            return stock(self, *args, **kwargs)
+        finally:
+            self.config = config
+
+    forward._megatron_flat = True
+    experts.GroupedMLP.forward = forward
+
+
+class _CpuGroupedLinear(torch.nn.Module):
+    """``num_gemms`` linears ``[output_size, input_size]`` applied to consecutive row groups
+    (``forward(x, m_splits) -> (out, None)``), initialised as Megatron's expert linears are."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
+                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name=None, pg_collection=None, name=None) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+        tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
+        tp_size = tp.size() if tp is not None else 1
+        if bias or tp_size != 1:
+            raise ValueError("the CPU grouped linear supports no bias and expert tensor "
+                             f"parallelism 1 (got bias={bias}, expert TP={tp_size})")
+        self.config = config
+        self.num_gemms = num_gemms
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(output_size, input_size,
+                                                    dtype=config.params_dtype))
+            _initialize_affine_weight_cpu(weight, output_size, input_size, output_size, 0,
+                                          init_method, params_dtype=config.params_dtype,
+                                          rank=0, world_size=1)
+            # Expert weights are reduced over the expert-data-parallel group only.
+            weight.allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+            self.register_parameter(f"weight{i}", weight)
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int]):
+        from megatron.core.tensor_parallel.layers import (
+            linear_with_grad_accumulation_and_async_allreduce,
+        )
+
+        outs = [linear_with_grad_accumulation_and_async_allreduce(
+                    rows, getattr(self, f"weight{i}"), None,
+                    gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
+                    allreduce_dgrad=False, sequence_parallel=False)
+                for i, rows in enumerate(torch.split(x, list(m_splits)))]
+        return torch.cat(outs), None
+
+    def backward_dw(self) -> None:  # weight gradients are never deferred here
+        pass
+
+
+class CpuColumnParallelGroupedLinear(_CpuGroupedLinear):
+    """fc1 of ``TEGroupedMLP`` on CPU (column-parallel; expert TP 1)."""
+
+
+class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
+    """fc2 of ``TEGroupedMLP`` on CPU (row-parallel; expert TP 1)."""
