@@ -28,17 +28,22 @@ def layer_config(tiny: TinyMoE, ep: int):
                               moe_router_pre_softmax=tiny.topk == 1)  # Megatron requires it
 
 
-def build_pair(tiny: TinyMoE, ep: int, flats: dict, seed: int = 7):
-    """(stock alltoall MoELayer, {name: FlatMoELayer}) with identical weights."""
+def _stock_spec(tiny: TinyMoE, ep: int):
+    """(the layer config, Megatron's local MoE spec with SequentialMLP experts)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
+    spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(),
+                                           num_experts=tiny.num_experts)
+    return layer_config(tiny, ep), spec
+
+
+def build_pair(tiny: TinyMoE, ep: int, flats: dict, seed: int = 7):
+    """(stock alltoall MoELayer, {name: FlatMoELayer}) with identical weights."""
     from megatron_flat.megatron import compat
     from megatron_flat.megatron.spec import flat_moe_spec
 
-    config = layer_config(tiny, ep)
-    spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(),
-                                           num_experts=tiny.num_experts)
+    config, spec = _stock_spec(tiny, ep)
     torch.manual_seed(seed)
     stock = compat.build_moe_layer(spec, config)
     stock.set_layer_number(1)
@@ -115,14 +120,9 @@ def grouped_experts_spec(kind: str):
 def build_grouped_pair(tiny: TinyMoE, ep: int, kind: str, seed: int = 7):
     """(stock MoELayer with SequentialMLP, stock MoELayer with ``kind`` grouped experts) with
     identical weights (the experts' copied through their SequentialMLP-layout views)."""
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-
     from megatron_flat.megatron import compat
 
-    config = layer_config(tiny, ep)
-    spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(),
-                                           num_experts=tiny.num_experts)
+    config, spec = _stock_spec(tiny, ep)
     torch.manual_seed(seed)
     sequential = compat.build_moe_layer(spec, config)
     sequential.set_layer_number(1)

@@ -224,6 +224,30 @@ def check_main_grad(p: Problem, rank: int, group=None, ddp: bool = True, tied: b
         assert (w.grad is None) if not tied else torch.equal(w.grad, extra)
 
 
+def check_main_grad_case(case, seed: int, group, rank: int, **kwargs) -> None:
+    """:func:`check_main_grad` on a test module's ``CASES`` entry ``(problem kwargs with
+    "ns", op kwargs)``."""
+    problem_kwargs, op_kwargs = case
+    problem_kwargs = dict(problem_kwargs)
+    p = make_problem(problem_kwargs.pop("ns"), seed=seed, **problem_kwargs)
+    check_main_grad(p, rank, group, **kwargs, **op_kwargs)
+
+
+def check_backward_peak_at_paper_shape(group, rank: int, world: int, mode: str, n: int,
+                                       main_grad: bool) -> None:
+    """The paper's per-rank shape scaled down (V/P = 3.5 H = 112): the backward peak is at
+    most 3 strips + one fp32 shard gradient with ``main_grad`` (without it the shard's own
+    gradient comes on top), and within the docstring's bound."""
+    hidden, rows = 32, 112
+    peaks = measure_ring_peak(group, rank, world, mode, n, rows, hidden, main_grad=main_grad)
+    strip, shard_grad = n * rows * 4, rows * hidden * 4
+    target = 3 * strip + (1 if main_grad else 2) * shard_grad
+    assert peaks["backward"] <= target, (peaks["backward"] / strip, "strips")
+    run = mode if mode != "auto" else ("activations" if n <= rows else "weights")
+    bound = ring_peak_bound(run, n, rows, hidden, main_grad=main_grad)
+    assert peaks["forward"] <= bound and peaks["backward"] <= bound, (peaks, bound)
+
+
 @pytest.fixture(scope="session")
 def ring_ref():
     """This module: ``make_problem``, ``reference``, ``run_rank``, ``check_rank``..."""

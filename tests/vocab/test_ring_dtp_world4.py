@@ -92,25 +92,13 @@ MAIN_GRAD_CASES = ("ragged-padded", "last-shard-all-padding", "more-tokens-than-
 @pytest.mark.parametrize("ddp, tied", [(True, False), (True, True), (False, False)])
 def test_weight_gradient_accumulates_into_main_grad(dist_world, ring_ref, case, mode, ddp,
                                                     tied) -> None:
-    problem_kwargs, op_kwargs = CASES[case]
-    problem_kwargs = dict(problem_kwargs)
-    p = ring_ref.make_problem(problem_kwargs.pop("ns"), seed=len(case), **problem_kwargs)
-    ring_ref.check_main_grad(p, dist.get_rank(), dist.group.WORLD, ddp=ddp, tied=tied,
-                             mode=mode, **op_kwargs)
+    ring_ref.check_main_grad_case(CASES[case], len(case), dist.group.WORLD, dist.get_rank(),
+                                  ddp=ddp, tied=tied, mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("n", [72, 144])  # below and above V/P = 112
 @pytest.mark.parametrize("main_grad", [True, False])
 def test_backward_peak_at_the_paper_shape(dist_world, ring_ref, mode, n, main_grad) -> None:
-    # The paper's per-rank shape scaled down: V/P = 3.5 H. Target (with main_grad):
-    # <= 3 strips + one fp32 shard gradient; without, the shard gradient itself comes on top.
-    hidden, rows = 32, 112
-    peaks = ring_ref.measure_ring_peak(dist.group.WORLD, dist.get_rank(), 4, mode, n, rows,
-                                       hidden, main_grad=main_grad)
-    strip, shard_grad = n * rows * 4, rows * hidden * 4
-    target = 3 * strip + (1 if main_grad else 2) * shard_grad
-    assert peaks["backward"] <= target, (peaks["backward"] / strip, "strips")
-    run = mode if mode != "auto" else ("activations" if n <= rows else "weights")
-    bound = ring_ref.ring_peak_bound(run, n, rows, hidden, main_grad=main_grad)
-    assert peaks["forward"] <= bound and peaks["backward"] <= bound, (peaks, bound)
+    ring_ref.check_backward_peak_at_paper_shape(dist.group.WORLD, dist.get_rank(), 4, mode, n,
+                                                main_grad)
