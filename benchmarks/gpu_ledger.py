@@ -5,7 +5,7 @@ plain-PyTorch entry point against the reference it replaces, forward + backward 
 step), at a GPU shape:
 
   moe        PipelinedLLEP at EP = 1 (K chunks, recompute per chunk) vs the dense
-             reference MoE (``dispatch.reference.dense_moe``); no all-to-all at EP = 1
+             reference MoE (``testing.moe_reference.dense_moe``); no all-to-all at EP = 1
   vocab      Ring-DTP blocked on one device vs dense cross-entropy (logits N x V)
   sco        SelectiveCheckpointOffload vs torch checkpoint over a residual MLP stack
   optimizer  OffloadStreamAdamW vs torch.optim.AdamW, one step
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from megatron_flat.checkpoint import SelectiveCheckpointOffload
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
-from megatron_flat.dispatch.reference import dense_moe
+from megatron_flat.testing.moe_reference import dense_moe
 from megatron_flat.dispatch.schedule import routes_from_topk
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.plan.time import overlap_for, predict

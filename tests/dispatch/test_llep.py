@@ -8,7 +8,7 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.experts import GLUExperts, check_bank
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.plan import llep_plan, plain_ep_plan
-from megatron_flat.dispatch.reference import RankCase, engine_mismatches
+from megatron_flat.testing.moe_reference import RankCase, engine_mismatches
 from megatron_flat.dispatch.schedule import (
     receive_schedule,
     routes_from_map,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
-from megatron_flat.dispatch.reference import RankCase, engine_mismatches
+from megatron_flat.testing.moe_reference import RankCase, engine_mismatches
 
 pytestmark = pytest.mark.world(2)
 
@@ -77,7 +77,7 @@ class _GraphKeepingBank:
 def _run_engine(options, whole_graph=False):
     """One PipelinedLLEP forward + backward on this rank (skewed, spilling routes): the
     output, token and logit gradients and the local expert-weight gradients."""
-    from megatron_flat.dispatch.reference import local_bank_from
+    from megatron_flat.testing.moe_reference import local_bank_from
 
     rank = dist.get_rank()
     full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(5))
@@ -133,7 +133,7 @@ def test_bad_input_fails_everywhere_before_a_collective(dist_world):
     """Every rank rejects the bad call locally; the group is still usable afterwards."""
     rank = dist.get_rank()
     full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(1))
-    from megatron_flat.dispatch.reference import local_bank_from
+    from megatron_flat.testing.moe_reference import local_bank_from
 
     bank = local_bank_from(full, rank * (E // P), E // P)
     eng = PipelinedLLEP(bank, num_experts=E, topk=2,
@@ -171,6 +171,6 @@ def test_receive_bound_violation_raises_on_every_rank(dist_world, monkeypatch):
 
 
 def llep_local_bank(full, rank):
-    from megatron_flat.dispatch.reference import local_bank_from
+    from megatron_flat.testing.moe_reference import local_bank_from
 
     return local_bank_from(full, rank * (E // P), E // P)

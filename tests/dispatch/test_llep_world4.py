@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions
-from megatron_flat.dispatch.reference import RankCase, engine_mismatches
+from megatron_flat.testing.moe_reference import RankCase, engine_mismatches
 
 pytestmark = pytest.mark.world(4)
 

@@ -1,5 +1,8 @@
 """A dense, single-process MoE to check the dispatch engine against (tests, benchmarks).
 
+A test helper, not part of the dispatch engine: it lives with the other test support
+(``megatron_flat.testing``) so that benchmarks run from an installed package can use it too.
+
 :func:`dense_moe` computes what every dispatch must compute — each token's sum of its experts'
 probability-weighted outputs — with all E experts in one process, one expert at a time, in
 plain autograd. :class:`RankCase` builds one rank's synthetic inputs (tokens, routes, router
