@@ -3,13 +3,13 @@
 ``plan`` holds the pure planning API (LLEP plan, chunk counts and membership, route
 destinations, send matrices, the receive bound); ``schedule`` turns a plan into per-chunk
 send/receive/weight schedules; ``llep`` executes them (``PipelinedLLEP``, unchunked LLEP
-with ``mode="llep"``); ``experts`` is the expert-bank protocol the engine computes with;
+with ``mode="llep"``) over the EP group's all-to-alls in ``exchange`` (not re-exported); ``experts`` is the expert-bank protocol the engine computes with;
 ``profiles`` the synthetic routings used by benchmarks. The Megatron MoE layer built on
 this is ``megatron_flat.megatron.moe.FlatMoELayer``. The package namespace re-exports each
 module's ``__all__``.
 """
 
-from megatron_flat.dispatch import experts, llep, plan, profiles, schedule
+from megatron_flat.dispatch import exchange, experts, llep, plan, profiles, schedule  # noqa: F401
 from megatron_flat.dispatch.experts import *  # noqa: F401,F403
 from megatron_flat.dispatch.llep import *  # noqa: F401,F403
 from megatron_flat.dispatch.plan import *  # noqa: F401,F403

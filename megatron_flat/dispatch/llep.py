@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from megatron_flat.dispatch.exchange import Pending, all_to_all, columns, drain, group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
 from megatron_flat.dispatch.plan import (
     MEMBERSHIPS,
@@ -152,75 +153,6 @@ class StepStats:
         self.llep = self.plan.llep
 
 
-# ---------------------------------------------------------------------------- collectives
-def _group_geometry(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialized")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-class _Pending:
-    """Outputs of all-to-alls in flight; ``wait()`` returns them once complete.
-
-    Holds the inputs until then (an asynchronous collective reads them on its own stream).
-    ``unpack`` turns the received buffers into the caller's tensors (see ``_exchange``)."""
-
-    def __init__(self, outputs: list[torch.Tensor], works: list[Any],
-                 inputs: Optional[list[torch.Tensor]] = None,
-                 unpack: Optional[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = None):
-        self.outputs, self.works, self.inputs, self.unpack = outputs, works, inputs, unpack
-
-    def wait(self) -> list[torch.Tensor]:
-        for work in self.works:
-            if work is not None:
-                work.wait()
-        outputs, self.outputs, self.works, self.inputs = self.outputs, [], [], None
-        return self.unpack(outputs) if self.unpack is not None else outputs
-
-
-def _exchange(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits: list[int],
-              group: Optional[dist.ProcessGroup], ep_size: int, async_op: bool = False,
-              widths: Optional[list[int]] = None) -> _Pending:
-    """``all_to_all_single`` of each tensor along dim 0 with the same split sizes.
-
-    With ``widths`` the single tensor is a packed ``[rows, Σ widths]`` buffer (see
-    ``_Step._pack``) and ``wait()`` returns its column views (width 0: a 1-D column).
-    """
-    if ep_size == 1:
-        return _Pending(list(tensors), [])
-    outputs, works, inputs = [], [], []
-    for t in tensors:
-        t = t.contiguous()
-        out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-        works.append(dist.all_to_all_single(out, t, out_splits, in_splits, group=group,
-                                            async_op=async_op))
-        outputs.append(out)
-        inputs.append(t)
-    unpack = None
-    if widths is not None:
-        def unpack(outs: list[torch.Tensor]) -> list[torch.Tensor]:
-            return _columns(outs[0], widths)
-    return _Pending(outputs, works, inputs if async_op else None, unpack)
-
-
-def _columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
-    """Column views of a packed buffer (width 0: one column, as a 1-D view)."""
-    parts, col = [], 0
-    for w in widths:
-        parts.append(buf[:, col] if w == 0 else buf[:, col:col + w])
-        col += max(w, 1)
-    return parts
-
-
-def _drain(items: list) -> Iterator:
-    """Yield and drop the items of a list, first to last (each freed once consumed)."""
-    items.reverse()
-    while items:
-        yield items.pop()
-
-
 def _main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient buffer of a parameter under Megatron-Core's DDP (``main_grad``, with the
     ``grad_added_to_main_grad`` flag of its fused-accumulation protocol), else None.
@@ -282,7 +214,7 @@ class _Step:
         parts = [torch.cat([w.detach().reshape(-1) for w in self._own(e, weights)])
                  for experts in self.wsched.send for e in experts]
         buf = torch.cat(parts) if parts else template[0].new_empty(0)
-        (got,) = _exchange([buf], [len(x) * numel for x in self.wsched.recv],
+        (got,) = all_to_all([buf], [len(x) * numel for x in self.wsched.recv],
                            [len(x) * numel for x in self.wsched.send], self.group, self.p).wait()
         helper, offset = {}, 0
         for e in self.wsched.helper_experts:
@@ -391,13 +323,13 @@ class _Step:
             return views, (views, None)
         widths = [t.shape[1] if t.dim() == 2 else 0 for t in like]
         buf = like[0].new_empty((rows, sum(max(w, 1) for w in widths)))
-        return _columns(buf, widths), ([buf], widths)
+        return columns(buf, widths), ([buf], widths)
 
-    def _a2a(self, packed, i: int, *, back: bool) -> _Pending:
+    def _a2a(self, packed, i: int, *, back: bool) -> Pending:
         tensors, widths = packed
         recv, send = self.recv.splits[i], self.send.splits[i]
         out_splits, in_splits = (send, recv) if back else (recv, send)
-        return _exchange(tensors, out_splits, in_splits, self.group, self.p,
+        return all_to_all(tensors, out_splits, in_splits, self.group, self.p,
                          async_op=self.overlap and not back, widths=widths)
 
     # -- forward -------------------------------------------------------------------------
@@ -408,7 +340,7 @@ class _Step:
         helper = self._fetch_helper_weights(weights)
         out = tokens.new_zeros((self.n, hidden))
 
-        def dispatch(i: int) -> _Pending:
+        def dispatch(i: int) -> Pending:
             idx = self.send.chunk(i)
             tok = self.route_token.index_select(0, idx)
             return self._a2a(self._pack([(tokens, tok), (probs, idx)]), i, back=False)
@@ -493,7 +425,7 @@ class _Step:
         grad_tokens = torch.zeros_like(tokens)
         grad_probs = torch.zeros_like(probs)
 
-        def dispatch(i: int) -> _Pending:
+        def dispatch(i: int) -> Pending:
             idx = self.send.chunk(i)
             tok = self.route_token.index_select(0, idx)
             if self.save or (i < self.keep and not self.keep_first):
@@ -509,7 +441,7 @@ class _Step:
                 back = self._backward_saved(i, received[-1], acc)
             elif i < self.keep and not self.keep_first:
                 like, kept = self.kept.pop(i)
-                back = self._backward_experts(i, received[-1], like, _drain(kept), acc)
+                back = self._backward_experts(i, received[-1], like, drain(kept), acc)
                 del kept
             else:
                 x_recv, p_recv, g_recv = received
@@ -650,7 +582,7 @@ class _Step:
             else:
                 parts.append(torch.cat([g.reshape(-1) for g in got]))
         buf = torch.cat(parts) if parts else template[0].new_empty(0, dtype=gdtype)
-        (got,) = _exchange([buf], [len(x) * numel for x in self.wsched.send],
+        (got,) = all_to_all([buf], [len(x) * numel for x in self.wsched.send],
                            [len(x) * numel for x in self.wsched.recv], self.group, self.p).wait()
         del buf, parts
         offset = 0
@@ -762,7 +694,7 @@ class PipelinedLLEP:
         for name, value in (("num_experts", num_experts), ("topk", topk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.ep_size, self.rank = _group_geometry(group)
+        self.ep_size, self.rank = group_geometry(group)
         if num_experts % self.ep_size:
             raise ValueError(f"number of experts ({num_experts}) must be divisible by the "
                              f"expert-parallel size ({self.ep_size})")
@@ -892,7 +824,7 @@ class PipelinedLLEP:
                              token_chunks(n, k_chunks, o.membership, device),
                              num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False)
         del dest
-        (got,) = _exchange([send.counts.reshape(-1)], [k_chunks * e] * p, [k_chunks * e] * p,
+        (got,) = all_to_all([send.counts.reshape(-1)], [k_chunks * e] * p, [k_chunks * e] * p,
                            self.group, p).wait()
         # Wait 2 of 2: what this rank sends and receives per chunk, in one copy to the host.
         both = torch.cat([send.counts.reshape(-1), got]).cpu()
