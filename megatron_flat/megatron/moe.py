@@ -2,9 +2,11 @@
 
 Everything up to the routing decision is Megatron's: the router (top-k, score function, aux
 loss, z-loss, expert bias, token dropping) runs untouched through ``MoELayer.route``, and the
-experts are Megatron's ``SequentialMLP`` modules, whose own ``MLP.forward`` computes every
-expert (see :class:`SequentialMLPBank`). Only dispatch → expert compute → combine is replaced,
-by :class:`~megatron_flat.dispatch.llep.PipelinedLLEP` over the layer's expert-parallel group.
+experts are Megatron's modules, whose own forward computes every expert: ``SequentialMLP``
+(:class:`SequentialMLPBank`) or the grouped-GEMM experts ``GroupedMLP`` / ``TEGroupedMLP``
+(:class:`~megatron_flat.megatron.grouped_bank.GroupedExpertsBank`). Only dispatch → expert
+compute → combine is replaced, by :class:`~megatron_flat.dispatch.llep.PipelinedLLEP` over the
+layer's expert-parallel group.
 With ``FlatConfig.dispatch == "off"`` the layer is the stock ``MoELayer``.
 
 Select it through the layer spec (:mod:`megatron_flat.megatron.spec`), which also passes the
@@ -28,8 +30,10 @@ from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
 from megatron_flat.megatron import compat
+from megatron_flat.megatron.grouped_bank import GroupedExpertsBank
 
-__all__ = ["FlatMoELayer", "SequentialMLPBank", "replay_routing", "unsupported_settings"]
+__all__ = ["FlatMoELayer", "SequentialMLPBank", "expert_bank", "replay_routing",
+           "unsupported_settings"]
 
 
 class SequentialMLPBank:
@@ -177,8 +181,6 @@ def unsupported_settings(config, layer: Optional[MoELayer] = None) -> list[str]:
         ("delay_wgrad_compute", "delayed weight-gradient compute (delay_wgrad_compute)"),
         ("overlap_dispatch_backward_with_experts_wgrad",
          "overlap_dispatch_backward_with_experts_wgrad"),
-        ("moe_grouped_gemm", "grouped-GEMM experts (moe_grouped_gemm); use SequentialMLP "
-                             "experts"),
     ]
     for attr, what in checks:
         if getattr(config, attr, None):
@@ -187,11 +189,20 @@ def unsupported_settings(config, layer: Optional[MoELayer] = None) -> list[str]:
     if etp != 1:
         problems.append(f"expert tensor parallelism (expert_tensor_parallel_size={etp}) is not "
                         "supported; set it to 1")
+    if getattr(config, "add_bias_linear", False) and getattr(config, "moe_grouped_gemm", False):
+        problems.append("grouped-GEMM experts with biases (add_bias_linear) are not supported")
     if layer is not None and not isinstance(layer.experts, SequentialMLP) \
-            and not getattr(config, "moe_grouped_gemm", False):
+            and not GroupedExpertsBank.supports(layer.experts):
         problems.append(f"expert module {type(layer.experts).__name__} is not supported: use "
-                        "SequentialMLP experts (moe_grouped_gemm=False)")
+                        "SequentialMLP or grouped-GEMM experts (GroupedMLP, TEGroupedMLP)")
     return problems
+
+
+def expert_bank(experts: torch.nn.Module, config):
+    """The dispatch engine's bank over a layer's experts: ``SequentialMLP`` or grouped."""
+    if isinstance(experts, SequentialMLP):
+        return SequentialMLPBank(experts, config)
+    return GroupedExpertsBank(experts, config)
 
 
 class FlatMoELayer(MoELayer):
@@ -220,7 +231,7 @@ class FlatMoELayer(MoELayer):
             raise ValueError(f"FlatMoELayer (--flat-dispatch {flat.dispatch}) cannot run this MoE "
                              "layer:\n  - " + "\n  - ".join(problems))
         self.flat_dispatch = PipelinedLLEP(
-            SequentialMLPBank(self.experts, config), num_experts=config.num_moe_experts,
+            expert_bank(self.experts, config), num_experts=config.num_moe_experts,
             topk=config.moe_router_topk, options=DispatchOptions.from_flat_config(flat),
             group=self.ep_group)
 

@@ -19,31 +19,36 @@ from megatron_flat.testing.tiny_gpt import TinyMoE, transformer_config
 RTOL, ATOL = 1e-5, 1e-7
 
 
-def layer_config(tiny: TinyMoE, ep: int):
+def layer_config(tiny: TinyMoE, ep: int, **overrides):
     """The tiny model's MoE config with routing replay and Megatron's aux loss and z-loss on
     (they must be untouched by the flat dispatch)."""
     return transformer_config(tiny, ep=ep, moe_enable_routing_replay=True,
                               moe_router_load_balancing_type="aux_loss",
                               moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
-                              moe_router_pre_softmax=tiny.topk == 1)  # Megatron requires it
+                              moe_router_pre_softmax=tiny.topk == 1,  # Megatron requires it
+                              **overrides)
 
 
-def _stock_spec(tiny: TinyMoE, ep: int):
+def _stock_spec(tiny: TinyMoE, ep: int, **overrides):
     """(the layer config, Megatron's local MoE spec with SequentialMLP experts)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
     spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(),
                                            num_experts=tiny.num_experts)
-    return layer_config(tiny, ep), spec
+    return layer_config(tiny, ep, **overrides), spec
 
 
-def build_pair(tiny: TinyMoE, ep: int, flats: dict, seed: int = 7):
-    """(stock alltoall MoELayer, {name: FlatMoELayer}) with identical weights."""
+def build_pair(tiny: TinyMoE, ep: int, flats: dict, seed: int = 7, experts_spec=None,
+               **overrides):
+    """(stock alltoall MoELayer, {name: FlatMoELayer}) with identical weights; the experts
+    are SequentialMLP, or built from ``experts_spec``; ``overrides``: config fields."""
     from megatron_flat.megatron import compat
     from megatron_flat.megatron.spec import flat_moe_spec
 
-    config, spec = _stock_spec(tiny, ep)
+    config, spec = _stock_spec(tiny, ep, **overrides)
+    if experts_spec is not None:
+        spec = compat.replace_experts(spec, experts_spec)
     torch.manual_seed(seed)
     stock = compat.build_moe_layer(spec, config)
     stock.set_layer_number(1)
@@ -79,8 +84,14 @@ def run(layer, x: torch.Tensor, grad: torch.Tensor, expert_ids: torch.Tensor):
     return out.detach(), x.grad.detach(), grads
 
 
-def differences(want, got, *, exact: bool) -> list:
-    """Human-readable differences between two ``run`` results (empty: equal)."""
+# bf16: chunked expert GEMMs round in bf16 per chunk, and weight gradients are summed over
+# chunks in fp32 before one rounding to bf16 (the stock layer: one bf16 GEMM): a few bf16 ulps.
+BF16_RTOL, BF16_ATOL = 2 * 2.0**-8, 1e-3
+
+
+def differences(want, got, *, exact: bool, loose: bool = False) -> list:
+    """Human-readable differences between two ``run`` results (empty: equal). ``loose``:
+    bf16 tolerances instead of fp32's."""
     names = ["output", "input grad"]
     problems = []
     pairs = list(zip(names, want[:2], got[:2]))
@@ -91,7 +102,8 @@ def differences(want, got, *, exact: bool) -> list:
         if exact:
             if not torch.equal(a, b):
                 problems.append(f"{name}: not bitwise equal (max abs {(a - b).abs().max():.3g})")
-        elif not torch.allclose(b, a, rtol=RTOL, atol=ATOL):
+        elif not torch.allclose(b.float(), a.float(), rtol=BF16_RTOL if loose else RTOL,
+                                atol=BF16_ATOL if loose else ATOL):
             problems.append(f"{name}: max abs error {(a - b).abs().max():.3g}")
     return problems
 
@@ -157,3 +169,40 @@ def grouped_differences(sequential, grouped, x, grad, expert_ids, *, exact: bool
 
     return [f"{name}: max abs diff {(a - b).abs().max().item():.3g}"
             for name, a, b in pairs if not same(a, b)]
+
+
+def check_grouped_layer(kind: str, case: tuple, dtype: torch.dtype, ep: int, flats: dict,
+                        seed: int = 70) -> None:
+    """FlatMoELayer with ``kind`` grouped experts against the stock alltoall layer with the
+    same experts (the CPU grouped-GEMM reference), for a test file's ``CASES`` entry
+    ``(topk, profile, seq per rank, micro-batch, variants)`` with ``flats`` its FlatConfigs:
+    bitwise for the unchunked plain-EP variant (the same rows), else to fp32 (bf16) rounding."""
+    import pytest
+    import torch.distributed as dist
+
+    from megatron_flat.dispatch.profiles import routing_profile
+    from megatron_flat.testing.distributed import megatron_layout
+
+    if grouped_experts_spec(kind) is None:
+        pytest.skip("megatron-core 0.19 has no GroupedMLP (TEGroupedMLP is tested)")
+    topk, profile, seqs, mb, _ = case
+    rank = dist.get_rank()
+    tiny = TinyMoE(num_experts=2 * ep, topk=topk)
+    s = seqs[rank]
+    gen = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(s, mb, tiny.hidden_size, generator=gen).to(dtype)
+    g = torch.randn(s, mb, tiny.hidden_size, generator=gen).to(dtype)
+    ids = routing_profile(profile, s * mb, tiny.num_experts, topk)
+    overrides = {} if dtype == torch.float32 else dict(params_dtype=dtype, bf16=True)
+    problems = {}
+    with megatron_layout(ep=ep):
+        stock, layers = build_pair(tiny, ep, flats, experts_spec=grouped_experts_spec(kind),
+                                   **overrides)
+        want = run(stock, x, g, ids)
+        for name, layer in layers.items():
+            assert type(layer.experts) is type(stock.experts)
+            got = run(layer, x, g, ids)
+            exact = name.startswith("llep-plain-ep")  # unchunked, unspilled: the same rows
+            problems[name] = differences(want, got, exact=exact, loose=dtype != torch.float32)
+            assert max(layer.flat_dispatch.last.received) <= layer.flat_dispatch.last.receive_bound
+    assert problems == {name: [] for name in flats}

@@ -87,12 +87,21 @@ def test_install_refuses_unsupported_moe_settings(megatron_cpu, fresh_install):
     import megatron_flat
 
     args = types.SimpleNamespace(num_experts=4, expert_model_parallel_size=2,
-                                 expert_tensor_parallel_size=2, moe_grouped_gemm=True)
+                                 expert_tensor_parallel_size=2, moe_grouped_gemm=True,
+                                 add_bias_linear=True)
     with pytest.raises(fresh_install.FlatConfigError) as err:
         megatron_flat.install(PIPELINED, args)
     assert "expert_tensor_parallel_size=2" in str(err.value)
-    assert "moe_grouped_gemm" in str(err.value)
+    assert "grouped-GEMM experts with biases" in str(err.value)
     assert fresh_install.installed() is None
+
+
+def test_install_takes_grouped_gemm_experts(megatron_cpu, fresh_install):
+    import megatron_flat
+
+    args = types.SimpleNamespace(num_experts=4, expert_model_parallel_size=2,
+                                 moe_grouped_gemm=True, add_bias_linear=False)
+    assert megatron_flat.install(PIPELINED, args).dispatch == "pipelined"
 
 
 def _layers(flat, **overrides):

@@ -106,6 +106,20 @@ def test_layer_matches_alltoall(case, megatron_cpu):
                                    exact=True) == []
 
 
+GROUPED_CASES = ("balanced", "heavy-skew", "one-rank-receives-nothing")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", GROUPED_CASES)
+@pytest.mark.parametrize("kind", helpers.GROUPED_KINDS)
+def test_grouped_layer_matches_alltoall(kind, case, dtype, megatron_cpu):
+    """FlatMoELayer with grouped-GEMM experts against the stock alltoall layer with the same
+    experts: every variant of the case (chunked, spilled, kept chunks)."""
+    variants = CASES[case][4]
+    helpers.check_grouped_layer(kind, CASES[case], dtype, P,
+                                {n: flat(**kw) for n, kw in variants.items()})
+
+
 @pytest.mark.parametrize("profile", ["balanced", "1/1", "0.7/1"])
 @pytest.mark.parametrize("kind", helpers.GROUPED_KINDS)
 def test_grouped_reference_equals_sequential_at_ep2(kind, profile, megatron_cpu):

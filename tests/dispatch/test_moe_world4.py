@@ -46,6 +46,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["balanced", "heavy-skew", "three-ranks-receive-nothing"])
+@pytest.mark.parametrize("kind", helpers.GROUPED_KINDS)
+def test_grouped_layer_matches_alltoall(kind, case, dtype, megatron_cpu):
+    """FlatMoELayer with grouped-GEMM experts against the stock alltoall layer with the same
+    experts at EP=4 (see ``_moe_layers.check_grouped_layer``)."""
+    variants = CASES[case][4]
+    helpers.check_grouped_layer(kind, CASES[case], dtype, P,
+                                {n: flat(**kw) for n, kw in variants.items()})
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_matches_alltoall(case, megatron_cpu):
     from megatron_flat.dispatch.profiles import routing_profile

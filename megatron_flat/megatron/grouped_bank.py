@@ -1,0 +1,111 @@
+"""The dispatch engine's expert bank over Megatron's grouped experts (``--moe-grouped-gemm``).
+
+:class:`GroupedExpertsBank` serves ``GroupedMLP`` (0.16: ``weight1 [H, E_l·2F]`` and
+``weight2 [E_l·F, H]``, read by Megatron as ``[E_l, H, 2F]`` / ``[E_l, F, H]`` blocks) and
+``TEGroupedMLP`` (0.16 and 0.19: one ``weight{i}`` per expert in each grouped linear) as the
+engine's :class:`~megatron_flat.dispatch.experts.ExpertBank`:
+
+* ``local_weights(j)`` — expert j's two weights in the module's own layout: its blocks of
+  ``weight1``/``weight2`` (views from one ``unbind``, so backward stacks the experts'
+  gradients once, rather than a full-size zero per expert), or ``weight{j}`` of each linear;
+* ``run(weights, x, probs)`` — Megatron's own experts ``forward`` on ``x``, all rows given
+  to slot 0 whose weights are swapped for ``weights`` (``torch.func.functional_call``;
+  ``GroupedMLP`` is told it holds one expert for the call): the configured activation, GLU,
+  probability weighting and ``moe_apply_probs_on_input`` are Megatron's, through the same
+  grouped kernel the stock layer calls (with empty groups for the other slots).
+
+Exactness: per expert the same GEMMs on the same rows as the stock grouped layer, so equal
+to it bitwise where the kernel is row-independent (the CPU reference; rows of a CUDA grouped
+GEMM may round differently when the row count changes, as for SequentialMLP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence, Tuple
+
+import torch
+
+__all__ = ["GroupedExpertsBank"]
+
+
+class GroupedExpertsBank:
+    """:class:`~megatron_flat.dispatch.experts.ExpertBank` over ``GroupedMLP`` or
+    ``TEGroupedMLP`` (see the module docstring)."""
+
+    def __init__(self, experts: torch.nn.Module, config) -> None:
+        if not self.supports(experts):
+            raise TypeError(f"{type(experts).__name__} is not a grouped experts module")
+        self.experts = experts
+        self.blocks = hasattr(experts, "weight1")  # GroupedMLP: per-expert blocks of 2 weights
+        self.names = (("weight1", "weight2") if self.blocks
+                      else ("linear_fc1.weight0", "linear_fc2.weight0"))
+        self._views: list = []
+        self._key: tuple = ()
+        # The experts' weight gradients leave through the engine's autograd Function, so the
+        # grouped linears must return them rather than fuse them into main_grad themselves.
+        for module in experts.modules():
+            for flag in ("fuse_wgrad_accumulation", "gradient_accumulation_fusion"):
+                if getattr(module, flag, False) is True:
+                    setattr(module, flag, False)
+
+    @staticmethod
+    def supports(experts: torch.nn.Module) -> bool:
+        """Whether ``experts`` is a ``GroupedMLP`` (weight1/weight2) or a ``TEGroupedMLP``
+        (grouped linears with weight0..)."""
+        if hasattr(experts, "weight1") and hasattr(experts, "weight2"):
+            return True
+        fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+        return fc1 is not None and fc2 is not None and hasattr(fc1, "weight0") \
+            and hasattr(fc2, "weight0")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.experts.num_local_experts
+
+    def local_weights(self, j: int) -> Tuple[torch.Tensor, ...]:
+        if not self.blocks:
+            return (getattr(self.experts.linear_fc1, f"weight{j}"),
+                    getattr(self.experts.linear_fc2, f"weight{j}"))
+        return self._blocks()[j]
+
+    def _blocks(self) -> list:
+        """Every expert's (weight1 block, weight2 block), as views from one ``unbind`` each.
+
+        Kept while the parameters are unchanged (same storage, no in-place update since) and
+        the grad mode is the same; rebuilt after an optimizer step or for a recompute."""
+        w1, w2 = self.experts.weight1, self.experts.weight2
+        key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version, torch.is_grad_enabled())
+        if key != self._key:
+            n, hidden = self.num_local_experts, self.experts.config.hidden_size
+            self._views = list(zip(w1.view(n, hidden, -1).unbind(0),
+                                   w2.view(n, -1, hidden).unbind(0)))
+            self._key = key
+        return self._views
+
+    def run(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+            probs: torch.Tensor) -> torch.Tensor:
+        slots = 1 if self.blocks else self.num_local_experts
+        tokens_per_expert = torch.zeros(slots, dtype=torch.long)  # on the host, as Megatron's
+        tokens_per_expert[0] = x.shape[0]
+        with self._one_expert():
+            out, bias = torch.func.functional_call(self.experts, dict(zip(self.names, weights)),
+                                                   (x, tokens_per_expert, probs))
+        if bias is not None:
+            raise RuntimeError("grouped experts returned a separate bias; the flat dispatch "
+                               "supports bias-free experts (add_bias_linear=False)")
+        return out
+
+    @contextlib.contextmanager
+    def _one_expert(self) -> Iterator[None]:
+        """``GroupedMLP`` views its weights as ``num_local_experts`` blocks: one, for a call
+        with one expert's blocks swapped in."""
+        if not self.blocks:
+            yield
+            return
+        n = self.experts.num_local_experts
+        self.experts.num_local_experts = 1
+        try:
+            yield
+        finally:
+            self.experts.num_local_experts = n
