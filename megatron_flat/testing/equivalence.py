@@ -173,9 +173,18 @@ def full_tensors(chunks: Sequence[torch.nn.Module], *, grads: bool = False,
 
 
 def load_full(chunks: Sequence[torch.nn.Module], full: Dict[str, torch.Tensor]) -> None:
-    """Copy each local shard of ``full`` into the model's parameters (no collective)."""
+    """Copy each local shard of ``full`` into the model's parameters (no collective).
+
+    Every shard must be a view of a parameter: a module whose sharded state dict hands out
+    copies (0.16's GroupedMLP transposes its blocks into new tensors) would silently keep its
+    own weights, so it raises ``NotImplementedError`` instead."""
+    storages = {p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters()}
     with torch.no_grad():
         for s in _shards(chunks):
+            if s.data.untyped_storage().data_ptr() not in storages:
+                raise NotImplementedError(
+                    f"shard {s.key} is a copy, not a view of a parameter: the equivalence "
+                    "harness cannot load it")
             s.data.copy_(full[s.key][s.index()])
 
 
