@@ -175,17 +175,57 @@ def full_tensors(chunks: Sequence[torch.nn.Module], *, grads: bool = False,
 def load_full(chunks: Sequence[torch.nn.Module], full: Dict[str, torch.Tensor]) -> None:
     """Copy each local shard of ``full`` into the model's parameters (no collective).
 
-    Every shard must be a view of a parameter: a module whose sharded state dict hands out
-    copies (0.16's GroupedMLP transposes its blocks into new tensors) would silently keep its
-    own weights, so it raises ``NotImplementedError`` instead."""
-    storages = {p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters()}
+    As a distributed-checkpoint load does: every ShardedTensor of the model's sharded state
+    dict gets its slice of ``full``, factories merge their pieces back (0.16's GroupedMLP
+    hands out transposed expert blocks, not views of ``weight1``), and the results are
+    copied into the parameters of the same names. A parameter the state dict does not reach
+    raises ``NotImplementedError`` (a silent miss would compare the wrong weights)."""
+    from megatron.core.dist_checkpointing.dict_utils import (
+        dict_list_map_inplace,
+        extract_matching_values,
+    )
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+        apply_factory_merges,
+    )
+
+    def slice_of(v):
+        if isinstance(v, ShardedTensor) and not v.key.endswith("_extra_state"):
+            shard = _Shard(v.key, tuple(v.global_shape), v.prepend_axis_num,
+                           tuple(v.global_offset), True, v.data)
+            return full[v.key][shard.index()].to(v.data.dtype).clone()
+        return v
+
     with torch.no_grad():
-        for s in _shards(chunks):
-            if s.data.untyped_storage().data_ptr() not in storages:
-                raise NotImplementedError(
-                    f"shard {s.key} is a copy, not a view of a parameter: the equivalence "
-                    "harness cannot load it")
-            s.data.copy_(full[s.key][s.index()])
+        for chunk in chunks:
+            module = _unwrap(chunk)
+            sd = module.sharded_state_dict()
+            factories, _ = extract_matching_values(
+                sd, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True)
+            apply_factories(sd)
+            dict_list_map_inplace(slice_of, sd)
+            loaded = apply_factory_merges(sd, factories)
+            params = dict(module.named_parameters())
+            reached = set()
+            for name, value in _flat_items(loaded):
+                if name in params and isinstance(value, torch.Tensor):
+                    params[name].copy_(value.view_as(params[name]))
+                    reached.add(name)
+            missed = sorted(set(params) - reached)
+            if missed:
+                raise NotImplementedError(f"the sharded state dict does not reach {missed}: "
+                                          "the equivalence harness cannot load them")
+
+
+def _flat_items(tree, prefix: str = ""):
+    """(key, leaf) of a nested state dict (keys joined as the module's state dict does)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat_items(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+    else:
+        yield prefix, tree
 
 
 # --------------------------------------------------------------------------- reference

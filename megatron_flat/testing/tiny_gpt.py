@@ -44,6 +44,10 @@ class TinyMoE:
     # more transformer layer plus a projection + loss on the next-but-k token, its loss
     # scaled by 0.1 / heads (Megatron's default mtp_loss_scaling_factor).
     mtp_num_layers: int = 0
+    # Grouped-GEMM experts (--moe-grouped-gemm): Megatron's GroupedMLP, run on CPU through
+    # the CPU backend's reference grouped GEMM. megatron-core 0.16 only (0.19 has no
+    # GroupedMLP; its TEGroupedMLP is tested at the layer level).
+    grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -137,6 +141,8 @@ def transformer_config(
         raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
     if tiny.mtp_num_layers:
         kwargs.update(mtp_num_layers=tiny.mtp_num_layers)
+    if tiny.grouped_gemm:
+        kwargs.update(moe_grouped_gemm=True)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -151,7 +157,17 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
     )
 
     if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts, normalization="RMSNorm")
+        grouped = {}
+        if tiny.grouped_gemm:
+            from megatron_flat.megatron import compat
+
+            if compat.grouped_mlp_class() is None:
+                raise ValueError("TinyMoE(grouped_gemm=True) builds GroupedMLP experts, which "
+                                 f"megatron-core {'.'.join(map(str, compat.version()))} does "
+                                 "not have (0.16 does)")
+            grouped = {"moe_grouped_gemm": True}
+        layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts,
+                                              normalization="RMSNorm", **grouped)
     mtp = {}
     if getattr(config, "mtp_num_layers", None):
         # The MTP heads' layers are the decoder's layer spec (None off the last stage).
