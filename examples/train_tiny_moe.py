@@ -7,7 +7,7 @@ Run with ``make demo`` (2 ranks, gloo) or directly::
         --json results/demo.json --timeline results/demo_timeline.png
 
 Layout: EP=2 (DP=2 for the dense part), full recompute, Megatron's distributed optimizer,
-synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
+grouped-GEMM experts (``--no-moe-grouped-gemm``: SequentialMLP), synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
 (chunk-capped expert dispatch), Ring-DTP (the vocabulary projection + loss in strips), SCO
 (checkpoint boundaries in the pinned host pool) and OffloadStreamAdamW (AdamW moments in
 host memory, streamed in buckets). Any ``--flat-*`` flag overrides the demo's settings
@@ -64,6 +64,10 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-length", type=int, default=DEMO_MODEL.seq_length)
+    p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=True,
+                   help="grouped-GEMM experts in both runs, as most Megatron MoE runs use "
+                        "(GroupedMLP on 0.16, TEGroupedMLP on 0.19; on CPU through the "
+                        "reference grouped GEMM); --no-moe-grouped-gemm: SequentialMLP")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--json", default=None, help="write the measured peaks here")
     p.add_argument("--timeline", default="results/demo_timeline.png",
@@ -152,7 +156,7 @@ def main() -> None:
     flat = FlatConfig.from_args(args)
     init_distributed()
     enable_cpu_backend()
-    tiny = DEMO_MODEL.with_(seq_length=args.seq_length)
+    tiny = DEMO_MODEL.with_(seq_length=args.seq_length, grouped_gemm=args.moe_grouped_gemm)
     rank = dist.get_rank()
     if rank == 0:
         print(f"megatron-flat demo: MoE GPT {tiny.num_layers} layers, hidden {tiny.hidden_size}, "

@@ -83,7 +83,13 @@ def install_reference_gmm() -> None:
 
 class _CpuGroupedLinear(torch.nn.Module):
     """``num_gemms`` linears ``[output_size, input_size]`` applied to consecutive row groups
-    (``forward(x, m_splits) -> (out, None)``), initialised as Megatron's expert linears are."""
+    (``forward(x, m_splits) -> (out, None)``), initialised as Megatron's expert linears are.
+
+    ``sharded_state_dict`` gives each ``weight{i}`` as its global expert's shard (the
+    expert axis offset by this EP rank's first expert), as TE's grouped linear does, so
+    ``TEGroupedMLP``'s state dict keeps SequentialMLP's keys and layout."""
+
+    tp_axis = 0  # the weight axis tensor parallelism would split (column: rows)
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
                  init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
@@ -98,6 +104,7 @@ class _CpuGroupedLinear(torch.nn.Module):
                              f"parallelism 1 (got bias={bias}, expert TP={tp_size})")
         self.config = config
         self.num_gemms = num_gemms
+        self._ep = getattr(pg_collection, "ep", None) if pg_collection is not None else None
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size,
                                                     dtype=config.params_dtype))
@@ -123,10 +130,31 @@ class _CpuGroupedLinear(torch.nn.Module):
     def backward_dw(self) -> None:  # weight gradients are never deferred here
         pass
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        ep_size = self._ep.size() if self._ep is not None else 1
+        ep_rank = self._ep.rank() if self._ep is not None else 0
+        first, total = ep_rank * self.num_gemms, ep_size * self.num_gemms
+        dp_cp = (metadata or {}).get("dp_cp_group")
+        out = {}
+        for i in range(self.num_gemms):
+            offsets = (*sharded_offsets, (len(sharded_offsets), first + i, total))
+            sub = make_sharded_tensors_for_checkpoint(
+                {"weight": getattr(self, f"weight{i}")}, prefix, {"weight": self.tp_axis},
+                offsets, dp_cp_group=dp_cp)
+            out[f"{prefix}weight{i}"] = sub[f"{prefix}weight"]
+        return out
+
 
 class CpuColumnParallelGroupedLinear(_CpuGroupedLinear):
     """fc1 of ``TEGroupedMLP`` on CPU (column-parallel; expert TP 1)."""
 
+    tp_axis = 0
+
 
 class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
     """fc2 of ``TEGroupedMLP`` on CPU (row-parallel; expert TP 1)."""
+
+    tp_axis = 1

@@ -44,9 +44,9 @@ class TinyMoE:
     # more transformer layer plus a projection + loss on the next-but-k token, its loss
     # scaled by 0.1 / heads (Megatron's default mtp_loss_scaling_factor).
     mtp_num_layers: int = 0
-    # Grouped-GEMM experts (--moe-grouped-gemm): Megatron's GroupedMLP, run on CPU through
-    # the CPU backend's reference grouped GEMM. megatron-core 0.16 only (0.19 has no
-    # GroupedMLP; its TEGroupedMLP is tested at the layer level).
+    # Grouped-GEMM experts (--moe-grouped-gemm): 0.16's GroupedMLP (the CPU backend's
+    # reference grouped GEMM), or on 0.19, which has no GroupedMLP, TEGroupedMLP with the CPU
+    # grouped linears of megatron_flat.megatron.cpu_grouped.
     grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
@@ -157,17 +157,11 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
     )
 
     if layer_spec is None:
-        grouped = {}
-        if tiny.grouped_gemm:
-            from megatron_flat.megatron import compat
-
-            if compat.grouped_mlp_class() is None:
-                raise ValueError("TinyMoE(grouped_gemm=True) builds GroupedMLP experts, which "
-                                 f"megatron-core {'.'.join(map(str, compat.version()))} does "
-                                 "not have (0.16 does)")
-            grouped = {"moe_grouped_gemm": True}
         layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts,
-                                              normalization="RMSNorm", **grouped)
+                                              normalization="RMSNorm",
+                                              moe_grouped_gemm=tiny.grouped_gemm)
+        if tiny.grouped_gemm:
+            layer_spec = _with_cpu_grouped_experts(layer_spec)
     mtp = {}
     if getattr(config, "mtp_num_layers", None):
         # The MTP heads' layers are the decoder's layer spec (None off the last stage).
@@ -184,6 +178,26 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
         post_process=parallel_state.is_pipeline_last_stage(),
         **mtp,
     )
+
+
+def _with_cpu_grouped_experts(layer_spec):
+    """0.19's local spec ignores moe_grouped_gemm (no GroupedMLP): give its MoE layer
+    TEGroupedMLP experts with the CPU grouped linears (0.16's spec has GroupedMLP already)."""
+    import dataclasses
+
+    from megatron_flat.megatron import compat
+    from megatron_flat.megatron.cpu_grouped import (
+        CpuColumnParallelGroupedLinear,
+        CpuRowParallelGroupedLinear,
+    )
+
+    if compat.grouped_mlp_class() is not None:
+        return layer_spec
+    experts = compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
+                                         CpuRowParallelGroupedLinear)
+    mlp = compat.replace_experts(layer_spec.submodules.mlp, experts)
+    return dataclasses.replace(layer_spec,
+                               submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
 
 
 def reset_mtp_tracker() -> None:

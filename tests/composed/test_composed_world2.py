@@ -1,5 +1,6 @@
 """All four techniques on vs off at EP=2 (DP=2 for the dense part), with full recompute,
-with and without Megatron's distributed optimizer, and with an MTP head (2 ranks, gloo)."""
+with and without Megatron's distributed optimizer, with an MTP head, and with grouped-GEMM
+experts (2 ranks, gloo)."""
 
 import importlib.util
 import pathlib
@@ -17,9 +18,10 @@ LAYOUTS = {
     "ep2": dict(ep=2, recompute="full"),
     "ep2-distopt": dict(ep=2, recompute="full", distributed_optimizer=True),
     "ep2-mtp": dict(ep=2, recompute="full"),  # with an MTP head
+    "ep2-grouped": dict(ep=2, recompute="full"),  # grouped-GEMM experts
 }
 # The tiny model's variant per layout (TinyMoE fields); default: the plain tiny model.
-MODELS = {"ep2-mtp": dict(mtp_num_layers=1)}
+MODELS = {"ep2-mtp": dict(mtp_num_layers=1), "ep2-grouped": dict(grouped_gemm=True)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

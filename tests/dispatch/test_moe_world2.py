@@ -204,22 +204,20 @@ GROUPED_GPT_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def grouped_reference(megatron_cpu):
-    from megatron_flat.megatron import compat
     from megatron_flat.testing.equivalence import run_reference
     from megatron_flat.testing.tiny_gpt import TinyMoE
 
-    if compat.grouped_mlp_class() is None:
-        pytest.skip("megatron-core 0.19 has no GroupedMLP; TEGroupedMLP is tested layer by "
-                    "layer (its CPU linears have no sharded state dict for the harness yet)")
     tiny = TinyMoE(grouped_gemm=True)
     return tiny, run_reference(tiny)
 
 
 @pytest.mark.parametrize("name", list(GROUPED_GPT_LAYOUTS))
 def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
-    """The tiny MoE GPT with grouped-GEMM experts (GroupedMLP) and FlatMoELayer (chunked,
-    LLEP spilling) against the stock single-rank grouped model: loss, every gradient, the
-    parameters after two AdamW steps; also inside Megatron's full recompute."""
+    """The tiny MoE GPT with grouped-GEMM experts (0.16: GroupedMLP; 0.19: TEGroupedMLP on
+    the CPU grouped linears) and FlatMoELayer (chunked, LLEP spilling) against the stock
+    single-rank grouped model: loss, every gradient, the parameters after two AdamW steps;
+    also inside Megatron's full recompute."""
+    from megatron_flat.megatron import compat
     from megatron_flat.megatron.moe import FlatMoELayer
     from megatron_flat.megatron.spec import flat_moe_specs
     from megatron_flat.testing.equivalence import Layout, assert_equivalent, run_layout
@@ -235,7 +233,8 @@ def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
         result = run_layout(tiny, Layout(**GROUPED_GPT_LAYOUTS[name]), reference,
                             wrap_model=record)
     assert len(built) == tiny.num_layers
-    assert all(type(layer.experts).__name__ == "GroupedMLP" for layer in built)
+    kind = "GroupedMLP" if compat.grouped_mlp_class() is not None else "TEGroupedMLP"
+    assert all(type(layer.experts).__name__ == kind for layer in built)
     assert_equivalent(result, reference)
     stats = [layer.flat_dispatch.last for layer in built]
     assert all(s.num_chunks == 4 and s.llep for s in stats)
