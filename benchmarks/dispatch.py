@@ -27,6 +27,15 @@ targets for any; run both::
 One process (EP = 1, still chunked) works too, on CPU or on a GPU at a real shape::
 
     python benchmarks/dispatch.py --experts 128 --tokens 65536 --chunk 6554 --hidden 2048 --ffn 1024
+
+``--grouped``: grouped-GEMM experts in every variant (0.16's ``GroupedMLP``; 0.19's
+``TEGroupedMLP``, on CPU with the reference grouped linears). ``--recompute``: each layer
+inside Megatron's full recompute (``tensor_parallel.checkpoint``: the forward again in
+backward), as the demo and the paper preset run it. The counts table adds the ratios of
+FLOPs, all-to-all bytes and syncs to ``alltoall``'s. ``--json PATH`` writes a list of
+records, one per (profile, variant, grouped, recompute): ``profile``, ``variant``,
+``grouped``, ``recompute``, ``peak_bytes``, ``flops``, ``a2a_bytes``, ``syncs``, ``time_ms``
+and more (chunks, receive bound, plan, spills, the ratios).
 """
 
 from __future__ import annotations
@@ -63,8 +72,11 @@ def build_layers(args, device):
     tiny = TinyMoE(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                    ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
                    num_experts=args.experts, topk=args.topk)
-    config = transformer_config(tiny, ep=dist.get_world_size(), moe_enable_routing_replay=True)
+    config = transformer_config(tiny, ep=dist.get_world_size(), moe_enable_routing_replay=True,
+                                moe_grouped_gemm=args.grouped)
     spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=args.experts)
+    if args.grouped:
+        spec = compat.replace_experts(spec, grouped_experts_spec())
     common = dict(dispatch_chunk_tokens=args.chunk, dispatch_max_chunks=args.max_chunks,
                   llep_min_tokens_per_gemm=args.min_tokens_per_gemm,
                   llep_imbalance_threshold=args.imbalance_threshold)
@@ -97,13 +109,46 @@ def build_layers(args, device):
     return wrapped
 
 
-def step(ddp, x, grad, ids):
+def grouped_experts_spec():
+    """The installed release's grouped experts: GroupedMLP (0.16), else TEGroupedMLP with
+    transformer-engine's grouped linears when importable, the CPU reference ones otherwise."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_flat.megatron import compat
+    from megatron_flat.megatron.cpu_grouped import (
+        CpuColumnParallelGroupedLinear,
+        CpuRowParallelGroupedLinear,
+    )
+    from megatron_flat.runtime import extras
+
+    cls = compat.grouped_mlp_class()
+    if cls is not None:
+        return ModuleSpec(module=cls)
+    if extras.available("transformer_engine") and torch.cuda.is_available():
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+
+        return compat.te_grouped_mlp_spec(TEColumnParallelGroupedLinear,
+                                          TERowParallelGroupedLinear)
+    return compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
+                                      CpuRowParallelGroupedLinear)
+
+
+def step(ddp, x, grad, ids, recompute=False):
+    """One forward + backward; ``recompute``: inside Megatron's full recompute."""
+    from megatron.core import tensor_parallel
+
     from megatron_flat.megatron.moe import replay_routing
 
     x = x.detach().requires_grad_()
-    with replay_routing(ddp.module, ids):
-        out, _ = ddp(x)
-    out.backward(grad)
+    with replay_routing(ddp.module, ids):  # the recomputed forward routes alike
+        if recompute:
+            out = tensor_parallel.checkpoint(lambda h: ddp(h)[0], False, x)
+        else:
+            out, _ = ddp(x)
+        out.backward(grad)
 
 
 def sync(device):
@@ -113,14 +158,14 @@ def sync(device):
         dist.barrier()
 
 
-def measure_peak(layer, x, grad, ids, device):
+def measure_peak(layer, x, grad, ids, device, recompute=False):
     with MemoryMeter(device) as meter:
-        step(layer, x, grad, ids)
+        step(layer, x, grad, ids, recompute)
     stats = getattr(layer.module, "flat_dispatch", None)
     return meter.peak_device_bytes, (stats.last if stats is not None else None)
 
 
-def time_steps(layers, x, grad, ids, device, reps):
+def time_steps(layers, x, grad, ids, device, reps, recompute=False):
     """Best wall time of each layer's step; variants interleaved so machine load drifts
     hit them alike."""
     best = {name: float("inf") for name in layers}
@@ -128,13 +173,13 @@ def time_steps(layers, x, grad, ids, device, reps):
         for name, layer in layers.items():
             sync(device)
             start = time.perf_counter()
-            step(layer, x, grad, ids)
+            step(layer, x, grad, ids, recompute)
             sync(device)
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--topk", type=int, default=8)
@@ -150,12 +195,27 @@ def main() -> None:
                    help="chunks pipelined-kept keeps for backward")
     p.add_argument("--profiles", nargs="+", default=PROFILES)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--grouped", action="store_true",
+                   help="grouped-GEMM experts (GroupedMLP / TEGroupedMLP) in every variant")
+    p.add_argument("--recompute", action="store_true",
+                   help="each layer inside Megatron's full recompute")
+    p.add_argument("--json", default=None, help="write the list of records here (rank 0)")
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> list:
+    args = parse_args(argv)
     init_distributed()
     enable_cpu_backend()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    rows = run(args)
+    if dist.get_rank() == 0:
+        report(args, dist.get_world_size(), rows)
+    return rows
+
+
+def run(args) -> list:
+    """Every profile and variant on this process's EP group; the rows (every rank)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
@@ -164,21 +224,26 @@ def main() -> None:
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(device)
         grad = torch.randn(args.tokens, 1, args.hidden, generator=gen).to(device)
+        rc = args.recompute
         for name in VARIANTS:  # warm-up: one-time caches out of the measurements
             step(layers[name], x, grad, routing_profile("balanced", args.tokens, args.experts,
-                                                        args.topk).to(device))
+                                                        args.topk).to(device), rc)
         for profile in args.profiles:
             ids = routing_profile(profile, args.tokens, args.experts, args.topk).to(device)
-            seconds = time_steps(layers, x, grad, ids, device, args.reps)
+            seconds = time_steps(layers, x, grad, ids, device, args.reps, rc)
             for name in VARIANTS:
-                counts = count(step, layers[name], x, grad, ids)
-                peak, stats = measure_peak(layers[name], x, grad, ids, device)
+                counts = count(step, layers[name], x, grad, ids, rc)
+                peak, stats = measure_peak(layers[name], x, grad, ids, device, rc)
                 worst = torch.tensor([peak, seconds[name] * 1e6,
                                       max(stats.received) if stats else 0],
                                      dtype=torch.float64, device=device)
                 if world > 1:
                     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                rows.append(dict(profile=profile, variant=name, peak_bytes=int(worst[0]),
+                rows.append(dict(profile=profile, variant=name, grouped=bool(args.grouped),
+                                 recompute=bool(rc), peak_bytes=int(worst[0]),
+                                 flops=int(counts["flops"]),
+                                 a2a_bytes=int(counts["all_to_all_bytes"]),
+                                 syncs=int(counts["syncs"]), time_ms=float(worst[1]) / 1e3,
                                  ledger=counts,
                                  seconds=float(worst[1]) / 1e6,
                                  num_chunks=stats.num_chunks if stats else None,
@@ -187,18 +252,24 @@ def main() -> None:
                                  llep_plan=stats.llep if stats else None,
                                  weight_transfers=len(stats.plan.weight_transfers)
                                  if stats else None))
-    if rank == 0:
-        report(args, world, device, rows)
-
-
-def report(args, world, device, rows) -> None:
     by = {(r["profile"], r["variant"]): r for r in rows}
     for r in rows:
         base, a2a = by[(r["profile"], "llep")], by[(r["profile"], "alltoall")]
         r["peak_vs_llep"] = r["peak_bytes"] / base["peak_bytes"]
         r["peak_vs_alltoall"] = r["peak_bytes"] / a2a["peak_bytes"]
         r["time_vs_llep"] = r["seconds"] / base["seconds"]
-    print(f"MoE layer forward+backward, {world} rank(s) on {device.type}: E={args.experts} "
+        for key in ("flops", "a2a_bytes", "syncs"):
+            r[f"{key}_vs_alltoall"] = r[key] / a2a[key] if a2a[key] else None
+    return rows
+
+
+def report(args, world, rows) -> None:
+    by = {(r["profile"], r["variant"]): r for r in rows}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = "grouped-GEMM" if args.grouped else "SequentialMLP"
+    print(f"MoE layer forward+backward ({experts} experts"
+          f"{', inside full recompute' if args.recompute else ''}), {world} rank(s) on "
+          f"{device}: E={args.experts} "
           f"top-{args.topk} N={args.tokens}/rank H={args.hidden} F={args.ffn} c={args.chunk} "
           f"K_max={args.max_chunks} m={args.min_tokens_per_gemm} "
           f"lambda={args.imbalance_threshold} (peak: worst rank)")
@@ -216,21 +287,28 @@ def report(args, world, device, rows) -> None:
               f"{r['peak_vs_llep']:7.2f}x {r['peak_vs_alltoall']:6.2f}x "
               f"{r['time_vs_llep']:4.2f}x {r['seconds'] * 1e3:6.0f} {k:>3s} {recv:>11s} "
               f"{plan:>5s} {spills:>6s}")
-    print("\ncounts of one forward + backward (CostLedger, rank 0; syncs: host waits on a GPU)")
-    head = f"{'profile':9s} {'variant':21s}" + counts_header()
+    print("\ncounts of one forward + backward (CostLedger, rank 0; syncs: host waits on a GPU; "
+          "x: ratio to alltoall)")
+    head = (f"{'profile':9s} {'variant':21s}" + counts_header()
+            + f"{'FLOPs x':>9s}{'a2a x':>7s}{'syncs x':>8s}")
     print(head)
     print("-" * len(head))
+
+    def ratio(value):
+        return "-" if value is None else f"{value:.2f}"
+
     for r in rows:
-        print(f"{r['profile']:9s} {r['variant']:21s}" + counts_cells(r["ledger"]))
+        print(f"{r['profile']:9s} {r['variant']:21s}" + counts_cells(r["ledger"])
+              + f"{ratio(r['flops_vs_alltoall']):>9s}{ratio(r['a2a_bytes_vs_alltoall']):>7s}"
+              + f"{ratio(r['syncs_vs_alltoall']):>8s}")
     checks = targets(by, args.profiles, world)
     for line, ok in checks:
         print(f"[{'ok' if ok else 'MISSED'}] {line}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"world_size": world, "device": device.type, "args": vars(args),
-                       "rows": rows, "targets": [dict(target=t, met=ok) for t, ok in checks]},
-                      f, indent=1)
+            json.dump([dict(r, world_size=world) for r in rows], f, indent=1)
+        print(f"wrote {args.json}")
 
 
 def targets(by, profiles, world):
@@ -257,3 +335,6 @@ def targets(by, profiles, world):
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

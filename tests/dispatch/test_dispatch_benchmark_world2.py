@@ -1,0 +1,72 @@
+"""benchmarks/dispatch.py at EP=2 on a tiny shape, sequential and grouped experts, alone and
+inside Megatron's full recompute: one record per (profile, variant, grouped, recompute) with
+the keys the issue names, and the facts the table must show (the recompute's extra forward
+counted, the same all-to-all bytes for the same plan, the chunked peak below LLEP's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.world(2)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEYS = ("profile", "variant", "grouped", "recompute", "peak_bytes", "flops", "a2a_bytes",
+        "syncs", "time_ms")
+TINY = ["--experts", "4", "--topk", "2", "--tokens", "64", "--chunk", "16", "--hidden", "32",
+        "--ffn", "32", "--min-tokens-per-gemm", "4", "--profiles", "balanced", "0.8/2",
+        "--reps", "1"]
+
+
+@pytest.fixture(scope="module")
+def bench(megatron_cpu):
+    spec = importlib.util.spec_from_file_location(
+        "dispatch_benchmark", os.path.join(ROOT, "benchmarks", "dispatch.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows(bench):
+    out = {}
+    for grouped in (False, True):
+        for recompute in (False, True):
+            flags = (["--grouped"] if grouped else []) + (["--recompute"] if recompute else [])
+            for r in bench.run(bench.parse_args(TINY + flags)):
+                out[(r["profile"], r["variant"], r["grouped"], r["recompute"])] = r
+    return out
+
+
+def test_one_record_per_profile_variant_grouped_recompute(bench, rows) -> None:
+    assert sorted(rows) == sorted((p, v, g, rc) for p in ("balanced", "0.8/2")
+                                  for v in bench.VARIANTS for g in (False, True)
+                                  for rc in (False, True))
+    for r in rows.values():
+        assert set(KEYS) <= set(r), set(KEYS) - set(r)
+        assert r["peak_bytes"] > 0 and r["flops"] > 0 and r["time_ms"] > 0
+        assert r["flops_vs_alltoall"] is not None
+
+
+def test_counts_show_the_recompute_and_the_plan(rows) -> None:
+    for grouped in (False, True):
+        for variant in ("alltoall", "llep", "pipelined-strided"):
+            alone = rows[("balanced", variant, grouped, False)]
+            again = rows[("balanced", variant, grouped, True)]
+            # Full recompute runs the layer's forward once more: more FLOPs and bytes.
+            assert again["flops"] > alone["flops"] and again["a2a_bytes"] > alone["a2a_bytes"]
+        # Sequential and grouped experts do the same work for the same plan, except that a
+        # recomputed chunk of grouped experts still runs fc2's forward GEMM (SequentialMLP's
+        # bank skips it, run_for_grad): one [rows, F] x [F, H] product more per chunk.
+        for variant in ("alltoall", "llep"):
+            seq, grp = (rows[("balanced", variant, g, False)] for g in (False, True))
+            assert seq["flops"] == grp["flops"] and seq["a2a_bytes"] == grp["a2a_bytes"]
+        seq, grp = (rows[("balanced", "pipelined-strided", g, False)] for g in (False, True))
+        assert grp["a2a_bytes"] == seq["a2a_bytes"] and grp["flops"] > seq["flops"]
+        # Chunks bound the dispatch peak below unchunked LLEP's.
+        assert rows[("balanced", "pipelined-strided", grouped, False)]["peak_bytes"] < \
+            rows[("balanced", "llep", grouped, False)]["peak_bytes"]
