@@ -159,10 +159,22 @@ def _main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 
     The engine then adds each chunk's weight gradient straight into it and marks it added, as
     Megatron's fused linear layers do, so no full-size gradient per expert is held until the
-    end of backward; without DDP the gradients are summed in accumulators and returned."""
-    if not isinstance(param, torch.nn.Parameter) or not hasattr(param, "grad_added_to_main_grad"):
+    end of backward; without DDP the gradients are summed in accumulators and returned.
+    A bank may hand out a view of a parameter (one expert's block of a grouped weight) with
+    ``main_grad`` (the same view of the parameter's buffer) and ``main_grad_owner`` (the
+    parameter, whose flag DDP reads) set: it takes the same path."""
+    owner = getattr(param, "main_grad_owner", param)
+    if not isinstance(owner, torch.nn.Parameter) or not hasattr(owner, "grad_added_to_main_grad"):
         return None
     return getattr(param, "main_grad", None)
+
+
+def _mark_added(param: torch.Tensor) -> None:
+    """Set DDP's ``grad_added_to_main_grad`` on the parameter (or the view's owner)."""
+    param.grad_added_to_main_grad = True
+    owner = getattr(param, "main_grad_owner", None)
+    if owner is not None:
+        owner.grad_added_to_main_grad = True
 
 
 # ---------------------------------------------------------------------------- one step
@@ -473,7 +485,7 @@ class _Step:
                     # Already in main_grad: a placeholder keeps DDP's per-parameter hooks
                     # firing (they skip the add: grad_added_to_main_grad), one element of
                     # memory instead of a full gradient per parameter.
-                    w.grad_added_to_main_grad = True
+                    _mark_added(w)
                     grad_weights.append(w.new_empty(1).expand_as(w))
                 else:
                     grad_weights.append(torch.zeros_like(w) if got is None
@@ -557,7 +569,7 @@ class _Step:
             for w, g in zip(leaves, grads):
                 if g is not None:
                     w.main_grad.add_(g)
-                w.grad_added_to_main_grad = True
+                _mark_added(w)
             return
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves)]
         if e not in acc:
@@ -596,7 +608,7 @@ class _Step:
                 if all(_main_grad(w) is not None for w in own):
                     for w, g in zip(own, pieces):
                         w.main_grad.add_(g)
-                        w.grad_added_to_main_grad = True
+                        _mark_added(w)
                 elif e in acc:
                     for a, g in zip(acc[e], pieces):
                         a.add_(g)

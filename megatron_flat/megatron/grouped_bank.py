@@ -7,7 +7,9 @@ engine's :class:`~megatron_flat.dispatch.experts.ExpertBank`:
 
 * ``local_weights(j)`` — expert j's two weights in the module's own layout: its blocks of
   ``weight1``/``weight2`` (views from one ``unbind``, so backward stacks the experts'
-  gradients once, rather than a full-size zero per expert), or ``weight{j}`` of each linear;
+  gradients once, rather than a full-size zero per expert; under Megatron DDP each view
+  carries its block of ``main_grad``, where the engine adds its gradient in place), or
+  ``weight{j}`` of each linear;
 * ``run(weights, x, probs)`` — Megatron's own experts ``forward`` on ``x``, all rows given
   to slot 0 whose weights are swapped for ``weights`` (``torch.func.functional_call``;
   ``GroupedMLP`` is told it holds one expert for the call): the configured activation, GLU,
@@ -75,11 +77,22 @@ class GroupedExpertsBank:
         Kept while the parameters are unchanged (same storage, no in-place update since) and
         the grad mode is the same; rebuilt after an optimizer step or for a recompute."""
         w1, w2 = self.experts.weight1, self.experts.weight2
-        key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version, torch.is_grad_enabled())
+        grads = tuple(getattr(w, "main_grad", None) for w in (w1, w2))
+        key = (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version, torch.is_grad_enabled(),
+               tuple(None if g is None else g.data_ptr() for g in grads))
         if key != self._key:
             n, hidden = self.num_local_experts, self.experts.config.hidden_size
-            self._views = list(zip(w1.view(n, hidden, -1).unbind(0),
-                                   w2.view(n, -1, hidden).unbind(0)))
+            shapes = ((n, hidden, -1), (n, -1, hidden))
+            blocks = [w.view(shape).unbind(0) for w, shape in zip((w1, w2), shapes)]
+            for w, grad, shape, views in zip((w1, w2), grads, shapes, blocks):
+                if grad is None:
+                    continue
+                # Megatron DDP: each expert's block of main_grad, so the engine adds the
+                # block's gradient there in place (no full-size gradient per expert).
+                for view, grad_view in zip(views, grad.view(shape).unbind(0)):
+                    view.main_grad = grad_view
+                    view.main_grad_owner = w
+            self._views = list(zip(*blocks))
             self._key = key
         return self._views
 
