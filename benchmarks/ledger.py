@@ -174,7 +174,8 @@ def _moe_layers(args):
         experts=args.experts, topk=args.topk, hidden=args.hidden, ffn=args.ffn,
         chunk=args.chunk, max_chunks=args.max_chunks,
         min_tokens_per_gemm=args.min_tokens_per_gemm,
-        imbalance_threshold=args.imbalance_threshold, saved_chunks=args.max_chunks)
+        imbalance_threshold=args.imbalance_threshold, saved_chunks=args.max_chunks,
+        grouped=False)
     layers = dispatch_bench().build_layers(ns, torch.device("cpu"))
     return layers["alltoall"], layers["pipelined-strided"]
 
