@@ -24,11 +24,11 @@ GEMM may round differently when the row count changes, as for SequentialMLP).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["GroupedExpertsBank"]
+__all__ = ["GroupedExpertsBank", "GroupedMLPBank"]
 
 
 class GroupedExpertsBank:
@@ -122,3 +122,35 @@ class GroupedExpertsBank:
             yield
         finally:
             self.experts.num_local_experts = n
+
+
+class GroupedMLPBank(GroupedExpertsBank):
+    """:class:`GroupedExpertsBank` for 0.16's ``GroupedMLP``, whose per-expert maths Megatron
+    exposes (``activation_func_with_probs``), so the bank also offers the engine's
+    recompute shortcuts: ``run_for_grad`` (fc2's forward GEMM skipped: its output is only
+    differentiated) and ``run_keeping`` (fc1's output kept for a kept chunk, standing in for
+    that GEMM in backward), as :class:`~megatron_flat.megatron.moe.SequentialMLPBank` does.
+    The GEMMs are the grouped kernel's per expert (``x @ w1``, ``h @ w2``); their gradients
+    use the formulas of :class:`~megatron_flat.dispatch.experts.GradOnlyLinear`."""
+
+    def _inputs(self, x: torch.Tensor, probs: torch.Tensor):
+        if getattr(self.experts.config, "moe_apply_probs_on_input", False):
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)  # as GroupedMLP.forward does
+            probs = torch.ones_like(probs)
+        return x, probs.unsqueeze(-1)
+
+    def run_keeping(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                    probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        w1, w2 = weights
+        x, p = self._inputs(x, probs)
+        fc1 = x @ w1
+        return self.experts.activation_func_with_probs(fc1, p) @ w2, fc1
+
+    def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                     probs: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
+
+        w1, w2 = weights
+        x, p = self._inputs(x, probs)
+        fc1 = x @ w1 if kept is None else KeptOutputLinear.apply(x, w1.t(), kept)
+        return GradOnlyLinear.apply(self.experts.activation_func_with_probs(fc1, p), w2.t())

@@ -30,7 +30,7 @@ from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
 from megatron_flat.megatron import compat
-from megatron_flat.megatron.grouped_bank import GroupedExpertsBank
+from megatron_flat.megatron.grouped_bank import GroupedExpertsBank, GroupedMLPBank
 
 __all__ = ["FlatMoELayer", "SequentialMLPBank", "expert_bank", "replay_routing",
            "unsupported_settings"]
@@ -202,6 +202,8 @@ def expert_bank(experts: torch.nn.Module, config):
     """The dispatch engine's bank over a layer's experts: ``SequentialMLP`` or grouped."""
     if isinstance(experts, SequentialMLP):
         return SequentialMLPBank(experts, config)
+    if hasattr(experts, "weight1") and hasattr(experts, "activation_func_with_probs"):
+        return GroupedMLPBank(experts, config)  # 0.16's GroupedMLP: recompute shortcuts too
     return GroupedExpertsBank(experts, config)
 
 
