@@ -75,8 +75,10 @@ def build_layers(args, device):
     config = transformer_config(tiny, ep=dist.get_world_size(), moe_enable_routing_replay=True,
                                 moe_grouped_gemm=args.grouped)
     spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=args.experts)
-    if args.grouped:
-        spec = compat.replace_experts(spec, grouped_experts_spec())
+    if args.grouped:  # transformer-engine's grouped linears on a GPU, else the CPU reference
+        from megatron_flat.megatron.cpu_grouped import grouped_experts_spec
+
+        spec = compat.replace_experts(spec, grouped_experts_spec(torch.cuda.is_available()))
     common = dict(dispatch_chunk_tokens=args.chunk, dispatch_max_chunks=args.max_chunks,
                   llep_min_tokens_per_gemm=args.min_tokens_per_gemm,
                   llep_imbalance_threshold=args.imbalance_threshold)
@@ -107,33 +109,6 @@ def build_layers(args, device):
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                      overlap_grad_reduce=False))
     return wrapped
-
-
-def grouped_experts_spec():
-    """The installed release's grouped experts: GroupedMLP (0.16), else TEGroupedMLP with
-    transformer-engine's grouped linears when importable, the CPU reference ones otherwise."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_flat.megatron import compat
-    from megatron_flat.megatron.cpu_grouped import (
-        CpuColumnParallelGroupedLinear,
-        CpuRowParallelGroupedLinear,
-    )
-    from megatron_flat.runtime import extras
-
-    cls = compat.grouped_mlp_class()
-    if cls is not None:
-        return ModuleSpec(module=cls)
-    if extras.available("transformer_engine") and torch.cuda.is_available():
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelGroupedLinear,
-            TERowParallelGroupedLinear,
-        )
-
-        return compat.te_grouped_mlp_spec(TEColumnParallelGroupedLinear,
-                                          TERowParallelGroupedLinear)
-    return compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
-                                      CpuRowParallelGroupedLinear)
 
 
 def step(ddp, x, grad, ids, recompute=False):

@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["gmm", "install_reference_gmm", "CpuColumnParallelGroupedLinear",
-           "CpuRowParallelGroupedLinear"]
+__all__ = ["gmm", "install_reference_gmm", "grouped_experts_spec",
+           "CpuColumnParallelGroupedLinear", "CpuRowParallelGroupedLinear"]
 
 
 def _split_sizes(a: torch.Tensor, b: torch.Tensor, batch_sizes) -> list:
@@ -158,3 +158,29 @@ class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
     """fc2 of ``TEGroupedMLP`` on CPU (row-parallel; expert TP 1)."""
 
     tp_axis = 1
+
+
+def grouped_experts_spec(prefer_te: bool = False):
+    """The installed release's grouped-GEMM experts spec, runnable here: 0.16's
+    ``GroupedMLP`` (through :func:`gmm` on CPU), else ``TEGroupedMLP`` with
+    transformer-engine's grouped linears when ``prefer_te`` and it is importable, else with
+    the CPU grouped linears above."""
+    from megatron_flat.megatron import compat
+
+    cls = compat.grouped_mlp_class()
+    if cls is not None:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        return ModuleSpec(module=cls)
+    from megatron_flat.runtime import extras
+
+    if prefer_te and extras.available("transformer_engine"):
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+
+        return compat.te_grouped_mlp_spec(TEColumnParallelGroupedLinear,
+                                          TERowParallelGroupedLinear)
+    return compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
+                                      CpuRowParallelGroupedLinear)

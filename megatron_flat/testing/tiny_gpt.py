@@ -181,21 +181,14 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
 
 
 def _with_cpu_grouped_experts(layer_spec):
-    """0.19's local spec ignores moe_grouped_gemm (no GroupedMLP): give its MoE layer
-    TEGroupedMLP experts with the CPU grouped linears (0.16's spec has GroupedMLP already)."""
+    """The layer spec with the installed release's grouped experts runnable on CPU (0.19's
+    local spec ignores moe_grouped_gemm: it has no GroupedMLP)."""
     import dataclasses
 
     from megatron_flat.megatron import compat
-    from megatron_flat.megatron.cpu_grouped import (
-        CpuColumnParallelGroupedLinear,
-        CpuRowParallelGroupedLinear,
-    )
+    from megatron_flat.megatron.cpu_grouped import grouped_experts_spec
 
-    if compat.grouped_mlp_class() is not None:
-        return layer_spec
-    experts = compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
-                                         CpuRowParallelGroupedLinear)
-    mlp = compat.replace_experts(layer_spec.submodules.mlp, experts)
+    mlp = compat.replace_experts(layer_spec.submodules.mlp, grouped_experts_spec())
     return dataclasses.replace(layer_spec,
                                submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
 
