@@ -31,7 +31,8 @@ One process (EP = 1, still chunked) works too, on CPU or on a GPU at a real shap
 ``--grouped``: grouped-GEMM experts in every variant (0.16's ``GroupedMLP``; 0.19's
 ``TEGroupedMLP``, on CPU with the reference grouped linears). ``--recompute``: each layer
 inside Megatron's full recompute (``tensor_parallel.checkpoint``: the forward again in
-backward), as the demo and the paper preset run it. The counts table adds the ratios of
+backward), as the demo and the paper preset run it; the flat layers' re-run is graph-only
+(``--flat-dispatch-graph-only-recompute``, verified in the warm-up step). The counts table adds the ratios of
 FLOPs, all-to-all bytes and syncs to ``alltoall``'s. ``--json PATH`` writes a list of
 records, one per (profile, variant, grouped, recompute): ``profile``, ``variant``,
 ``grouped``, ``recompute``, ``peak_bytes``, ``flops``, ``a2a_bytes``, ``syncs``, ``time_ms``

@@ -53,6 +53,13 @@ class FlatConfig:
         metadata={"help": "Chunks per MoE layer kept from forward to backward instead of "
                           "recomputed (each expert's first-layer output; 0: recompute all)."},
     )
+    dispatch_graph_only_recompute: bool = field(
+        default=True,
+        metadata={"help": "On the re-run of a checkpointed region (full or MoE-module "
+                          "recompute), skip the MoE layer's dispatch when nothing later in the "
+                          "region keeps its output for backward (verified on the first re-run; "
+                          "the chunked backward does the work)."},
+    )
     llep_alpha: float = field(
         default=1.0, metadata={"help": "LLEP capacity factor alpha (cap = alpha * mean load)."}
     )

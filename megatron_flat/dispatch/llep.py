@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 
 from megatron_flat.dispatch.exchange import Pending, all_to_all, columns, drain, group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
+from megatron_flat.dispatch.recompute import Verdict, current_region
 from megatron_flat.dispatch.plan import (
     MEMBERSHIPS,
     LLEPPlan,
@@ -77,6 +78,9 @@ class DispatchOptions:
     per-chunk receive bound on every call; each of these reads device data on the host (a
     host sync on a GPU), so they are off by default: a forward pass then waits for the
     device twice, for the global counts the plan needs and for the chunks' split sizes.
+    ``graph_only_recompute``: on the re-run of a reentrant checkpoint's region, skip the
+    dispatch and return zeros when the region's later saves do not depend on the output
+    (verified on the first re-run; :mod:`megatron_flat.dispatch.recompute`).
     """
 
     mode: str = "pipelined"
@@ -89,12 +93,14 @@ class DispatchOptions:
     overlap: Optional[bool] = None
     saved_chunks: int = 0
     debug_checks: bool = False
+    graph_only_recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"dispatch mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not isinstance(self.debug_checks, bool):
-            raise ValueError(f"debug_checks must be a bool, got {self.debug_checks!r}")
+        for name in ("debug_checks", "graph_only_recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("chunk_tokens", "max_chunks", "min_tokens_per_gemm"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -129,7 +135,8 @@ class DispatchOptions:
                       alpha=flat.llep_alpha, min_tokens_per_gemm=flat.llep_min_tokens_per_gemm,
                       imbalance_threshold=flat.llep_imbalance_threshold,
                       saved_chunks=flat.dispatch_saved_chunks,
-                      debug_checks=flat.debug_checks)
+                      debug_checks=flat.debug_checks,
+                      graph_only_recompute=flat.dispatch_graph_only_recompute)
         values.update(overrides)
         return cls(**values)
 
@@ -147,6 +154,7 @@ class StepStats:
     sent: list[int]              # routes sent in each chunk
     helper_experts: list[int]    # experts computed here for another owner
     saved_chunks: int = 0        # chunks kept for backward instead of recomputed
+    graph_only: bool = False     # a re-run that skipped dispatch and experts (zeros out)
     llep: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -184,7 +192,8 @@ class _Step:
     def __init__(self, *, bank: ExpertBank, group, ep_size: int, rank: int, num_experts: int,
                  weights_per_expert: int, n_tokens: int, route_token: torch.Tensor,
                  send: SendSchedule, recv: ReceiveSchedule, wsched: WeightSchedule,
-                 transfers: int, overlap: bool, save: bool, keep: int = 0):
+                 transfers: int, overlap: bool, save: bool, keep: int = 0,
+                 values: bool = True):
         self.bank, self.group, self.p, self.rank = bank, group, ep_size, rank
         self.e_local = num_experts // ep_size
         self.first = rank * self.e_local
@@ -194,6 +203,8 @@ class _Step:
         self.transfers = transfers  # weight transfers in the whole group (collective or not)
         self.overlap, self.save = overlap, save
         self.keep = 0 if save else keep  # pipelined: chunks [0, keep) are kept for backward
+        self.values = values  # False: graph-only, forward returns zeros (backward recomputes)
+        assert values or not (save or keep), "a graph-only forward saves and keeps nothing"
         # A bank that can hand back its first layer's output keeps only that per expert
         # (its input rows come again with the backward dispatch, as for recompute); any
         # other keeps each expert's whole graph.
@@ -349,8 +360,10 @@ class _Step:
                 weights: Sequence[torch.Tensor]) -> torch.Tensor:
         k = self.send.num_chunks
         hidden = tokens.shape[1]
-        helper = self._fetch_helper_weights(weights)
         out = tokens.new_zeros((self.n, hidden))
+        if not self.values:
+            return out
+        helper = self._fetch_helper_weights(weights)
 
         def dispatch(i: int) -> Pending:
             idx = self.send.chunk(i)
@@ -641,7 +654,8 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     Backward, ``llep`` (saved): per chunk only output gradients out and input/probability
       gradients back, then the weight-gradient return.
 
-    Saved: ``tokens``, ``route_probs`` and the weights (references, no copies) plus int64 route
+    Saved: ``tokens``, ``route_probs`` (saved tensors), the weights (held by the context:
+    references, no copies, never packed by saved-tensor hooks) plus int64 route
     metadata (≈ 3 · 8 bytes per route). ``llep`` also keeps each chunk's expert graph (inputs,
     activations) and the helper weights from forward to backward, as plain autograd would.
 
@@ -670,13 +684,18 @@ class PipelinedLLEPFunction(torch.autograd.Function):
                 *weights: torch.Tensor) -> torch.Tensor:
         out = step.forward(tokens, route_probs, weights)
         ctx.step = step
-        ctx.save_for_backward(tokens, route_probs, *weights)
+        ctx.save_for_backward(tokens, route_probs)
+        # The weights themselves, not saved tensors: saved-tensor hooks (activation
+        # offloading, a recompute region) would pack module state, and an unpacked saved
+        # tensor is a new tensor object without the parameter's attributes (main_grad).
+        ctx.weights = weights
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        tokens, route_probs, *weights = ctx.saved_tensors
+        tokens, route_probs = ctx.saved_tensors
+        weights, ctx.weights = ctx.weights, None
         step, ctx.step = ctx.step, None
         grad_tokens, grad_probs, grad_weights = step.backward(grad_out, tokens, route_probs,
                                                               weights)
@@ -716,6 +735,7 @@ class PipelinedLLEP:
         self.num_experts, self.topk = num_experts, topk
         self.signature = check_bank(experts, num_experts // self.ep_size)
         self.last: Optional[StepStats] = None
+        self.verdict = Verdict()  # graph-only recompute of this engine (recompute.py)
         self._group_checked = False
 
     # -- validation --------------------------------------------------------------------
@@ -761,13 +781,15 @@ class PipelinedLLEP:
         o = self.options
         fields = ["num_experts", "topk", "hidden size", "chunk_tokens", "max_chunks",
                   "membership", "mode", "dtype", "alpha", "min_tokens_per_gemm",
-                  "imbalance_threshold", "expert weight elements", "saved_chunks"]
+                  "imbalance_threshold", "expert weight elements", "saved_chunks",
+                  "graph_only_recompute"]
         mine = torch.tensor([
             self.num_experts, self.topk, hidden, o.chunk_tokens, o.max_chunks,
             MEMBERSHIPS.index(o.membership), MODES.index(o.mode),
             _DTYPES.index(dtype) if dtype in _DTYPES else 99, round(o.alpha * 1e6),
             o.min_tokens_per_gemm, round(o.imbalance_threshold * 1e6),
-            sum(math.prod(s) for s, _ in self.signature), o.saved_chunks],
+            sum(math.prod(s) for s, _ in self.signature), o.saved_chunks,
+            int(o.graph_only_recompute)],
             dtype=torch.long, device=device)
         every = mine.new_empty(self.ep_size * mine.numel())
         dist.all_gather_into_tensor(every, mine, group=self.group)
@@ -857,16 +879,26 @@ class PipelinedLLEP:
             tokens.requires_grad or route_probs.requires_grad
             or any(w.requires_grad for w in weights))
         overlap = o.overlap if o.overlap is not None else device.type == "cuda"
+        # A checkpoint's re-run (recompute.py): verified first, then graph-only. Every rank
+        # of the group takes the same branch: same region structure, same verdict history.
+        region = current_region() if needs_grad and o.graph_only_recompute else None
+        if region is not None and (self.verdict.graph_only is False or not region.on_top()):
+            region = None
+        graph_only = region is not None and self.verdict.graph_only is True
         step = _Step(bank=bank, group=self.group, ep_size=p, rank=rank, num_experts=e,
                      weights_per_expert=len(self.signature), n_tokens=n,
                      route_token=route_token, send=send, recv=recv, wsched=wsched,
                      transfers=len(plan.weight_transfers),
                      overlap=overlap,
-                     save=needs_grad and not o.recompute,
-                     keep=min(o.saved_chunks, k_chunks) if needs_grad else 0)
+                     save=needs_grad and not o.recompute and not graph_only,
+                     keep=min(o.saved_chunks, k_chunks) if needs_grad and not graph_only else 0,
+                     values=not graph_only)
         self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits],
                               helper_experts=wsched.helper_experts,
-                              saved_chunks=step.keep)
-        return PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)
+                              saved_chunks=step.keep, graph_only=graph_only)
+        out = PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)
+        if region is not None:
+            region.watch(out, self.verdict, graph_only)
+        return out

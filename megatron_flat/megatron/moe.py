@@ -29,7 +29,7 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
-from megatron_flat.megatron import compat
+from megatron_flat.megatron import compat, regions
 from megatron_flat.megatron.grouped_bank import GroupedExpertsBank, GroupedMLPBank
 
 __all__ = ["FlatMoELayer", "SequentialMLPBank", "expert_bank", "replay_routing",
@@ -232,6 +232,8 @@ class FlatMoELayer(MoELayer):
         if problems:
             raise ValueError(f"FlatMoELayer (--flat-dispatch {flat.dispatch}) cannot run this MoE "
                              "layer:\n  - " + "\n  - ".join(problems))
+        if flat.dispatch_graph_only_recompute:
+            regions.enable()  # Megatron's checkpoint re-runs open recompute regions
         self.flat_dispatch = PipelinedLLEP(
             expert_bank(self.experts, config), num_experts=config.num_moe_experts,
             topk=config.moe_router_topk, options=DispatchOptions.from_flat_config(flat),

@@ -51,6 +51,7 @@ OPS_STOCK_FORWARD, OPS_STOCK_FORWARD_PER_EXPERT = 43, 6
 OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
 OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_EXPERT = 56, 36, 19
 OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_EXPERT = 10, 15, 55
+OPS_FLAT_GRAPH_ONLY_PER_CHUNK = 22  # a graph-only re-run: the chunk schedules, no exchange
 # Ring-DTP: the fold per strip (forward) and the recompute + grads per strip (backward).
 OPS_RING_PER_STRIP = 12
 OPS_RING_BACKWARD_PER_STRIP = 24
@@ -86,20 +87,22 @@ def attention_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> f
 def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: int,
                      routes_computed: float, routes_sent: float, bytes_per_value: int,
                      gated: bool = True, flat: bool = False, chunks: int = 1, kept: int = 0,
-                     recompute: bool = False) -> dict:
+                     recompute: bool = False, graph_only: bool = True) -> dict:
     """Counts of one MoE layer, one microbatch, forward + backward on one EP rank.
 
     ``routes_computed``: routes this rank's experts run; ``routes_sent``: routes it sends to
     other ranks; ``tokens``: its tokens (N_sp); ``recompute``: inside Megatron's full
     recompute (the forward runs twice). With u = 2·H·F and F1, F2 = (2, 1) gated, (1, 1)
-    plain, P = forward passes (2 under recompute)::
+    plain, P = forward passes (2 under recompute), V = passes that dispatch (P; flat with
+    ``graph_only`` under recompute: 1, the re-run skips the dispatch and keeps nothing,
+    kept = 0)::
 
         flops   = 2·N·H·E·(P + 2)                           router GEMM, its dX and dW
-                + (P·(F1 + F2) + 2·(F1 + F2)                experts forward, backward
+                + (V·(F1 + F2) + 2·(F1 + F2)                experts forward, backward
                    + [flat]·F1·(1 − kept/K))·u·routes_computed   + fc1 again per chunk
         a2a     = stock: routes_sent·(P + 1)·(2·H·b + 4)    tokens + fp32 prob out, output
                                                             back, per forward and backward
-                  flat:  routes_sent·(P·(2·H·b + 4) + 3·H·b + 8)
+                  flat:  routes_sent·(V·(2·H·b + 4) + 3·H·b + 8)
                                                             backward re-sends each token
                                                             with its output grad (2·H·b + 4)
                                                             and returns dX and dprob
@@ -116,7 +119,10 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     fc1, fc2 = expert_units(gated)
     passes = 2 if recompute else 1
     K = max(1, chunks)
-    units = passes * (fc1 + fc2) + 2 * (fc1 + fc2)
+    valued = 1 if flat and recompute and graph_only else passes
+    if valued < passes:
+        kept = 0  # the no-grad forward keeps nothing; the graph-only re-run computes nothing
+    units = valued * (fc1 + fc2) + 2 * (fc1 + fc2)
     if flat:
         units += fc1 * (1 - min(kept, K) / K)
     flops = 2 * tokens * H * E * (passes + 2) + units * 2 * H * F * routes_computed
@@ -128,13 +134,14 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
         ops = passes * (OPS_STOCK_FORWARD + OPS_STOCK_FORWARD_PER_EXPERT * e_local) \
             + OPS_STOCK_BACKWARD + OPS_STOCK_BACKWARD_PER_EXPERT * e_local
     else:
-        a2a = routes_sent * (passes * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES) \
+        a2a = routes_sent * (valued * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES) \
             + passes * (ep - 1) * K * E * 8
         other = passes * 2 * (ep - 1) * (E + 1) * 8
-        calls = {"all_to_all_single": passes * (2 * K + 1) + 2 * K, "all_reduce": passes}
-        syncs = passes * (SYNCS_FLAT_FORWARD + SYNCS_FLAT_PER_CHUNK * K)
-        ops = passes * (OPS_FLAT_FORWARD + OPS_FLAT_FORWARD_PER_CHUNK * K
-                        + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \
+        calls = {"all_to_all_single": valued * 2 * K + passes + 2 * K, "all_reduce": passes}
+        syncs = passes * SYNCS_FLAT_FORWARD + valued * SYNCS_FLAT_PER_CHUNK * K
+        ops = passes * OPS_FLAT_FORWARD + valued * (OPS_FLAT_FORWARD_PER_CHUNK * K
+                                                    + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \
+            + (passes - valued) * OPS_FLAT_GRAPH_ONLY_PER_CHUNK * K \
             + OPS_FLAT_BACKWARD + OPS_FLAT_BACKWARD_PER_CHUNK * K \
             + OPS_FLAT_BACKWARD_PER_EXPERT * e_local
     if ep == 1:
@@ -224,7 +231,7 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
     routes off-rank. LLEP's weight transfers (not in ``moe_layer_counts``): the hottest
     rank's excess (σ − σ')·k·N_sp routes leave with whole experts, about E_l·(σ − σ')/σ
     of them, each F_m·H·F·b out and its fp32 gradient back, per pass that computes
-    (forward, recompute, backward).
+    (forward, recompute unless graph-only, backward).
     """
     layers = _moe_layers(model, layout, report.stage)
     if not model.experts or not layers:
@@ -241,10 +248,12 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
                               routes_computed=sigma_run * k * n_sp,
                               routes_sent=k * n_sp * (ep - 1) / ep, bytes_per_value=b,
                               gated=model.gated, flat=on, chunks=K, kept=kept,
-                              recompute=True)
+                              recompute=True,
+                              graph_only=on and flat.dispatch_graph_only_recompute)
     if on:
         spilled = e_local * (sigma - sigma_run) / sigma if sigma > sigma_run else 0.0
-        counts["all_to_all_bytes"] += spilled * model.ffn_matrices * H * F * (b + 4) * 3
+        passes = 2 if flat.dispatch_graph_only_recompute else 3  # the graph-only re-run: none
+        counts["all_to_all_bytes"] += spilled * model.ffn_matrices * H * F * (b + 4) * passes
     return _scale(counts, layers), overlap_for("moe", "flat" if on else "stock", K)
 
 

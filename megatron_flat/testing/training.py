@@ -41,6 +41,7 @@ class Layout:
     distributed_optimizer: bool = False
     recompute: Optional[str] = None  # None, "full" or "selective"
     recompute_method: str = "uniform"  # full recompute: "uniform" or "block"
+    recompute_num_layers: int = 1  # full recompute: layers per checkpointed region (uniform)
     recompute_modules: tuple = ()  # selective recompute: Megatron's module names
     etp: Optional[int] = None  # experts' tensor-parallel size (None: Megatron's default, tp)
 
@@ -52,7 +53,9 @@ class Layout:
         if self.distributed_optimizer:
             parts.append("distopt")
         if self.recompute == "full":
-            parts.append(f"recompute-full-{self.recompute_method}")
+            parts.append(f"recompute-full-{self.recompute_method}"
+                         + (f"{self.recompute_num_layers}" if self.recompute_num_layers != 1
+                            else ""))
         elif self.recompute:
             parts.append("recompute-selective-" + "+".join(self.recompute_modules))
         return "-".join(parts)
@@ -99,6 +102,7 @@ class Trainer:
         self.config = transformer_config(
             tiny, tp=layout.tp, ep=layout.ep, pp=layout.pp, dispatcher=layout.dispatcher,
             recompute=layout.recompute, recompute_method=layout.recompute_method,
+            recompute_num_layers=layout.recompute_num_layers,
             recompute_modules=layout.recompute_modules,
             **({} if layout.etp is None else {"expert_tensor_parallel_size": layout.etp}),
             **(config_overrides or {}),

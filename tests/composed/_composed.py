@@ -75,6 +75,8 @@ def run_composed(tiny, layout):
         used["flat_moe_layers"] = sum(isinstance(m, FlatMoELayer) for m in model.modules())
         used["chunks"] = max((m.flat_dispatch.last.num_chunks for m in model.modules()
                               if isinstance(m, FlatMoELayer)), default=0)
+        used["graph_only_calls"] = sum(m.flat_dispatch.verdict.graph_only_calls
+                                       for m in model.modules() if isinstance(m, FlatMoELayer))
         used["ring_dtp"] = ring_dtp_output(model) is not None
         used["post_process"] = bool(model.post_process)
         used["boundaries_offloaded"] = trainer.sco.stats.boundaries_offloaded
@@ -93,6 +95,8 @@ def assert_composed_equal(tiny, layout) -> None:
     mtp_layers = tiny.mtp_num_layers if used["post_process"] else 0
     assert used["flat_moe_layers"] == tiny.num_layers // layout.pp + mtp_layers, used
     assert used["chunks"] > 1, used
+    if layout.recompute == "full":  # the re-runs of steps after the first skip the dispatch
+        assert used["graph_only_calls"] > 0, used
     assert used["ring_dtp"] == used["post_process"], used
     assert used["boundaries_offloaded"] > 0, used
     assert used["offload_inners"], used

@@ -194,11 +194,20 @@ def test_gpt_step_matches_stock_model(name, tiny, reference):
     assert all(s.num_chunks == (1 if "llep" in name else 4) for s in stats)
     if flat_kw.get("llep_imbalance_threshold") == 0.0:  # the spill path really ran
         assert all(s.llep for s in stats) and any(s.plan.weight_transfers for s in stats)
+    # MoE-module recompute: the layer's own checkpoint region ends at its output, so after
+    # the first step's verification its re-runs are graph-only.
+    verdicts = [layer.flat_dispatch.verdict for layer in built]
+    if "recompute" in name:
+        assert all(v.graph_only and v.graph_only_calls > 0 for v in verdicts), verdicts
+    else:
+        assert all(v.watched_calls == 0 for v in verdicts)
 
 
 GROUPED_GPT_LAYOUTS = {
     "ep2-pipelined": dict(ep=2),
     "ep2-pipelined-full-recompute": dict(ep=2, recompute="full"),
+    # Both layers in one checkpointed region: layer 1's MoE output feeds layer 2's norm.
+    "ep2-pipelined-full-recompute-2": dict(ep=2, recompute="full", recompute_num_layers=2),
 }
 
 
@@ -239,3 +248,16 @@ def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
     stats = [layer.flat_dispatch.last for layer in built]
     assert all(s.num_chunks == 4 and s.llep for s in stats)
     assert any(s.plan.weight_transfers for s in stats)
+    # Graph-only recompute: the first step's re-run verifies, later re-runs skip the dispatch
+    # for an MoE layer last in its checkpointed region; a layer whose output feeds the next
+    # layer inside the region keeps its values (and says why).
+    verdicts = [layer.flat_dispatch.verdict for layer in built]
+    layout = GROUPED_GPT_LAYOUTS[name]
+    if layout.get("recompute") != "full":
+        assert all(v.watched_calls == 0 for v in verdicts)
+    elif layout.get("recompute_num_layers", 1) == 1:
+        assert all(v.graph_only and v.graph_only_calls > 0 for v in verdicts)
+    else:
+        assert verdicts[0].graph_only is False and verdicts[0].graph_only_calls == 0
+        assert "computed from the MoE output" in verdicts[0].reason
+        assert verdicts[1].graph_only and verdicts[1].graph_only_calls > 0

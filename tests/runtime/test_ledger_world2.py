@@ -70,6 +70,24 @@ def test_moe_flops_differ_only_by_the_chunk_recompute(run) -> None:
     assert flat["peak_device_bytes"] < stock["peak_device_bytes"]
 
 
+def test_moe_under_full_recompute_does_no_more_than_stock(run) -> None:
+    """Inside Megatron's full recompute the flat layer's re-run is graph-only (no dispatch,
+    no expert GEMM): expert FLOPs and all-to-all bytes at most the stock layer's."""
+    _, args, by = run
+    stock, flat = by[("moe-recompute", "stock")], by[("moe-recompute", "flat")]
+    assert flat["flops"] <= stock["flops"]
+    assert flat["all_to_all_bytes"] <= stock["all_to_all_bytes"]
+    # Without the graph-only re-run it would be more than stock: the formula's other branch.
+    shape = flat["shape"]
+    valued = moe_layer_counts(
+        hidden=args.hidden, ffn=args.ffn, experts=args.experts, tokens=args.tokens,
+        ep=shape["ep"], routes_computed=shape["routes_computed"],
+        routes_sent=shape["routes_sent_off_rank"], bytes_per_value=4, flat=True,
+        chunks=flat["stages"], recompute=True, graph_only=False)
+    assert valued["flops"] > stock["flops"] and valued["all_to_all_bytes"] > \
+        stock["all_to_all_bytes"]
+
+
 def test_vocab_ring_moves_no_logits(run) -> None:
     _, args, by = run
     stock, flat = by[("vocab", "stock")], by[("vocab", "flat")]
