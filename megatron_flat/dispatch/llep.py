@@ -65,8 +65,11 @@ class DispatchOptions:
 
     ``chunk_tokens`` is the per-source token cap per chunk (c), ``max_chunks`` K_max,
     ``alpha`` the LLEP capacity factor, ``min_tokens_per_gemm`` m, ``imbalance_threshold`` λ
-    (0: always LLEP). ``overlap`` issues chunk i+1's dispatch before computing chunk i
-    (asynchronous all-to-all, NCCL's own stream); ``None`` means on for CUDA tensors only —
+    (0: always LLEP). ``overlap`` runs the all-to-alls asynchronously (NCCL's own stream):
+    the spilled-weight transfer during the first chunk's dispatch, chunk i+1's dispatch
+    during chunk i's experts, chunk i's combine (in backward, its input-gradient return)
+    during chunk i+1's experts; results are bitwise those of the serial order, at the cost
+    of one more chunk's receive and return buffers. ``None`` means on for CUDA tensors only:
     on CPU nothing overlaps and the strict one-chunk-at-a-time order keeps the peak lower.
     ``saved_chunks`` (``pipelined``): the first s chunks are kept from forward to backward
     instead of recomputed: with a bank that has ``run_keeping`` (Megatron's experts with a
@@ -228,25 +231,34 @@ class _Step:
             raise RuntimeError(f"PipelinedLLEP bug: rank {self.rank} received routes of expert {e} "
                                f"without its weights") from None
 
-    def _fetch_helper_weights(self, weights: Sequence[torch.Tensor]) -> dict:
-        """Owners send spilled experts' weights to their helpers (one all-to-all)."""
+    def _fetch_helper_weights(self, weights: Sequence[torch.Tensor]) -> Callable[[], dict]:
+        """Owners send spilled experts' weights to their helpers (one all-to-all, in flight
+        with ``overlap`` so it overlaps the first chunk's token dispatch); returns what
+        gives the helper weights ``{expert: tensors}`` once they are needed."""
         if not self.transfers:  # the same on every rank (from the plan), unlike wsched.empty
-            return {}
+            return dict
         template = self._own(self.first, weights)
         numel = sum(w.numel() for w in template)
         parts = [torch.cat([w.detach().reshape(-1) for w in self._own(e, weights)])
                  for experts in self.wsched.send for e in experts]
         buf = torch.cat(parts) if parts else template[0].new_empty(0)
-        (got,) = all_to_all([buf], [len(x) * numel for x in self.wsched.recv],
-                           [len(x) * numel for x in self.wsched.send], self.group, self.p).wait()
-        helper, offset = {}, 0
-        for e in self.wsched.helper_experts:
-            views = []
-            for w in template:
-                views.append(got[offset:offset + w.numel()].view(w.shape))
-                offset += w.numel()
-            helper[e] = tuple(views)
-        return helper
+        pending = all_to_all([buf], [len(x) * numel for x in self.wsched.recv],
+                             [len(x) * numel for x in self.wsched.send], self.group, self.p,
+                             async_op=self.overlap)
+        del buf, parts
+
+        def arrived() -> dict:
+            (got,) = pending.wait()
+            helper, offset = {}, 0
+            for e in self.wsched.helper_experts:
+                views = []
+                for w in template:
+                    views.append(got[offset:offset + w.numel()].view(w.shape))
+                    offset += w.numel()
+                helper[e] = tuple(views)
+            return helper
+
+        return arrived
 
     # -- per-chunk pieces --------------------------------------------------------------
     def _rows(self, t: torch.Tensor, i: int, start: int, end: int) -> torch.Tensor:
@@ -349,11 +361,16 @@ class _Step:
         return columns(buf, widths), ([buf], widths)
 
     def _a2a(self, packed, i: int, *, back: bool) -> Pending:
+        """Chunk i's all-to-all: out to the computing ranks, or ``back`` to the sources. With
+        ``overlap`` it is in flight until waited: a dispatch while the previous chunk
+        computes, a return (combine, or the backward's input gradients) while the next
+        chunk computes. Every rank issues them in one order: D0 D1 C0 D2 C1 ... (dispatch
+        Di, return Ci)."""
         tensors, widths = packed
         recv, send = self.recv.splits[i], self.send.splits[i]
         out_splits, in_splits = (send, recv) if back else (recv, send)
         return all_to_all(tensors, out_splits, in_splits, self.group, self.p,
-                         async_op=self.overlap and not back, widths=widths)
+                         async_op=self.overlap, widths=widths)
 
     # -- forward -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, probs: torch.Tensor,
@@ -363,14 +380,24 @@ class _Step:
         out = tokens.new_zeros((self.n, hidden))
         if not self.values:
             return out
-        helper = self._fetch_helper_weights(weights)
+        arrived = self._fetch_helper_weights(weights)
 
         def dispatch(i: int) -> Pending:
             idx = self.send.chunk(i)
             tok = self.route_token.index_select(0, idx)
             return self._a2a(self._pack([(tokens, tok), (probs, idx)]), i, back=False)
 
+        def combine(i: int, returning: Pending) -> None:
+            (y_send,) = returning.wait()
+            restore = self.send.restore[i]
+            y_em = y_send.index_select(0, restore)
+            del y_send
+            tok = self.route_token.index_select(0, self.send.chunk(i).index_select(0, restore))
+            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, hidden), y_em)
+
         pending = dispatch(0)
+        helper = arrived()
+        returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
         for i in range(k):
             x_recv, p_recv = pending.wait()
             pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
@@ -388,16 +415,17 @@ class _Step:
                 y_recv = self._forward_chunk(i, x_recv, p_recv, weights, helper,
                                              keep=i < self.keep)
                 del x_recv, p_recv
-            (y_send,) = self._a2a(([y_recv], None), i, back=True).wait()
+            if returning is not None:  # chunk i-1's combine ran while chunk i computed
+                combine(*returning)
+            returning = (i, self._a2a(([y_recv], None), i, back=True))
             del y_recv
-            restore = self.send.restore[i]
-            y_em = y_send.index_select(0, restore)
-            del y_send
-            tok = self.route_token.index_select(0, self.send.chunk(i).index_select(0, restore))
-            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, hidden), y_em)
-            del y_em, tok
-            if not self.overlap and i + 1 < k:
-                pending = dispatch(i + 1)
+            if not self.overlap:
+                combine(*returning)
+                returning = None
+                if i + 1 < k:
+                    pending = dispatch(i + 1)
+        if returning is not None:
+            combine(*returning)
         if self.save:
             self.helper = helper
         return out
@@ -444,8 +472,7 @@ class _Step:
                  weights: Sequence[torch.Tensor]):
         k = self.send.num_chunks
         grad_out = grad_out.contiguous()
-        helper = self.helper if self.save else self._fetch_helper_weights(weights)
-        self.helper = {}
+        arrived = (lambda: self.helper) if self.save else self._fetch_helper_weights(weights)
         acc: dict[int, list[torch.Tensor]] = {}
         grad_tokens = torch.zeros_like(tokens)
         grad_probs = torch.zeros_like(probs)
@@ -458,7 +485,18 @@ class _Step:
             return self._a2a(self._pack([(tokens, tok), (probs, idx), (grad_out, tok)]), i,
                              back=False)
 
+        def add_back(i: int, returning: Pending) -> None:
+            dx_send, dp_send = returning.wait()
+            idx = self.send.chunk(i)
+            restore = self.send.restore[i]
+            tok = self.route_token.index_select(0, idx.index_select(0, restore))
+            grad_tokens.index_add_(0, tok, dx_send.index_select(0, restore))
+            grad_probs.index_copy_(0, idx, dp_send.to(grad_probs.dtype))
+
         pending = dispatch(0)
+        helper = arrived()
+        self.helper = {}
+        returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
         for i in range(k):
             received = pending.wait()
             pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
@@ -476,16 +514,17 @@ class _Step:
                     acc)
                 del x_recv, p_recv, g_recv
             del received
-            dx_send, dp_send = self._a2a(back, i, back=True).wait()
+            if returning is not None:  # chunk i-1's return ran while chunk i computed
+                add_back(*returning)
+            returning = (i, self._a2a(back, i, back=True))
             del back
-            idx = self.send.chunk(i)
-            restore = self.send.restore[i]
-            tok = self.route_token.index_select(0, idx.index_select(0, restore))
-            grad_tokens.index_add_(0, tok, dx_send.index_select(0, restore))
-            grad_probs.index_copy_(0, idx, dp_send.to(grad_probs.dtype))
-            del dx_send, dp_send, tok
-            if not self.overlap and i + 1 < k:
-                pending = dispatch(i + 1)
+            if not self.overlap:
+                add_back(*returning)
+                returning = None
+                if i + 1 < k:
+                    pending = dispatch(i + 1)
+        if returning is not None:
+            add_back(*returning)
         del helper
         self._return_helper_grads(acc, weights)
         grad_weights = []
@@ -662,7 +701,8 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     Memory: each destination receives at most ``P · k · c_eff`` routes per chunk
     (:func:`~megatron_flat.dispatch.plan.receive_bound`, checked at run time), so the dispatch
     working set is O(P · k · c_eff · (H + F)) per chunk instead of O(k · N · H) per layer:
-    at most the chunk being computed plus, with ``overlap``, the next one's receive buffer.
+    at most the chunk being computed plus, with ``overlap``, the next one's receive buffer and
+    the previous one's return buffer.
     Within a chunk, ``pipelined`` runs one expert at a time in both passes: forward holds one
     expert's intermediates beside the chunk's combine buffer, backward one expert's recomputed
     graph and weight gradient, plus ``N · H`` for the input gradient.

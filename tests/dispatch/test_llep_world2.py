@@ -174,3 +174,29 @@ def llep_local_bank(full, rank):
     from megatron_flat.testing.moe_reference import local_bank_from
 
     return local_bank_from(full, rank * (E // P), E // P)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(saved_chunks=2), dict(mode="llep")],
+                         ids=["recomputed", "kept", "llep"])
+def test_overlap_is_bitwise_the_serial_schedule(extra, dist_world, monkeypatch):
+    """The CUDA schedule forced on over gloo's asynchronous work: the spilled-weight transfer
+    in flight during the first dispatch, chunk i+1's dispatch during chunk i's experts, and
+    chunk i's combine (backward: its input-gradient return) during chunk i+1's experts.
+    Outputs and every gradient equal the one-at-a-time schedule bit for bit."""
+    base = dict(chunk_tokens=4, imbalance_threshold=0.0, min_tokens_per_gemm=1, **extra)
+    want, _ = _run_engine(DispatchOptions(overlap=False, **base))
+    flags = []
+    issue = dist.all_to_all_single
+
+    def recording(*args, async_op=False, **kwargs):
+        flags.append(async_op)
+        return issue(*args, async_op=async_op, **kwargs)
+
+    monkeypatch.setattr(dist, "all_to_all_single", recording)
+    got, stats = _run_engine(DispatchOptions(overlap=True, **base))
+    assert stats.plan.weight_transfers  # a helper computes: the transfer was in flight too
+    # Every data all-to-all (weights, dispatch, return; forward and backward) in flight; only
+    # the count exchange before the chunks waits at once.
+    chunks = stats.num_chunks
+    assert sum(flags) >= 4 * chunks + 1, (flags, chunks)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
