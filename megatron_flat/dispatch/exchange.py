@@ -50,7 +50,7 @@ def all_to_all(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits
     """``all_to_all_single`` of each tensor along dim 0 with the same split sizes.
 
     With ``widths`` the single tensor is a packed ``[rows, Σ widths]`` buffer (the engine's
-    ``_Step._pack``) and ``wait()`` returns its column views (width 0: a 1-D column).
+    ``Step.pack``) and ``wait()`` returns its column views (width 0: a 1-D column).
     """
     if ep_size == 1:
         return Pending(list(tensors), [])

@@ -14,13 +14,13 @@ expert weights between ranks; it never looks inside an expert. What it needs is 
 
 ``run`` must be a pure function of its arguments (rows independent of each other), because the
 engine calls it on any subset of an expert's routes, on any rank, and again in backward to
-recompute. A bank may also offer ``run_for_grad(weights, x, probs, kept=None)``: a tensor
+recompute. A bank may also offer ``run_for_grad(weights, x, probs, first=None)``: a tensor
 whose autograd graph gives exactly ``run``'s gradients but whose *values* are never read (so
 the last linear layer's forward GEMM can be skipped when recomputing for backward: the output
 is not needed, only its input); the engine uses it for recompute when present. A bank that
-also offers ``run_keeping(weights, x, probs) -> (out, kept)`` returns, beside ``run``'s
-output, its first linear layer's output (``kept``); given back to ``run_for_grad`` it stands
-in for that layer's forward GEMM, so a chunk kept for backward costs one ``[R, F1]`` tensor
+also offers ``run_saving(weights, x, probs) -> (out, first)`` returns, beside ``run``'s
+output, its first linear layer's output (``first``); given back to ``run_for_grad`` it stands
+in for that layer's forward GEMM, so a chunk saved for backward costs one ``[R, F1]`` tensor
 (F1: the first layer's width) instead of a recompute.
 
 Megatron's ``SequentialMLP`` is adapted in :mod:`megatron_flat.megatron.moe`;
@@ -34,7 +34,7 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertBank", "GLUExperts", "GradOnlyLinear", "KeptOutputLinear", "check_bank"]
+__all__ = ["ExpertBank", "GLUExperts", "GradOnlyLinear", "SavedOutputLinear", "check_bank"]
 
 
 class ExpertBank(Protocol):
@@ -94,8 +94,8 @@ class GradOnlyLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
-class KeptOutputLinear(torch.autograd.Function):
-    """``x Wᵀ`` whose value was computed earlier (``output``, kept from forward): forward
+class SavedOutputLinear(torch.autograd.Function):
+    """``x Wᵀ`` whose value was computed earlier (``output``, saved from forward): forward
     returns it without a GEMM; backward is :class:`GradOnlyLinear`'s (``g W``, ``gᵀ x``).
     Saves ``x`` and ``W`` (references)."""
 
@@ -152,14 +152,14 @@ class GLUExperts(torch.nn.Module):
             probs: torch.Tensor) -> torch.Tensor:
         return torch.matmul(self._hidden(weights, x, probs), weights[1].t())
 
-    def run_keeping(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                    probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_saving(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                   probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         first = torch.matmul(x, weights[0].t())
         return torch.matmul(self._hidden(weights, x, probs, first), weights[1].t()), first
 
     def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                     probs: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
-        first = None if kept is None else KeptOutputLinear.apply(x, weights[0], kept)
+                     probs: torch.Tensor, first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        first = None if first is None else SavedOutputLinear.apply(x, weights[0], first)
         return GradOnlyLinear.apply(self._hidden(weights, x, probs, first), weights[1])
 
     def _hidden(self, weights: Sequence[torch.Tensor], x: torch.Tensor,

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_flat.dispatch.exchange import Pending, all_to_all, columns, drain, group_geometry
+from megatron_flat.dispatch.exchange import all_to_all, group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
+from megatron_flat.dispatch.passes import backward_pass, forward_pass
 from megatron_flat.dispatch.recompute import Verdict, current_region
+from megatron_flat.dispatch.step import Step
 from megatron_flat.dispatch.plan import (
     MEMBERSHIPS,
     LLEPPlan,
@@ -40,11 +42,8 @@ from megatron_flat.dispatch.plan import (
     route_destinations,
 )
 from megatron_flat.dispatch.schedule import (
-    ReceiveSchedule,
-    SendSchedule,
-    WeightSchedule,
-    receive_schedule,
     count_keys,
+    receive_schedule,
     send_schedule,
     token_chunks,
     weight_schedule,
@@ -71,12 +70,12 @@ class DispatchOptions:
     during chunk i+1's experts; results are bitwise those of the serial order, at the cost
     of one more chunk's receive and return buffers. ``None`` means on for CUDA tensors only:
     on CPU nothing overlaps and the strict one-chunk-at-a-time order keeps the peak lower.
-    ``saved_chunks`` (``pipelined``): the first s chunks are kept from forward to backward
-    instead of recomputed: with a bank that has ``run_keeping`` (Megatron's experts with a
+    ``saved_chunks`` (``pipelined``): the first s chunks are saved from forward to backward
+    instead of recomputed: with a bank that has ``run_saving`` (Megatron's experts with a
     one-rank, bias-free fc1; :class:`~megatron_flat.dispatch.experts.GLUExperts`) each
-    expert's first-layer output (``[R, F1]``) is kept and saves that GEMM in backward;
-    otherwise each expert's whole graph is kept and the chunk's token dispatch in backward
-    is saved too. 0 recomputes every chunk. ``debug_checks`` validates the routes' values
+    expert's first-layer output (``[R, F1]``) is saved and stands in for that GEMM in backward;
+    otherwise each expert's whole graph is saved and the chunk's token dispatch in backward
+    is skipped too. 0 recomputes every chunk. ``debug_checks`` validates the routes' values
     (ranges, order, at most ``topk`` per token), the counts against the plan and the
     per-chunk receive bound on every call; each of these reads device data on the host (a
     host sync on a GPU), so they are off by default: a forward pass then waits for the
@@ -156,516 +155,12 @@ class StepStats:
     received: list[int]          # routes received in each chunk
     sent: list[int]              # routes sent in each chunk
     helper_experts: list[int]    # experts computed here for another owner
-    saved_chunks: int = 0        # chunks kept for backward instead of recomputed
+    saved_chunks: int = 0        # chunks saved for backward instead of recomputed
     graph_only: bool = False     # a re-run that skipped dispatch and experts (zeros out)
     llep: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.llep = self.plan.llep
-
-
-def _main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """The gradient buffer of a parameter under Megatron-Core's DDP (``main_grad``, with the
-    ``grad_added_to_main_grad`` flag of its fused-accumulation protocol), else None.
-
-    The engine then adds each chunk's weight gradient straight into it and marks it added, as
-    Megatron's fused linear layers do, so no full-size gradient per expert is held until the
-    end of backward; without DDP the gradients are summed in accumulators and returned.
-    A bank may hand out a view of a parameter (one expert's block of a grouped weight) with
-    ``main_grad`` (the same view of the parameter's buffer) and ``main_grad_owner`` (the
-    parameter, whose flag DDP reads) set: it takes the same path."""
-    owner = getattr(param, "main_grad_owner", param)
-    if not isinstance(owner, torch.nn.Parameter) or not hasattr(owner, "grad_added_to_main_grad"):
-        return None
-    return getattr(param, "main_grad", None)
-
-
-def _mark_added(param: torch.Tensor) -> None:
-    """Set DDP's ``grad_added_to_main_grad`` on the parameter (or the view's owner)."""
-    param.grad_added_to_main_grad = True
-    owner = getattr(param, "main_grad_owner", None)
-    if owner is not None:
-        owner.grad_added_to_main_grad = True
-
-
-# ---------------------------------------------------------------------------- one step
-class _Step:
-    """Everything one call knows: schedules, plan, the bank; runs forward and backward."""
-
-    def __init__(self, *, bank: ExpertBank, group, ep_size: int, rank: int, num_experts: int,
-                 weights_per_expert: int, n_tokens: int, route_token: torch.Tensor,
-                 send: SendSchedule, recv: ReceiveSchedule, wsched: WeightSchedule,
-                 transfers: int, overlap: bool, save: bool, keep: int = 0,
-                 values: bool = True):
-        self.bank, self.group, self.p, self.rank = bank, group, ep_size, rank
-        self.e_local = num_experts // ep_size
-        self.first = rank * self.e_local
-        self.w = weights_per_expert
-        self.n, self.route_token = n_tokens, route_token
-        self.send, self.recv, self.wsched = send, recv, wsched
-        self.transfers = transfers  # weight transfers in the whole group (collective or not)
-        self.overlap, self.save = overlap, save
-        self.keep = 0 if save else keep  # pipelined: chunks [0, keep) are kept for backward
-        self.values = values  # False: graph-only, forward returns zeros (backward recomputes)
-        assert values or not (save or keep), "a graph-only forward saves and keeps nothing"
-        # A bank that can hand back its first layer's output keeps only that per expert
-        # (its input rows come again with the backward dispatch, as for recompute); any
-        # other keeps each expert's whole graph.
-        self.keep_first = hasattr(bank, "run_keeping") and hasattr(bank, "run_for_grad")
-        self.saved: list[Optional[tuple]] = []
-        self.kept: dict[int, list] = {}
-        self.helper: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    # -- weights ---------------------------------------------------------------------
-    def _own(self, e: int, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        j = e - self.first
-        return tuple(weights[j * self.w:(j + 1) * self.w])
-
-    def _weights_of(self, e: int, weights: Sequence[torch.Tensor],
-                    helper: dict) -> tuple[torch.Tensor, ...]:
-        if self.first <= e < self.first + self.e_local:
-            return self._own(e, weights)
-        try:
-            return helper[e]
-        except KeyError:
-            raise RuntimeError(f"PipelinedLLEP bug: rank {self.rank} received routes of expert {e} "
-                               f"without its weights") from None
-
-    def _fetch_helper_weights(self, weights: Sequence[torch.Tensor]) -> Callable[[], dict]:
-        """Owners send spilled experts' weights to their helpers (one all-to-all, in flight
-        with ``overlap`` so it overlaps the first chunk's token dispatch); returns what
-        gives the helper weights ``{expert: tensors}`` once they are needed."""
-        if not self.transfers:  # the same on every rank (from the plan), unlike wsched.empty
-            return dict
-        template = self._own(self.first, weights)
-        numel = sum(w.numel() for w in template)
-        parts = [torch.cat([w.detach().reshape(-1) for w in self._own(e, weights)])
-                 for experts in self.wsched.send for e in experts]
-        buf = torch.cat(parts) if parts else template[0].new_empty(0)
-        pending = all_to_all([buf], [len(x) * numel for x in self.wsched.recv],
-                             [len(x) * numel for x in self.wsched.send], self.group, self.p,
-                             async_op=self.overlap)
-        del buf, parts
-
-        def arrived() -> dict:
-            (got,) = pending.wait()
-            helper, offset = {}, 0
-            for e in self.wsched.helper_experts:
-                views = []
-                for w in template:
-                    views.append(got[offset:offset + w.numel()].view(w.shape))
-                    offset += w.numel()
-                helper[e] = tuple(views)
-            return helper
-
-        return arrived
-
-    # -- per-chunk pieces --------------------------------------------------------------
-    def _rows(self, t: torch.Tensor, i: int, start: int, end: int) -> torch.Tensor:
-        """Rows ``start:end`` of chunk i's grouped order (one expert's routes), taken from the
-        received buffer ``t`` (a view when the received order is already grouped)."""
-        index = self.recv.group[i]
-        return t[start:end] if index is None else t.index_select(0, index[start:end])
-
-    def _put(self, dst: torch.Tensor, i: int, start: int, end: int, src: torch.Tensor) -> None:
-        """The inverse of ``_rows``: write one expert's rows into a received-order buffer."""
-        index = self.recv.group[i]
-        if index is None:
-            dst[start:end].copy_(src)
-        else:
-            dst.index_copy_(0, index[start:end], src)
-
-    def _run(self, for_grad: bool) -> Callable:
-        if for_grad and hasattr(self.bank, "run_for_grad"):
-            return self.bank.run_for_grad  # recompute: the output's values are not needed
-        return self.bank.run
-
-    def _group(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        index = self.recv.group[i]
-        return t if index is None else t.index_select(0, index)
-
-    def _ungroup(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        index = self.recv.group[i]
-        if index is None:
-            return t
-        return torch.empty_like(t).index_copy_(0, index, t)
-
-    def _compute(self, i: int, xg: torch.Tensor, pg: torch.Tensor,
-                 weight_of: Callable[[int], tuple]) -> torch.Tensor:
-        """Chunk i's grouped rows through their experts as one graph (``llep`` mode)."""
-        run = self.bank.run
-        segments = self.recv.segments[i]
-        if not segments:
-            return xg.new_empty((0,) + tuple(xg.shape[1:]))
-        if len(segments) == 1:
-            return run(weight_of(segments[0][0]), xg, pg)
-        # torch.split, not slicing: split's backward is one cat, a slice's a full-size zeros.
-        sizes = [t - s for _, s, t in segments]
-        outs = [run(weight_of(e), x, p) for (e, _, _), x, p in
-                zip(segments, torch.split(xg, sizes), torch.split(pg, sizes))]
-        return torch.cat(outs)
-
-    def _leaf(self, e: int, weights, helper) -> tuple[torch.Tensor, ...]:
-        """Expert e's weights as autograd inputs: a native expert's own parameters
-        (``autograd.grad`` w.r.t. them returns the gradient without accumulating it, so no
-        gradient hook fires here), detached leaves of a helper copy."""
-        if self.first <= e < self.first + self.e_local:
-            return self._own(e, weights)
-        return tuple(w.detach().requires_grad_() for w in helper[e])
-
-    def _leaves(self, i: int, weights, helper) -> dict:
-        """``_leaf`` of every expert computed in chunk i."""
-        return {e: self._leaf(e, weights, helper) for e, _, _ in self.recv.segments[i]}
-
-    def _packable(self, tensors: Sequence[torch.Tensor]) -> bool:
-        return self.p > 1 and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
-
-    def _pack(self, parts: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]],
-              group: Optional[torch.Tensor] = None):
-        """Rows of several tensors as what one all-to-all sends: ``(tensors, widths)``.
-
-        ``parts`` are ``(source, index)``: with ``group=None`` the rows ``source[index]``
-        (``index=None``: all rows); with ``group``, ``source`` scattered to rows ``group``
-        (the inverse of ``_group``). Sources of one dtype are written straight into one
-        ``[rows, Σ widths]`` buffer — one collective per round instead of one per tensor (the
-        rounds are latency-bound at small chunks), and no temporary per tensor.
-        """
-        sources = [src for src, _ in parts]
-        if not self._packable(sources):
-            out = []
-            for src, index in parts:
-                if group is not None:
-                    out.append(torch.empty_like(src).index_copy_(0, group, src))
-                else:
-                    out.append(src if index is None else src.index_select(0, index))
-            return out, None
-        rows = sources[0].shape[0] if parts[0][1] is None else parts[0][1].numel()
-        views, packed = self._empty_packed(sources, rows)
-        for (src, index), view in zip(parts, views):
-            if group is not None:
-                view.index_copy_(0, group, src)
-            elif index is None:
-                view.copy_(src)
-            else:
-                torch.index_select(src, 0, index, out=view)
-        return packed
-
-    def _empty_packed(self, like: Sequence[torch.Tensor], rows: int):
-        """Uninitialised ``rows``-row buffers shaped and typed like ``like``'s rows, in one
-        packed buffer when ``_packable``: ``(views to fill, what _a2a sends)``."""
-        if not self._packable(like):
-            views = [t.new_empty((rows,) + tuple(t.shape[1:])) for t in like]
-            return views, (views, None)
-        widths = [t.shape[1] if t.dim() == 2 else 0 for t in like]
-        buf = like[0].new_empty((rows, sum(max(w, 1) for w in widths)))
-        return columns(buf, widths), ([buf], widths)
-
-    def _a2a(self, packed, i: int, *, back: bool) -> Pending:
-        """Chunk i's all-to-all: out to the computing ranks, or ``back`` to the sources. With
-        ``overlap`` it is in flight until waited: a dispatch while the previous chunk
-        computes, a return (combine, or the backward's input gradients) while the next
-        chunk computes. Every rank issues them in one order: D0 D1 C0 D2 C1 ... (dispatch
-        Di, return Ci)."""
-        tensors, widths = packed
-        recv, send = self.recv.splits[i], self.send.splits[i]
-        out_splits, in_splits = (send, recv) if back else (recv, send)
-        return all_to_all(tensors, out_splits, in_splits, self.group, self.p,
-                         async_op=self.overlap, widths=widths)
-
-    # -- forward -------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, probs: torch.Tensor,
-                weights: Sequence[torch.Tensor]) -> torch.Tensor:
-        k = self.send.num_chunks
-        hidden = tokens.shape[1]
-        out = tokens.new_zeros((self.n, hidden))
-        if not self.values:
-            return out
-        arrived = self._fetch_helper_weights(weights)
-
-        def dispatch(i: int) -> Pending:
-            idx = self.send.chunk(i)
-            tok = self.route_token.index_select(0, idx)
-            return self._a2a(self._pack([(tokens, tok), (probs, idx)]), i, back=False)
-
-        def combine(i: int, returning: Pending) -> None:
-            (y_send,) = returning.wait()
-            restore = self.send.restore[i]
-            y_em = y_send.index_select(0, restore)
-            del y_send
-            tok = self.route_token.index_select(0, self.send.chunk(i).index_select(0, restore))
-            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, hidden), y_em)
-
-        pending = dispatch(0)
-        helper = arrived()
-        returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
-        for i in range(k):
-            x_recv, p_recv = pending.wait()
-            pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
-            if self.save:
-                xg, pg = self._group(x_recv, i), self._group(p_recv, i)
-                del x_recv, p_recv
-                xg, pg = xg.detach().requires_grad_(), pg.detach().requires_grad_()
-                leaves = self._leaves(i, weights, helper)
-                with torch.enable_grad():
-                    yg = self._compute(i, xg, pg, leaves.__getitem__)
-                self.saved.append((xg, pg, leaves, yg))
-                y_recv = self._ungroup(yg.detach(), i)
-                del xg, pg, leaves, yg
-            else:
-                y_recv = self._forward_chunk(i, x_recv, p_recv, weights, helper,
-                                             keep=i < self.keep)
-                del x_recv, p_recv
-            if returning is not None:  # chunk i-1's combine ran while chunk i computed
-                combine(*returning)
-            returning = (i, self._a2a(([y_recv], None), i, back=True))
-            del y_recv
-            if not self.overlap:
-                combine(*returning)
-                returning = None
-                if i + 1 < k:
-                    pending = dispatch(i + 1)
-        if returning is not None:
-            combine(*returning)
-        if self.save:
-            self.helper = helper
-        return out
-
-    def _forward_chunk(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
-                       weights: Sequence[torch.Tensor], helper: dict,
-                       keep: bool = False) -> torch.Tensor:
-        """Chunk i's expert outputs in received order, one expert at a time: each expert's
-        rows are gathered, run and written into one output buffer, so the working set is
-        one expert's intermediates rather than the whole chunk's. With ``keep`` the chunk
-        is kept for backward (``self.kept[i]``): each expert's first-layer output
-        (``keep_first``), else each expert run with autograd and its whole graph."""
-        y_recv, kept = None, []
-        for e, start, end in self.recv.segments[i]:
-            x, p = self._rows(x_recv, i, start, end), self._rows(p_recv, i, start, end)
-            if keep and self.keep_first:
-                y, first = self.bank.run_keeping(self._weights_of(e, weights, helper), x, p)
-                kept.append(first)
-                del first
-            elif keep:
-                x, p = x.detach().requires_grad_(), p.detach().requires_grad_()
-                leaves = self._leaf(e, weights, helper)
-                with torch.enable_grad():
-                    y = self.bank.run(leaves, x, p)
-                kept.append((e, start, end, x, p, leaves, y))
-                y = y.detach()
-                del leaves
-            else:
-                y = self.bank.run(self._weights_of(e, weights, helper), x, p)
-            del x, p
-            if y_recv is None:
-                y_recv = y.new_empty((x_recv.shape[0],) + tuple(y.shape[1:]))
-            self._put(y_recv, i, start, end, y)
-            del y
-        if keep and self.keep_first:
-            self.kept[i] = kept
-        elif keep:  # dtype and width of the input and probability gradients sent back
-            like = (x_recv.new_empty((0,) + tuple(x_recv.shape[1:])), p_recv.new_empty(0))
-            self.kept[i] = [like, kept]
-        return x_recv.new_empty(x_recv.shape) if y_recv is None else y_recv
-
-    # -- backward ------------------------------------------------------------------------
-    def backward(self, grad_out: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor,
-                 weights: Sequence[torch.Tensor]):
-        k = self.send.num_chunks
-        grad_out = grad_out.contiguous()
-        arrived = (lambda: self.helper) if self.save else self._fetch_helper_weights(weights)
-        acc: dict[int, list[torch.Tensor]] = {}
-        grad_tokens = torch.zeros_like(tokens)
-        grad_probs = torch.zeros_like(probs)
-
-        def dispatch(i: int) -> Pending:
-            idx = self.send.chunk(i)
-            tok = self.route_token.index_select(0, idx)
-            if self.save or (i < self.keep and not self.keep_first):
-                return self._a2a(self._pack([(grad_out, tok)]), i, back=False)
-            return self._a2a(self._pack([(tokens, tok), (probs, idx), (grad_out, tok)]), i,
-                             back=False)
-
-        def add_back(i: int, returning: Pending) -> None:
-            dx_send, dp_send = returning.wait()
-            idx = self.send.chunk(i)
-            restore = self.send.restore[i]
-            tok = self.route_token.index_select(0, idx.index_select(0, restore))
-            grad_tokens.index_add_(0, tok, dx_send.index_select(0, restore))
-            grad_probs.index_copy_(0, idx, dp_send.to(grad_probs.dtype))
-
-        pending = dispatch(0)
-        helper = arrived()
-        self.helper = {}
-        returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
-        for i in range(k):
-            received = pending.wait()
-            pending = dispatch(i + 1) if self.overlap and i + 1 < k else None
-            if self.save:
-                back = self._backward_saved(i, received[-1], acc)
-            elif i < self.keep and not self.keep_first:
-                like, kept = self.kept.pop(i)
-                back = self._backward_experts(i, received[-1], like, drain(kept), acc)
-                del kept
-            else:
-                x_recv, p_recv, g_recv = received
-                back = self._backward_experts(
-                    i, g_recv, (x_recv, p_recv),
-                    self._recomputed(i, x_recv, p_recv, weights, helper, self.kept.pop(i, None)),
-                    acc)
-                del x_recv, p_recv, g_recv
-            del received
-            if returning is not None:  # chunk i-1's return ran while chunk i computed
-                add_back(*returning)
-            returning = (i, self._a2a(back, i, back=True))
-            del back
-            if not self.overlap:
-                add_back(*returning)
-                returning = None
-                if i + 1 < k:
-                    pending = dispatch(i + 1)
-        if returning is not None:
-            add_back(*returning)
-        del helper
-        self._return_helper_grads(acc, weights)
-        grad_weights = []
-        for j in range(self.e_local):
-            e = self.first + j
-            own = self._own(e, weights)
-            got = acc.pop(e, None)
-            for n, w in enumerate(own):
-                if _main_grad(w) is not None:
-                    # Already in main_grad: a placeholder keeps DDP's per-parameter hooks
-                    # firing (they skip the add: grad_added_to_main_grad), one element of
-                    # memory instead of a full gradient per parameter.
-                    _mark_added(w)
-                    grad_weights.append(w.new_empty(1).expand_as(w))
-                else:
-                    grad_weights.append(torch.zeros_like(w) if got is None
-                                        else got[n].to(w.dtype))
-        return grad_tokens, grad_probs, grad_weights
-
-    def _backward_saved(self, i: int, g_recv: torch.Tensor, acc: dict):
-        """``llep`` mode: differentiate chunk i's saved graph (all its experts at once, as
-        plain autograd would); returns what ``_a2a`` sends back (input, probability grads)."""
-        gg = self._group(g_recv, i)
-        xg, pg, leaves, yg = self.saved[i]
-        self.saved[i] = None
-        if self.recv.segments[i]:
-            experts = [e for e, _, _ in self.recv.segments[i]]
-            wanted = [w for e in experts for w in leaves[e] if w.requires_grad]
-            grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
-            dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
-            dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
-            found = iter(grads[2:])
-            for e in experts:
-                self._accumulate(acc, e, [next(found) if w.requires_grad else None
-                                          for w in leaves[e]], leaves[e])
-            del grads, found
-        else:
-            dxg, dpg = xg.detach(), pg.detach()  # empty
-        del xg, pg, yg, gg, leaves
-        index = self.recv.group[i]
-        return self._pack([(dxg, None), (dpg, None)], group=index)
-
-    def _recomputed(self, i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
-                    weights: Sequence[torch.Tensor], helper: dict,
-                    kept: Optional[list] = None) -> Iterator[tuple]:
-        """``pipelined`` backward of a chunk: each expert's graph rebuilt from its received
-        rows, one at a time, as ``(expert, start, end, x, p, weights, y)``; ``kept``: the
-        experts' first-layer outputs from forward, which stand in for that layer's GEMM."""
-        run = self._run(for_grad=True)
-        for n, (e, start, end) in enumerate(self.recv.segments[i]):
-            x = self._rows(x_recv, i, start, end).detach().requires_grad_()
-            p = self._rows(p_recv, i, start, end).detach().requires_grad_()
-            leaves = self._leaf(e, weights, helper)
-            first = None
-            if kept is not None:
-                first, kept[n] = kept[n], None
-            with torch.enable_grad():
-                y = run(leaves, x, p) if first is None else run(leaves, x, p, kept=first)
-            del first
-            yield e, start, end, x, p, leaves, y
-            del x, p, leaves, y
-
-    def _backward_experts(self, i: int, g_recv: torch.Tensor, like: Sequence[torch.Tensor],
-                          experts: Iterator[tuple], acc: dict):
-        """``pipelined`` backward of chunk i, one expert's graph at a time (recomputed, or
-        kept from forward): differentiated, and its weight gradient added (into
-        ``main_grad`` or the accumulators) before the next expert's graph exists, so
-        backward holds one expert's graph and weight gradient, never the chunk's. Input and
-        probability gradients are written straight into the buffer sent back (``like``:
-        their dtypes and widths), in received order. Per-expert graphs are independent, so
-        every value is what one ``autograd.grad`` over the whole chunk would give."""
-        (dx_recv, dp_recv), back = self._empty_packed(like, g_recv.shape[0])
-        for e, start, end, x, p, leaves, y in experts:
-            wanted = [w for w in leaves if w.requires_grad]
-            grads = torch.autograd.grad(y, [x, p] + wanted, self._rows(g_recv, i, start, end),
-                                        allow_unused=True)
-            del y
-            self._put(dx_recv, i, start, end,
-                      grads[0] if grads[0] is not None else torch.zeros_like(x))
-            self._put(dp_recv, i, start, end,
-                      grads[1] if grads[1] is not None else torch.zeros_like(p))
-            found = iter(grads[2:])
-            self._accumulate(acc, e, [next(found) if w.requires_grad else None for w in leaves],
-                             leaves)
-            del grads, found, x, p, leaves
-        return back
-
-    @staticmethod
-    def _accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
-                    leaves: Sequence[torch.Tensor]) -> None:
-        """Sum an expert's weight gradients over chunks: straight into ``main_grad`` for a
-        parameter under Megatron's DDP (see ``_main_grad``), else into fp32 accumulators."""
-        if all(_main_grad(w) is not None for w in leaves):
-            for w, g in zip(leaves, grads):
-                if g is not None:
-                    w.main_grad.add_(g)
-                _mark_added(w)
-            return
-        grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves)]
-        if e not in acc:
-            acc[e] = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
-        else:
-            for a, g in zip(acc[e], grads):
-                a.add_(g)
-
-    def _return_helper_grads(self, acc: dict, weights: Sequence[torch.Tensor]) -> None:
-        """Helpers send spilled experts' weight gradients to the owners, who add them."""
-        if not self.transfers:
-            return
-        template = self._own(self.first, weights)
-        numel = sum(w.numel() for w in template)
-        dtype = template[0].dtype
-        gdtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        parts = []
-        for e in self.wsched.helper_experts:
-            got = acc.pop(e, None)
-            if got is None:
-                parts.append(template[0].new_zeros(numel, dtype=gdtype))
-            else:
-                parts.append(torch.cat([g.reshape(-1) for g in got]))
-        buf = torch.cat(parts) if parts else template[0].new_empty(0, dtype=gdtype)
-        (got,) = all_to_all([buf], [len(x) * numel for x in self.wsched.send],
-                           [len(x) * numel for x in self.wsched.recv], self.group, self.p).wait()
-        del buf, parts
-        offset = 0
-        for helper_experts in self.wsched.send:  # helpers in rank order, experts sorted
-            for e in helper_experts:
-                pieces = []
-                for w in template:
-                    pieces.append(got[offset:offset + w.numel()].view(w.shape))
-                    offset += w.numel()
-                own = self._own(e, weights)
-                if all(_main_grad(w) is not None for w in own):
-                    for w, g in zip(own, pieces):
-                        w.main_grad.add_(g)
-                        _mark_added(w)
-                elif e in acc:
-                    for a, g in zip(acc[e], pieces):
-                        a.add_(g)
-                else:
-                    acc[e] = [g.clone() for g in pieces]
 
 
 class PipelinedLLEPFunction(torch.autograd.Function):
@@ -686,11 +181,11 @@ class PipelinedLLEPFunction(torch.autograd.Function):
       routes with their probabilities and output gradients (2H + 1 per route) out and one of
       input and probability gradients (H + 1) back; each expert's graph is rebuilt from its
       rows (the last linear layer's forward GEMM skipped when the bank has ``run_for_grad``;
-      the first layer's too for a kept chunk, whose output was kept) and differentiated
+      the first layer's too for a saved chunk, whose output was saved) and differentiated
       before the next expert's; finally helpers return weight gradients to owners (fp32, one
-      all-to-all) and the owners add them. A chunk kept whole (a bank without
-      ``run_keeping``) sends only its output gradients, as ``llep`` does.
-    Backward, ``llep`` (saved): per chunk only output gradients out and input/probability
+      all-to-all) and the owners add them. A chunk saved whole (a bank without
+      ``run_saving``) sends only its output gradients, as ``llep`` does.
+    Backward, ``llep`` (whole graph held): per chunk only output gradients out and input/probability
       gradients back, then the weight-gradient return.
 
     Saved: ``tokens``, ``route_probs`` (saved tensors), the weights (held by the context:
@@ -707,7 +202,7 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     expert's intermediates beside the chunk's combine buffer, backward one expert's recomputed
     graph and weight gradient, plus ``N · H`` for the input gradient.
     Weight gradients go straight into Megatron DDP's ``main_grad`` buffers when the weights
-    have them (the fused-accumulation protocol; see ``_main_grad``); otherwise fp32
+    have them (the fused-accumulation protocol; see ``strategies.main_grad``); otherwise fp32
     accumulators of the E_local experts' size are held until the end of backward. Helpers hold
     fp32 accumulators for the experts they computed until those are returned.
 
@@ -720,9 +215,9 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, step: _Step, tokens: torch.Tensor, route_probs: torch.Tensor,
+    def forward(ctx, step: Step, tokens: torch.Tensor, route_probs: torch.Tensor,
                 *weights: torch.Tensor) -> torch.Tensor:
-        out = step.forward(tokens, route_probs, weights)
+        out = forward_pass(step, tokens, route_probs, weights)
         ctx.step = step
         ctx.save_for_backward(tokens, route_probs)
         # The weights themselves, not saved tensors: saved-tensor hooks (activation
@@ -737,8 +232,8 @@ class PipelinedLLEPFunction(torch.autograd.Function):
         tokens, route_probs = ctx.saved_tensors
         weights, ctx.weights = ctx.weights, None
         step, ctx.step = ctx.step, None
-        grad_tokens, grad_probs, grad_weights = step.backward(grad_out, tokens, route_probs,
-                                                              weights)
+        grad_tokens, grad_probs, grad_weights = backward_pass(step, grad_out, tokens,
+                                                              route_probs, weights)
         return (None, grad_tokens, grad_probs, *grad_weights)
 
 
@@ -925,19 +420,18 @@ class PipelinedLLEP:
         if region is not None and (self.verdict.graph_only is False or not region.on_top()):
             region = None
         graph_only = region is not None and self.verdict.graph_only is True
-        step = _Step(bank=bank, group=self.group, ep_size=p, rank=rank, num_experts=e,
-                     weights_per_expert=len(self.signature), n_tokens=n,
-                     route_token=route_token, send=send, recv=recv, wsched=wsched,
-                     transfers=len(plan.weight_transfers),
-                     overlap=overlap,
-                     save=needs_grad and not o.recompute and not graph_only,
-                     keep=min(o.saved_chunks, k_chunks) if needs_grad and not graph_only else 0,
-                     values=not graph_only)
+        step = Step(bank=bank, group=self.group, ep_size=p, rank=rank, num_experts=e,
+                    weights_per_expert=len(self.signature), n_tokens=n,
+                    route_token=route_token, send=send, recv=recv, wsched=wsched,
+                    transfers=len(plan.weight_transfers), overlap=overlap,
+                    graph=needs_grad and not o.recompute and not graph_only,
+                    saved=min(o.saved_chunks, k_chunks) if needs_grad and not graph_only else 0,
+                    values=not graph_only)
         self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits],
                               helper_experts=wsched.helper_experts,
-                              saved_chunks=step.keep, graph_only=graph_only)
+                              saved_chunks=step.saved, graph_only=graph_only)
         out = PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)
         if region is not None:
             region.watch(out, self.verdict, graph_only)

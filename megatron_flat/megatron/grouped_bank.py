@@ -128,7 +128,7 @@ class GroupedMLPBank(GroupedExpertsBank):
     """:class:`GroupedExpertsBank` for 0.16's ``GroupedMLP``, whose per-expert maths Megatron
     exposes (``activation_func_with_probs``), so the bank also offers the engine's
     recompute shortcuts: ``run_for_grad`` (fc2's forward GEMM skipped: its output is only
-    differentiated) and ``run_keeping`` (fc1's output kept for a kept chunk, standing in for
+    differentiated) and ``run_saving`` (fc1's output saved for a saved chunk, standing in for
     that GEMM in backward), as :class:`~megatron_flat.megatron.moe.SequentialMLPBank` does.
     The GEMMs are the grouped kernel's per expert (``x @ w1``, ``h @ w2``); their gradients
     use the formulas of :class:`~megatron_flat.dispatch.experts.GradOnlyLinear`."""
@@ -139,18 +139,18 @@ class GroupedMLPBank(GroupedExpertsBank):
             probs = torch.ones_like(probs)
         return x, probs.unsqueeze(-1)
 
-    def run_keeping(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                    probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def run_saving(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                   probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         w1, w2 = weights
         x, p = self._inputs(x, probs)
         fc1 = x @ w1
         return self.experts.activation_func_with_probs(fc1, p) @ w2, fc1
 
     def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                     probs: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
+                     probs: torch.Tensor, first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from megatron_flat.dispatch.experts import GradOnlyLinear, SavedOutputLinear
 
         w1, w2 = weights
         x, p = self._inputs(x, probs)
-        fc1 = x @ w1 if kept is None else KeptOutputLinear.apply(x, w1.t(), kept)
+        fc1 = x @ w1 if first is None else SavedOutputLinear.apply(x, w1.t(), first)
         return GradOnlyLinear.apply(self.experts.activation_func_with_probs(fc1, p), w2.t())

@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_flat.config import FlatConfig
-from megatron_flat.dispatch.experts import GradOnlyLinear, KeptOutputLinear
+from megatron_flat.dispatch.experts import GradOnlyLinear, SavedOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
 from megatron_flat.megatron import compat, regions
@@ -87,14 +87,14 @@ class SequentialMLPBank:
     @staticmethod
     def _plain_fc1(module) -> bool:
         """Whether ``linear_fc1`` is a one-rank, bias-free ColumnParallelLinear, whose output
-        can be kept from forward and stand in for its GEMM in backward."""
+        can be saved from forward and stand in for its GEMM in backward."""
         fc1 = module.linear_fc1
         return type(fc1) is ColumnParallelLinear and get_pg_size(fc1.tp_group) == 1 \
             and fc1.bias is None
 
-    def run_keeping(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                    probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``run`` plus ``linear_fc1``'s output, to keep for backward (None when fc1 is not
+    def run_saving(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                   probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``run`` plus ``linear_fc1``'s output, to save for backward (None when fc1 is not
         :meth:`_plain_fc1`: that expert is then recomputed)."""
         module = self._owner_of(weights) or self.experts.local_experts[0]
         if not self._plain_fc1(module):
@@ -114,11 +114,11 @@ class SequentialMLPBank:
         return out, captured[0]
 
     def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                     probs: torch.Tensor, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     probs: torch.Tensor, first: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``run`` for a graph that is only differentiated (backward recompute): ``linear_fc2``
         skips its forward GEMM (:class:`GradOnlyLinear`, whose backward has the formulas of
-        Megatron's non-fused linear backward), and with ``kept`` (from :meth:`run_keeping`)
-        ``linear_fc1`` returns it instead of recomputing it (:class:`KeptOutputLinear`).
+        Megatron's non-fused linear backward), and with ``first`` (from :meth:`run_saving`)
+        ``linear_fc1`` returns it instead of recomputing it (:class:`SavedOutputLinear`).
         Falls back to ``run`` for any other fc2."""
         module = self._owner_of(weights) or self.experts.local_experts[0]
         fc1, fc2 = module.linear_fc1, module.linear_fc2
@@ -131,21 +131,21 @@ class SequentialMLPBank:
                 out = out + fc2.bias
             return out, (fc2.bias if fc2.skip_bias_add else None)
 
-        def kept_forward(input_, *args, **kwargs):
-            return KeptOutputLinear.apply(input_, fc1.weight, kept), None
+        def saved_forward(input_, *args, **kwargs):
+            return SavedOutputLinear.apply(input_, fc1.weight, first), None
 
         # Instance attributes: they shadow the classes' forward for this call.
         fc2.forward = forward
-        if kept is not None:
+        if first is not None:
             if not self._plain_fc1(module):
-                raise RuntimeError("PipelinedLLEP bug: a kept fc1 output for an fc1 that "
+                raise RuntimeError("PipelinedLLEP bug: a saved fc1 output for an fc1 that "
                                    "cannot take one")
-            fc1.forward = kept_forward
+            fc1.forward = saved_forward
         try:
             return self.run(weights, x, probs)
         finally:
             del fc2.forward
-            if kept is not None:
+            if first is not None:
                 del fc1.forward
 
     def _owner_of(self, weights: Sequence[torch.Tensor]):

@@ -86,7 +86,7 @@ def attention_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> f
 
 def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: int,
                      routes_computed: float, routes_sent: float, bytes_per_value: int,
-                     gated: bool = True, flat: bool = False, chunks: int = 1, kept: int = 0,
+                     gated: bool = True, flat: bool = False, chunks: int = 1, saved: int = 0,
                      recompute: bool = False, graph_only: bool = True) -> dict:
     """Counts of one MoE layer, one microbatch, forward + backward on one EP rank.
 
@@ -95,11 +95,11 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     recompute (the forward runs twice). With u = 2·H·F and F1, F2 = (2, 1) gated, (1, 1)
     plain, P = forward passes (2 under recompute), V = passes that dispatch (P; flat with
     ``graph_only`` under recompute: 1, the re-run skips the dispatch and keeps nothing,
-    kept = 0)::
+    saved = 0)::
 
         flops   = 2·N·H·E·(P + 2)                           router GEMM, its dX and dW
                 + (V·(F1 + F2) + 2·(F1 + F2)                experts forward, backward
-                   + [flat]·F1·(1 − kept/K))·u·routes_computed   + fc1 again per chunk
+                   + [flat]·F1·(1 − saved/K))·u·routes_computed   + fc1 again per chunk
         a2a     = stock: routes_sent·(P + 1)·(2·H·b + 4)    tokens + fp32 prob out, output
                                                             back, per forward and backward
                   flat:  routes_sent·(V·(2·H·b + 4) + 3·H·b + 8)
@@ -121,10 +121,10 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     K = max(1, chunks)
     valued = 1 if flat and recompute and graph_only else passes
     if valued < passes:
-        kept = 0  # the no-grad forward keeps nothing; the graph-only re-run computes nothing
+        saved = 0  # the no-grad forward keeps nothing; the graph-only re-run computes nothing
     units = valued * (fc1 + fc2) + 2 * (fc1 + fc2)
     if flat:
-        units += fc1 * (1 - min(kept, K) / K)
+        units += fc1 * (1 - min(saved, K) / K)
     flops = 2 * tokens * H * E * (passes + 2) + units * 2 * H * F * routes_computed
     if not flat:
         a2a = routes_sent * (passes + 1) * (2 * H * b + PROB_BYTES)
@@ -243,11 +243,11 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
     sigma = _skew_baseline(model, layout, report.skew)
     sigma_run = _skew_llep(model, layout, report.skew, flat) if on else sigma
     K = report.num_chunks if on and flat.dispatch == "pipelined" else 1
-    kept = min(flat.dispatch_saved_chunks, K) if on and flat.dispatch == "pipelined" else K
+    saved = min(flat.dispatch_saved_chunks, K) if on and flat.dispatch == "pipelined" else K
     counts = moe_layer_counts(hidden=H, ffn=F, experts=model.experts, tokens=n_sp, ep=ep,
                               routes_computed=sigma_run * k * n_sp,
                               routes_sent=k * n_sp * (ep - 1) / ep, bytes_per_value=b,
-                              gated=model.gated, flat=on, chunks=K, kept=kept,
+                              gated=model.gated, flat=on, chunks=K, saved=saved,
                               recompute=True,
                               graph_only=on and flat.dispatch_graph_only_recompute)
     if on:

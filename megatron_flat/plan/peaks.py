@@ -281,13 +281,13 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
                      M·b·H·F + b·r_e·H,          its M weight grads and input grad at the end;
                      b·r_s·H)                    the input grads in token order
                + shared + borrowed
-        kept = s·b·r_r·F1                        s = min(dispatch_saved_chunks, K) chunks
-                                                 kept for backward: the experts' first-layer
+        saved = s·b·r_r·F1                       s = min(dispatch_saved_chunks, K) chunks
+                                                 saved for backward: the experts' first-layer
                                                  outputs (F1 = 2F gated, F plain), all alive
                                                  when forward ends; in backward the chunk
                                                  being differentiated uses its own in place
                                                  of recomputing them
-        flat = max(fwd + kept, bwd + kept − b·r_r·F1 [s > 0])
+        flat = max(fwd + saved, bwd + saved − b·r_r·F1 [s > 0])
 
     ``bound``: the same with σ at its routing-independent maximum EP·min(k, E_l)/k (per
     chunk under PipelinedLLEP: EP·min(k, E_l)·c_eff routes received; a token's k routes land
@@ -336,7 +336,7 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
     # One definition of K and c_eff, shared with the dispatcher.
     K, c_eff = num_chunks(n_sp, flat.dispatch_chunk_tokens, flat.dispatch_max_chunks)
     chunked = _pipelined_transient(model, layout, n_sp, K, c_eff, small, shared + borrowed,
-                                   kept=min(flat.dispatch_saved_chunks, K))
+                                   saved=min(flat.dispatch_saved_chunks, K))
     value = chunked(sigma)
     buffers = b * H * (min(2, K) if layout.overlap else 1) * k * c_eff * (1 + sigma)
     return {"value": value, "buffers": buffers, "bound": chunked(sigma_max), "chunks": K,
@@ -344,11 +344,11 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
 
 
 def _pipelined_transient(model: ModelSpec, layout: Layout, n_sp: int, K: int, c_eff: int,
-                         small: float, extra: float, kept: int = 0):
+                         small: float, extra: float, saved: int = 0):
     """σ ↦ PipelinedLLEP's MoE-layer transient, max(forward, backward) (``dispatch_term``).
 
     ``small``: router bookkeeping; ``extra``: shared experts + borrowed expert, live in both;
-    ``kept``: chunks whose expert graphs are kept from forward to backward.
+    ``saved``: chunks whose expert graphs are saved from forward to backward.
     """
     b, H, F, k = model.bytes_per_value, model.hidden, model.expert_ffn, model.topk
     e_local = model.experts // layout.ep
@@ -373,14 +373,14 @@ def _pipelined_transient(model: ModelSpec, layout: Layout, n_sp: int, K: int, c_
                          model.ffn_matrices * b * H * F + b * r_e * H)
         bwd = (b * n_sp * H + PROB_BYTES * k * n_sp + CHUNK_INDEX_BYTES_PER_ROUTE * r_s
                + row * sent + (b * H + PROB_BYTES) * r_r + max(expert_bwd, b * r_s * H))
-        # Kept chunks (the planner models ETP = 1, bias-free experts): each keeps its
+        # Saved chunks (the planner models ETP = 1, bias-free experts): each saves its
         # experts' first-layer outputs, F1 = (ffn_matrices - 1)·F wide, from its forward to
         # its backward, all of them at the turn.
-        # In backward a kept chunk's outputs stand in for the first-layer outputs its
-        # recompute would make, so only the other kept chunks are extra there.
-        chunk_kept = b * r_r * (model.ffn_matrices - 1) * F
-        held = kept * chunk_kept
-        return max(fwd + held, bwd + max(0, held - chunk_kept)) + extra
+        # In backward a saved chunk's outputs stand in for the first-layer outputs its
+        # recompute would make, so only the other saved chunks are extra there.
+        chunk_saved = b * r_r * (model.ffn_matrices - 1) * F
+        held = saved * chunk_saved
+        return max(fwd + held, bwd + max(0, held - chunk_saved)) + extra
 
     return transient
 

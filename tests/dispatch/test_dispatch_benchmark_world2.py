@@ -76,8 +76,8 @@ def test_counts_show_the_recompute_and_the_plan(bench, rows) -> None:
             assert r["flops"] <= 1.25 * rows[("balanced", "alltoall", grouped, False)]["flops"]
         # Sequential and grouped experts do the same work for the same plan. GroupedMLP
         # (0.16) has SequentialMLP's recompute shortcuts (run_for_grad: fc2's forward GEMM
-        # skipped; run_keeping: a kept chunk keeps fc1's output); TEGroupedMLP (0.19) not
-        # yet: a recomputed chunk runs fc2's forward once more and a kept chunk keeps its
+        # skipped; run_saving: a saved chunk saves fc1's output); TEGroupedMLP (0.19) not
+        # yet: a recomputed chunk runs fc2's forward once more and a saved chunk saves its
         # whole graph (so its rows are not dispatched again in backward).
         from megatron_flat.megatron import compat
 

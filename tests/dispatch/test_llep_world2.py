@@ -65,7 +65,7 @@ def test_matches_dense_moe(name, dist_world):
 
 
 class _GraphKeepingBank:
-    """A bank without ``run_keeping``: kept chunks keep each expert's whole graph."""
+    """A bank without ``run_saving``: saved chunks save each expert's whole graph."""
 
     def __init__(self, bank):
         self.bank = bank
@@ -82,39 +82,39 @@ def _run_engine(options, whole_graph=False):
     rank = dist.get_rank()
     full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(5))
     bank = local_bank_from(full, rank * (E // P), E // P)
-    kept_firsts = []
-    keeping = bank.run_keeping
+    saved_firsts = []
+    keeping = bank.run_saving
 
-    def run_keeping(*args):  # count the first-layer outputs kept for backward
+    def run_saving(*args):  # count the first-layer outputs saved for backward
         out, first = keeping(*args)
-        kept_firsts.append(first.shape[0])
+        saved_firsts.append(first.shape[0])
         return out, first
 
-    bank.run_keeping = run_keeping
+    bank.run_saving = run_saving
     eng = PipelinedLLEP(_GraphKeepingBank(bank) if whole_graph else bank, num_experts=E,
                         topk=2, options=options)
-    eng.kept_rows = kept_firsts
+    eng.saved_rows = saved_firsts
     b = RankCase(14 + 3 * rank, H, E, 2, "0.9/1", seed=40 + rank, shift=rank).build()
     out = eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
     out.backward(b["grad"])
     weights = [w.grad for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
-    eng.last.kept_rows = sum(kept_firsts)
+    eng.last.saved_rows = sum(saved_firsts)
     return [out.detach(), b["tokens"].grad, b["logits"].grad] + weights, eng.last
 
 
 @pytest.mark.parametrize("whole_graph", [False, True], ids=["first-layer", "whole-graph"])
 @pytest.mark.parametrize("saved", [1, 3, 10])
-def test_kept_chunks_are_bitwise_the_recomputed_ones(saved, whole_graph, dist_world):
-    """Keeping chunks (each expert's first-layer output, or with a bank that cannot hand it
+def test_saved_chunks_are_bitwise_the_recomputed_ones(saved, whole_graph, dist_world):
+    """Saving chunks (each expert's first-layer output, or with a bank that cannot hand it
     back its whole graph) changes where the backward's values come from, not the values:
     outputs and every gradient equal the all-recompute run bit for bit."""
     base = dict(chunk_tokens=4, imbalance_threshold=0.0, min_tokens_per_gemm=1)
     want, stats0 = _run_engine(DispatchOptions(**base), whole_graph)
     got, stats = _run_engine(DispatchOptions(saved_chunks=saved, **base), whole_graph)
     assert stats0.saved_chunks == 0 and stats.saved_chunks == min(saved, stats.num_chunks)
-    # First-layer outputs were kept (for the received rows of the kept chunks) or not at all.
-    kept_rows = sum(stats.received[:stats.saved_chunks])
-    assert stats.kept_rows == (0 if whole_graph else kept_rows) and stats0.kept_rows == 0
+    # First-layer outputs were saved (for the received rows of the saved chunks) or not at all.
+    saved_rows = sum(stats.received[:stats.saved_chunks])
+    assert stats.saved_rows == (0 if whole_graph else saved_rows) and stats0.saved_rows == 0
     assert stats.num_chunks > 1 and stats.plan.weight_transfers  # helpers compute too
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -113,7 +113,7 @@ def test_moe_layer_formulas_equal_the_counts(run, unit, variant) -> None:
         hidden=args.hidden, ffn=args.ffn, experts=args.experts, tokens=args.tokens,
         ep=shape["ep"], routes_computed=shape["routes_computed"],
         routes_sent=shape["routes_sent_off_rank"], bytes_per_value=4, gated=True,
-        flat=variant == "flat", chunks=r["stages"], kept=0, recompute=unit == "moe-recompute")
+        flat=variant == "flat", chunks=r["stages"], saved=0, recompute=unit == "moe-recompute")
     assert r["flops"] == want["flops"]
     assert r["all_to_all_bytes"] == want["all_to_all_bytes"]
     assert r["other_collective_bytes"] == want["other_collective_bytes"]

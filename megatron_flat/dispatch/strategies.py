@@ -1,0 +1,307 @@
+"""How a chunk's experts go from forward to backward: the chunk strategies.
+
+One strategy object per chunk (:func:`strategy_for`), each with a ``forward`` (the chunk's
+received rows through their experts, in received order) and a ``backward`` (the chunk's
+output gradients to input, probability and weight gradients; what goes back to the sources).
+``resends_tokens`` says whether the backward dispatch carries the routes' tokens and
+probabilities again beside their output gradients (the chunk is rebuilt from them) or only
+the output gradients (the chunk's graph was held).
+
+* :class:`Recomputed` (``pipelined``, the default): forward keeps nothing; backward rebuilds
+  each expert's graph from its rows, one expert at a time (the bank's ``run_for_grad`` skips
+  the last layer's forward GEMM), and differentiates it before the next exists.
+* :class:`SavedFirstLayer` (the first ``saved_chunks`` chunks, a bank with ``run_saving``):
+  forward saves each expert's first-layer output, which stands in for that GEMM in backward;
+  otherwise as :class:`Recomputed`.
+* :class:`SavedGraph` (the first ``saved_chunks`` chunks, any other bank): forward saves each
+  expert's whole graph; backward differentiates them one at a time.
+* :class:`WholeGraph` (``llep`` mode): forward builds the chunk's graph over all its experts,
+  as plain autograd would, and backward differentiates it at once.
+
+Two words, two ideas: a *saved* chunk is one of the first ``saved_chunks`` of ``pipelined``
+mode (``--flat-dispatch-saved-chunks``); ``llep`` mode holds each chunk's *whole graph*.
+
+Weight gradients go straight into Megatron DDP's ``main_grad`` when the weights have one
+(:func:`main_grad`, the fused-accumulation protocol), else into fp32 accumulators ``acc``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from megatron_flat.dispatch.exchange import drain
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_flat.dispatch.step import Step
+
+__all__ = ["ChunkStrategy", "Recomputed", "SavedFirstLayer", "SavedGraph", "WholeGraph",
+           "accumulate", "main_grad", "mark_added", "strategy_for"]
+
+
+# ---------------------------------------------------------------------------- main_grad
+def main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient buffer of a parameter under Megatron-Core's DDP (``main_grad``, with the
+    ``grad_added_to_main_grad`` flag of its fused-accumulation protocol), else None.
+
+    The engine then adds each chunk's weight gradient straight into it and marks it added, as
+    Megatron's fused linear layers do, so no full-size gradient per expert is held until the
+    end of backward; without DDP the gradients are summed in accumulators and returned.
+    A bank may hand out a view of a parameter (one expert's block of a grouped weight) with
+    ``main_grad`` (the same view of the parameter's buffer) and ``main_grad_owner`` (the
+    parameter, whose flag DDP reads) set: it takes the same path."""
+    owner = getattr(param, "main_grad_owner", param)
+    if not isinstance(owner, torch.nn.Parameter) or not hasattr(owner, "grad_added_to_main_grad"):
+        return None
+    return getattr(param, "main_grad", None)
+
+
+def mark_added(param: torch.Tensor) -> None:
+    """Set DDP's ``grad_added_to_main_grad`` on the parameter (or the view's owner)."""
+    param.grad_added_to_main_grad = True
+    owner = getattr(param, "main_grad_owner", None)
+    if owner is not None:
+        owner.grad_added_to_main_grad = True
+
+
+def accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
+               leaves: Sequence[torch.Tensor]) -> None:
+    """Sum an expert's weight gradients over chunks: straight into ``main_grad`` for a
+    parameter under Megatron's DDP (see :func:`main_grad`), else into fp32 accumulators."""
+    if all(main_grad(w) is not None for w in leaves):
+        for w, g in zip(leaves, grads):
+            if g is not None:
+                w.main_grad.add_(g)
+            mark_added(w)
+        return
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves)]
+    if e not in acc:
+        acc[e] = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
+    else:
+        for a, g in zip(acc[e], grads):
+            a.add_(g)
+
+
+# ---------------------------------------------------------------------------- shared pieces
+def each_expert(step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+                run: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Chunk i's expert outputs in received order, one expert at a time: each expert's rows
+    are gathered, ``run(e, x, p)`` and written into one output buffer, so the working set
+    is one expert's intermediates rather than the whole chunk's."""
+    y_recv = None
+    for e, start, end in step.recv.segments[i]:
+        x, p = step.rows(x_recv, i, start, end), step.rows(p_recv, i, start, end)
+        y = run(e, start, end, x, p)
+        del x, p
+        if y_recv is None:
+            y_recv = y.new_empty((x_recv.shape[0],) + tuple(y.shape[1:]))
+        step.put(y_recv, i, start, end, y)
+        del y
+    return x_recv.new_empty(x_recv.shape) if y_recv is None else y_recv
+
+
+def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[torch.Tensor],
+                  experts: Iterator[tuple], acc: dict):
+    """Chunk i's backward one expert's graph at a time (``(e, start, end, x, p, leaves,
+    y)``: rebuilt, or saved from forward): differentiated, and its weight gradient added
+    (into ``main_grad`` or the accumulators) before the next expert's graph exists, so
+    backward holds one expert's graph and weight gradient, never the chunk's. Input and
+    probability gradients are written straight into the buffer sent back (``like``: their
+    dtypes and widths), in received order. Per-expert graphs are independent, so every value
+    is what one ``autograd.grad`` over the whole chunk would give."""
+    (dx_recv, dp_recv), back = step.empty_packed(like, g_recv.shape[0])
+    for e, start, end, x, p, leaves, y in experts:
+        wanted = [w for w in leaves if w.requires_grad]
+        grads = torch.autograd.grad(y, [x, p] + wanted, step.rows(g_recv, i, start, end),
+                                    allow_unused=True)
+        del y
+        step.put(dx_recv, i, start, end,
+                 grads[0] if grads[0] is not None else torch.zeros_like(x))
+        step.put(dp_recv, i, start, end,
+                 grads[1] if grads[1] is not None else torch.zeros_like(p))
+        found = iter(grads[2:])
+        accumulate(acc, e, [next(found) if w.requires_grad else None for w in leaves], leaves)
+        del grads, found, x, p, leaves
+    return back
+
+
+# ---------------------------------------------------------------------------- strategies
+class ChunkStrategy:
+    """One chunk's way from forward to backward (the module docstring lists them)."""
+
+    resends_tokens = True
+
+    def forward(self, step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+                weights: Sequence[torch.Tensor], helper: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, step: "Step", i: int, received: list, weights: Sequence[torch.Tensor],
+                 helper: dict, acc: dict):
+        raise NotImplementedError
+
+
+class Recomputed(ChunkStrategy):
+    """Nothing kept; backward rebuilds each expert's graph from its re-sent rows."""
+
+    def forward(self, step, i, x_recv, p_recv, weights, helper):
+        return each_expert(step, i, x_recv, p_recv, lambda e, start, end, x, p: step.bank.run(
+            step.weights_of(e, weights, helper), x, p))
+
+    def first_layers(self) -> Optional[list]:
+        """What forward saved per expert to stand in for the first layer (None: nothing)."""
+        return None
+
+    def backward(self, step, i, received, weights, helper, acc):
+        x_recv, p_recv, g_recv = received
+        received.clear()
+        return differentiate(step, i, g_recv, (x_recv, p_recv),
+                             self._rebuilt(step, i, x_recv, p_recv, weights, helper), acc)
+
+    def _rebuilt(self, step, i, x_recv, p_recv, weights, helper) -> Iterator[tuple]:
+        """Each expert's graph rebuilt from its received rows, one at a time (the last linear
+        layer's forward GEMM skipped by ``run_for_grad``; the first layer's too when forward
+        saved its output)."""
+        bank = step.bank
+        run = bank.run_for_grad if hasattr(bank, "run_for_grad") else bank.run
+        firsts = self.first_layers()
+        for n, (e, start, end) in enumerate(step.recv.segments[i]):
+            x = step.rows(x_recv, i, start, end).detach().requires_grad_()
+            p = step.rows(p_recv, i, start, end).detach().requires_grad_()
+            leaves = step.leaf(e, weights, helper)
+            first = None
+            if firsts is not None:
+                first, firsts[n] = firsts[n], None
+            with torch.enable_grad():
+                y = run(leaves, x, p) if first is None else run(leaves, x, p, first=first)
+            del first
+            yield e, start, end, x, p, leaves, y
+            del x, p, leaves, y
+
+
+class SavedFirstLayer(Recomputed):
+    """A saved chunk whose bank hands back each expert's first-layer output (``run_saving``):
+    forward saves it (None for an expert whose first layer cannot stand in), backward uses
+    it instead of that GEMM; the rows come again with the backward dispatch."""
+
+    def __init__(self) -> None:
+        self.firsts: Optional[list] = None
+
+    def first_layers(self) -> Optional[list]:
+        firsts, self.firsts = self.firsts, None
+        return firsts
+
+    def forward(self, step, i, x_recv, p_recv, weights, helper):
+        firsts = []
+
+        def run(e, start, end, x, p):
+            y, first = step.bank.run_saving(step.weights_of(e, weights, helper), x, p)
+            firsts.append(first)
+            return y
+
+        y_recv = each_expert(step, i, x_recv, p_recv, run)
+        self.firsts = firsts
+        return y_recv
+
+
+class SavedGraph(ChunkStrategy):
+    """A saved chunk of a bank without ``run_saving``: forward saves each expert's whole
+    graph; backward dispatches only the output gradients and differentiates them."""
+
+    resends_tokens = False
+
+    def __init__(self) -> None:
+        self.graphs: list = []
+        self.like: tuple = ()
+
+    def forward(self, step, i, x_recv, p_recv, weights, helper):
+        graphs = []
+
+        def run(e, start, end, x, p):
+            x, p = x.detach().requires_grad_(), p.detach().requires_grad_()
+            leaves = step.leaf(e, weights, helper)
+            with torch.enable_grad():
+                y = step.bank.run(leaves, x, p)
+            graphs.append((e, start, end, x, p, leaves, y))
+            return y.detach()
+
+        y_recv = each_expert(step, i, x_recv, p_recv, run)
+        # dtype and width of the input and probability gradients sent back
+        self.like = (x_recv.new_empty((0,) + tuple(x_recv.shape[1:])), p_recv.new_empty(0))
+        self.graphs = graphs
+        return y_recv
+
+    def backward(self, step, i, received, weights, helper, acc):
+        graphs, self.graphs = self.graphs, []
+        return differentiate(step, i, received[-1], self.like, drain(graphs), acc)
+
+
+class WholeGraph(ChunkStrategy):
+    """``llep`` mode: the chunk's graph over all its experts held from forward to backward
+    (inputs, activations), as plain autograd would; only output gradients are dispatched in
+    backward, and the whole graph is differentiated at once."""
+
+    resends_tokens = False
+
+    def __init__(self) -> None:
+        self.held: Optional[tuple] = None
+
+    def forward(self, step, i, x_recv, p_recv, weights, helper):
+        xg, pg = step.group_rows(x_recv, i), step.group_rows(p_recv, i)
+        del x_recv, p_recv
+        xg, pg = xg.detach().requires_grad_(), pg.detach().requires_grad_()
+        leaves = step.leaves(i, weights, helper)
+        with torch.enable_grad():
+            yg = self._through(step, i, xg, pg, leaves.__getitem__)
+        self.held = (xg, pg, leaves, yg)
+        return step.ungroup(yg.detach(), i)
+
+    @staticmethod
+    def _through(step, i, xg, pg, weight_of) -> torch.Tensor:
+        """Chunk i's grouped rows through their experts as one graph."""
+        run = step.bank.run
+        segments = step.recv.segments[i]
+        if not segments:
+            return xg.new_empty((0,) + tuple(xg.shape[1:]))
+        if len(segments) == 1:
+            return run(weight_of(segments[0][0]), xg, pg)
+        # torch.split, not slicing: split's backward is one cat, a slice's a full-size zeros.
+        sizes = [t - s for _, s, t in segments]
+        outs = [run(weight_of(e), x, p) for (e, _, _), x, p in
+                zip(segments, torch.split(xg, sizes), torch.split(pg, sizes))]
+        return torch.cat(outs)
+
+    def backward(self, step, i, received, weights, helper, acc):
+        gg = step.group_rows(received[-1], i)
+        received.clear()
+        xg, pg, leaves, yg = self.held
+        self.held = None
+        if step.recv.segments[i]:
+            experts = [e for e, _, _ in step.recv.segments[i]]
+            wanted = [w for e in experts for w in leaves[e] if w.requires_grad]
+            grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
+            dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
+            dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
+            found = iter(grads[2:])
+            for e in experts:
+                accumulate(acc, e, [next(found) if w.requires_grad else None
+                                    for w in leaves[e]], leaves[e])
+            del grads, found
+        else:
+            dxg, dpg = xg.detach(), pg.detach()  # empty
+        del xg, pg, yg, gg, leaves
+        return step.pack([(dxg, None), (dpg, None)], group=step.recv.group[i])
+
+
+def strategy_for(bank, *, graph: bool, saved: bool) -> ChunkStrategy:
+    """The strategy of one chunk: ``graph`` (``llep`` mode with autograd on), ``saved`` (one
+    of the first ``saved_chunks`` chunks of ``pipelined``), else recomputed. A bank that can
+    hand back its first layer's output saves only that per expert; any other saves each
+    expert's whole graph."""
+    if graph:
+        return WholeGraph()
+    if saved:
+        if hasattr(bank, "run_saving") and hasattr(bank, "run_for_grad"):
+            return SavedFirstLayer()
+        return SavedGraph()
+    return Recomputed()
