@@ -2,9 +2,13 @@
 
 ``plan`` holds the pure planning API (LLEP plan, chunk counts and membership, route
 destinations, send matrices, the receive bound); ``schedule`` turns a plan into per-chunk
-send/receive/weight schedules; ``llep`` executes them (``PipelinedLLEP``, unchunked LLEP
-with ``mode="llep"``) over the EP group's all-to-alls in ``exchange`` (not re-exported); ``experts`` is the expert-bank protocol the engine computes with;
-``profiles`` the synthetic routings used by benchmarks. The Megatron MoE layer built on
+send/receive/weight schedules; ``llep`` is the engine (``PipelinedLLEP``, unchunked LLEP
+with ``mode="llep"``), which runs one call as a ``step`` (state and data movement), its
+``passes`` (the forward and backward loops over the chunks) and each chunk's way from
+forward to backward (``strategies``), over the EP group's all-to-alls in ``exchange``;
+``recompute`` makes a checkpoint's re-run graph-only (these five are not re-exported).
+``experts`` is the expert-bank protocol the engine computes with; ``profiles`` the
+synthetic routings used by benchmarks. The Megatron MoE layer built on
 this is ``megatron_flat.megatron.moe.FlatMoELayer``. The package namespace re-exports each
 module's ``__all__``.
 """
