@@ -4,14 +4,17 @@
 already chosen by a router. Per call (one layer, one micro-batch):
 
 1. local validation of every input — a bad input raises ``ValueError`` before any collective;
-2. one all-reduce of ``[P, E + 1]`` int64: every rank's per-expert route counts and token count
-   (the global loads for the plan, the counts for route positions, max N for K);
+2. one all-reduce of ``[P, K_max · E + 1]`` int64: every rank's route counts per (chunk,
+   expert), its chunks from its own N, and its token count; copied to the host once (the
+   call's only wait for the device). When some rank's N gives another K than the group's
+   largest N, the counts are made again with the agreed K (a second all-reduce and wait);
 3. the plan (:func:`~megatron_flat.dispatch.plan.plan_dispatch`: LLEP, or plain EP when the
-   imbalance is below λ), the chunking (K agreed from max N; ``mode="llep"`` is K = 1) and the
-   destination of every route — identical on every rank, computed without communicating;
-4. one all-to-all of ``[K, E]`` counts per destination, so each rank knows what it will receive,
-   checked against the receive bound ``P · k · c_eff`` (a violation is a bug: ``RuntimeError``);
-5. :class:`PipelinedLLEPFunction` — weights to helpers, K rounds of dispatch / compute / combine.
+   imbalance is below λ; its smallest spill piece gives every chunk's helper GEMM at least
+   m rows), its split over the chunks (:mod:`~megatron_flat.dispatch.chunk_plan`), the
+   destination of every route and every rank's split sizes per chunk — identical on every
+   rank, computed without communicating; the receive bound ``P · k · c_eff`` is checked
+   with ``debug_checks`` (a violation is a bug: ``RuntimeError``);
+4. :class:`PipelinedLLEPFunction` — weights to helpers, K rounds of dispatch / compute / combine.
 
 The first call also checks, with one all-gather, that every rank of the group agrees on the
 settings (experts, top-k, hidden size, knobs, dtype); a disagreement raises the same
@@ -28,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_flat.dispatch.exchange import all_to_all, group_geometry
+from megatron_flat.dispatch.chunk_plan import chunk_flows, chunk_ranges, chunk_route_destinations
+from megatron_flat.dispatch.exchange import group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
 from megatron_flat.dispatch.passes import backward_pass, forward_pass
 from megatron_flat.dispatch.recompute import Verdict, current_region
@@ -39,7 +43,6 @@ from megatron_flat.dispatch.plan import (
     num_chunks,
     plan_dispatch,
     receive_bound,
-    route_destinations,
 )
 from megatron_flat.dispatch.schedule import (
     count_keys,
@@ -79,7 +82,7 @@ class DispatchOptions:
     (ranges, order, at most ``topk`` per token), the counts against the plan and the
     per-chunk receive bound on every call; each of these reads device data on the host (a
     host sync on a GPU), so they are off by default: a forward pass then waits for the
-    device twice, for the global counts the plan needs and for the chunks' split sizes.
+    device once, for the route counts per chunk and expert the whole schedule comes from.
     ``graph_only_recompute``: on the re-run of a reentrant checkpoint's region, skip the
     dispatch and return zeros when the region's later saves do not depend on the output
     (verified on the first re-run; :mod:`megatron_flat.dispatch.recompute`).
@@ -155,6 +158,7 @@ class StepStats:
     received: list[int]          # routes received in each chunk
     sent: list[int]              # routes sent in each chunk
     helper_experts: list[int]    # experts computed here for another owner
+    helper_rows: list[list[int]] = field(default_factory=list)  # per chunk, each helper GEMM's rows
     saved_chunks: int = 0        # chunks saved for backward instead of recomputed
     graph_only: bool = False     # a re-run that skipped dispatch and experts (zeros out)
     llep: bool = field(init=False)
@@ -361,6 +365,66 @@ class PipelinedLLEP:
                 f"{self.ep_size}·{self.topk}·{c_eff} = {bound}"
                 + (f" ({len(over)} ranks over it)" if len(over) > 1 else ""))
 
+    # -- counts, plan, schedules ---------------------------------------------------------
+    def _counts(self, n: int, route_expert: torch.Tensor, route_chunk: torch.Tensor,
+                k_chunks: int, slots: int, device: torch.device) -> torch.Tensor:
+        """Every rank's routes per (chunk, expert) and token count, ``[P, slots · E + 1]``
+        on the host: one all-reduce and one copy (the call's one host wait). Counted with
+        ``index_add_`` (bincount's output size depends on the data: a host sync)."""
+        p, e = self.ep_size, self.num_experts
+        counts = torch.zeros((p, slots * e + 1), dtype=torch.long, device=device)
+        counts[self.rank, :k_chunks * e] = count_keys(route_chunk * e + route_expert,
+                                                      k_chunks * e)
+        counts[self.rank, -1] = n
+        if p > 1:
+            dist.all_reduce(counts, group=self.group)
+        return counts.cpu()
+
+    def _schedules(self, n: int, route_token: torch.Tensor, route_expert: torch.Tensor,
+                   device: torch.device):
+        """The plan and this rank's send and receive schedules, identical on every rank and
+        made from one all-reduce of the route counts per (chunk, expert): each rank counts
+        its routes into the chunks its own N gives; when every rank's N gives the group's K
+        (the usual case: one micro-batch shape) those counts are the schedule's, else they
+        are counted again with the agreed K (a second all-reduce and wait)."""
+        o, p, rank, e = self.options, self.ep_size, self.rank, self.num_experts
+        pipelined = o.mode == "pipelined"
+        slots = o.max_chunks if pipelined else 1
+
+        def chunks_of(tokens: int) -> tuple[int, int]:
+            return num_chunks(tokens, o.chunk_tokens, o.max_chunks) if pipelined \
+                else (1, tokens)
+
+        k_mine = chunks_of(n)[0]
+        token_chunk = token_chunks(n, k_mine, o.membership, device)
+        counts = self._counts(n, route_expert, token_chunk[route_token], k_mine, slots, device)
+        ns = counts[:, -1].tolist()
+        max_n = max(ns)
+        k_chunks, c_eff = chunks_of(max_n)
+        if any(chunks_of(m)[0] != k_chunks for m in ns):  # ragged N across the group
+            token_chunk = token_chunks(n, k_chunks, o.membership, device)
+            counts = self._counts(n, route_expert, token_chunk[route_token], k_chunks,
+                                  k_chunks, device)
+        by_chunk = counts[:, :k_chunks * e].view(p, k_chunks, e)
+        chunk_loads = by_chunk.sum(0)
+        plan = plan_dispatch(chunk_loads.sum(0), p, alpha=o.alpha,
+                             min_tokens_per_gemm=o.min_tokens_per_gemm,
+                             imbalance_threshold=o.imbalance_threshold,
+                             chunk_loads=chunk_loads.tolist() if k_chunks > 1 else None)
+        ranges = chunk_ranges(plan, chunk_loads.tolist())
+        flows = chunk_flows(plan, ranges, by_chunk)          # [P_src, P_dst, K, E]
+        dest = chunk_route_destinations(route_expert, token_chunk[route_token], by_chunk,
+                                        plan, ranges, rank)
+        send = send_schedule(route_token, route_expert, dest, token_chunk,
+                             num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False)
+        if o.debug_checks and not torch.equal(send.counts.cpu(), flows[rank]):
+            raise RuntimeError(f"PipelinedLLEP bug: rank {rank}'s routes do not match the "
+                               "counts its schedule was planned from")
+        send.finalize(flows[rank])
+        recv = receive_schedule(flows[:, rank])
+        recv.group = [None if g is None else g.to(device) for g in recv.group]
+        return plan, k_chunks, c_eff, max_n, send, recv
+
     # -- the call ----------------------------------------------------------------------
     def __call__(self, tokens: torch.Tensor, route_token: torch.Tensor,
                  route_expert: torch.Tensor, route_probs: torch.Tensor) -> torch.Tensor:
@@ -371,35 +435,8 @@ class PipelinedLLEP:
         weights = [w for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
         self._check_group(tokens.shape[1], tokens.dtype, device)
 
-        # Global counts: every rank's per-expert route counts and token count. Counted with
-        # index_add_ (bincount's output size depends on the data: a host sync on a GPU).
-        counts = torch.zeros((p, e + 1), dtype=torch.long, device=device)
-        counts[rank, :e] = count_keys(route_expert, e)
-        counts[rank, e] = n
-        if p > 1:
-            dist.all_reduce(counts, group=self.group)
-        counts = counts.cpu()  # wait 1 of 2: the plan needs the global loads on the host
-        by_rank, max_n = counts[:, :e], int(counts[:, e].max())
-        plan = plan_dispatch(by_rank.sum(0), p, alpha=o.alpha,
-                             min_tokens_per_gemm=o.min_tokens_per_gemm,
-                             imbalance_threshold=o.imbalance_threshold)
-        if o.mode == "pipelined":
-            k_chunks, c_eff = num_chunks(max_n, o.chunk_tokens, o.max_chunks)
-        else:
-            k_chunks, c_eff = 1, max_n
-        dest = route_destinations(route_expert.view(-1, 1), by_rank.to(device), plan,
-                                  rank, check=o.debug_checks).view(-1)
-        send = send_schedule(route_token, route_expert, dest,
-                             token_chunks(n, k_chunks, o.membership, device),
-                             num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False)
-        del dest
-        (got,) = all_to_all([send.counts.reshape(-1)], [k_chunks * e] * p, [k_chunks * e] * p,
-                           self.group, p).wait()
-        # Wait 2 of 2: what this rank sends and receives per chunk, in one copy to the host.
-        both = torch.cat([send.counts.reshape(-1), got]).cpu()
-        send.finalize(both[: p * k_chunks * e].view(p, k_chunks, e))
-        recv = receive_schedule(both[p * k_chunks * e:].view(p, k_chunks, e))
-        recv.group = [None if g is None else g.to(device) for g in recv.group]
+        plan, k_chunks, c_eff, max_n, send, recv = self._schedules(
+            n, route_token, route_expert, device)
         bound = receive_bound(ep_size=p, topk=self.topk, c_eff=c_eff)
         if o.debug_checks:
             self._check_receive_bound(recv.totals, bound, k_chunks, c_eff, device)
@@ -431,6 +468,9 @@ class PipelinedLLEP:
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits],
                               helper_experts=wsched.helper_experts,
+                              helper_rows=[[end - start for ex, start, end in seg
+                                            if ex in wsched.helper_experts]
+                                           for seg in recv.segments],
                               saved_chunks=step.saved, graph_only=graph_only)
         out = PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)
         if region is not None:

@@ -13,7 +13,9 @@ Vocabulary (P = EP size, E = experts, E_local = E // P, k = top-k):
   expert's weights for the step: a weight transfer ``(expert, owner, helper)``.
 
 Chunking (``num_chunks``, ``chunk_indices``) splits a source rank's tokens into K rounds of
-at most ``c_eff`` tokens; the plan is made once from the whole batch and chunks split its routes.
+at most ``c_eff`` tokens; the plan is made once from the whole batch (with each chunk's
+loads in mind, for the smallest piece per GEMM) and :mod:`.chunk_plan` splits its pieces
+over the chunks.
 """
 
 from __future__ import annotations
@@ -208,7 +210,8 @@ def plain_ep_plan(expert_loads: LoadsLike, ep_size: int) -> LLEPPlan:
 
 
 def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
-              min_tokens_per_gemm: int = 1024) -> LLEPPlan:
+              min_tokens_per_gemm: int = 1024,
+              chunk_loads: Optional[Sequence[Sequence[int]]] = None) -> LLEPPlan:
     """The least-loaded EP plan of DESIGN.md §2.1, steps 1-5.
 
     ``expert_loads`` holds the global route count ``l_e`` of each of the E experts (an integer
@@ -223,9 +226,17 @@ def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
        ``min(n, max(avail, 0))`` leading tokens, the rest spills.
     4. Spilling remainder r: list the other ranks by ``eff`` ascending (ties: lower rank);
        the first h with ``room = cap - eff(h) > 0`` whose piece ``p = min(r, room)`` is not small
-       (small: ``p < m and p < r``) takes the next p tokens; repeat until r = 0. When no rank
-       qualifies the whole remainder goes to the first rank of that list (``forced``).
+       (small: ``share(p) < m and p < r``) takes the next p tokens; repeat until r = 0. When no
+       rank qualifies the whole remainder goes to the first rank of that list (``forced``).
     5. Ranges are over the expert's global token list; every spill is a weight transfer.
+
+    ``chunk_loads`` (``[K][E]``: each chunk's load of each expert, summing to
+    ``expert_loads``): the routes are computed in K chunks and a piece is split over them in
+    proportion to the expert's load per chunk (:func:`~megatron_flat.dispatch.chunk_plan.
+    chunk_ranges`), so ``share(p)`` is the piece's smallest non-empty share,
+    ``min_i floor(p · l_ei / l_e)`` over the chunks where the expert has routes: every helper
+    GEMM of a chunk gets at least m rows (unless the piece is a whole remainder, as for
+    K = 1). Without ``chunk_loads`` (or with K = 1) ``share(p) = p``.
 
     With ``ep_size == 1`` there is no other rank, so nothing spills (every expert stays home).
     """
@@ -236,6 +247,7 @@ def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
     m = _check_int("min_tokens_per_gemm", min_tokens_per_gemm, 1)
     per = num_experts // ep_size
     cap = max(1, int(alpha * (sum(loads) // ep_size)))
+    share = _smallest_share(loads, chunk_loads)
 
     pending = native_rank_loads(loads, ep_size)
     assigned = [0] * ep_size
@@ -274,7 +286,7 @@ def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
                 if room <= 0:
                     continue
                 p = min(r, room)
-                if p < m and p < r:
+                if p < r and share(e, p) < m:
                     continue
                 give(e, h, done, p)
                 done += p
@@ -288,14 +300,31 @@ def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
                     weight_transfers=sorted(transfers), cap=cap, forced=forced, llep=True)
 
 
+def _smallest_share(loads: list[int], chunk_loads: Optional[Sequence[Sequence[int]]]):
+    """``share(e, p)``: the smallest non-empty per-chunk share of a piece of p of expert e's
+    routes split over the chunks in proportion to its load in each (``p`` without chunks)."""
+    if chunk_loads is None:
+        return lambda e, p: p
+    rows = [[operator.index(v) for v in row] for row in chunk_loads]
+    if not rows or any(len(row) != len(loads) for row in rows) \
+            or any(v < 0 for row in rows for v in row):
+        raise ValueError(f"chunk_loads must be [K][E] counts >= 0 with E = {len(loads)}")
+    if [sum(col) for col in zip(*rows)] != loads:
+        raise ValueError("chunk_loads must sum over the chunks to expert_loads")
+    per_expert = [[row[e] for row in rows if row[e]] for e in range(len(loads))]
+    return lambda e, p: min(p * l // loads[e] for l in per_expert[e])
+
+
 def plan_dispatch(expert_loads: LoadsLike, ep_size: int, *, alpha: float = 1.0,
                   min_tokens_per_gemm: int = 1024,
-                  imbalance_threshold: float = 1.3) -> LLEPPlan:
+                  imbalance_threshold: float = 1.3,
+                  chunk_loads: Optional[Sequence[Sequence[int]]] = None) -> LLEPPlan:
     """The adaptive switch (DESIGN.md §2.1 step 6): :func:`plain_ep_plan` when
-    :func:`use_llep` says the load is balanced enough, else :func:`llep_plan`."""
+    :func:`use_llep` says the load is balanced enough, else :func:`llep_plan` (with
+    ``chunk_loads``, planned for chunked execution)."""
     if use_llep(expert_loads, ep_size, imbalance_threshold):
         return llep_plan(expert_loads, ep_size, alpha=alpha,
-                         min_tokens_per_gemm=min_tokens_per_gemm)
+                         min_tokens_per_gemm=min_tokens_per_gemm, chunk_loads=chunk_loads)
     return plain_ep_plan(expert_loads, ep_size)
 
 

@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["GroupedExpertsBank", "GroupedMLPBank"]
+__all__ = ["GroupedExpertsBank", "GroupedMLPBank", "TEGroupedMLPBank"]
 
 
 class GroupedExpertsBank:
@@ -154,3 +154,62 @@ class GroupedMLPBank(GroupedExpertsBank):
         x, p = self._inputs(x, probs)
         fc1 = x @ w1 if first is None else SavedOutputLinear.apply(x, w1.t(), first)
         return GradOnlyLinear.apply(self.experts.activation_func_with_probs(fc1, p), w2.t())
+
+
+class TEGroupedMLPBank(GroupedExpertsBank):
+    """:class:`GroupedExpertsBank` for ``TEGroupedMLP`` (0.16 and 0.19), with the engine's
+    recompute shortcuts made by shadowing its two grouped linears' ``forward`` for one call
+    (one expert's rows, all in slot 0; the weights read are the swapped-in ones):
+
+    * ``run_saving``: ``run`` plus ``linear_fc1``'s output, saved for a saved chunk;
+    * ``run_for_grad``: ``linear_fc2`` returns :class:`~megatron_flat.dispatch.experts.
+      GradOnlyLinear` (its forward GEMM skipped: the output is only differentiated) and, with
+      ``first``, ``linear_fc1`` returns :class:`~megatron_flat.dispatch.experts.
+      SavedOutputLinear` (the saved output stands in for its GEMM).
+
+    Everything between the linears (activation, GLU, probabilities) stays Megatron's. When
+    the module computes its experts without calling its linears (TE's fused grouped MLP),
+    nothing is shadowed: ``run_saving`` then saves nothing (``None``: that expert is
+    recomputed) and ``run_for_grad`` is ``run``, values computed, gradients the same.
+    """
+
+    @contextlib.contextmanager
+    def _shadowed(self, fc1=None, fc2=None) -> Iterator[None]:
+        linears = [(self.experts.linear_fc1, fc1), (self.experts.linear_fc2, fc2)]
+        for module, forward in linears:
+            if forward is not None:
+                module.forward = forward  # instance attribute: shadows the class's forward
+        try:
+            yield
+        finally:
+            for module, forward in linears:
+                if forward is not None:
+                    del module.forward
+
+    def run_saving(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                   probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        fc1, captured = self.experts.linear_fc1, []
+
+        def forward(*args, **kwargs):
+            out = type(fc1).forward(fc1, *args, **kwargs)
+            captured.append(out[0])
+            return out
+
+        with self._shadowed(fc1=forward):
+            out = self.run(weights, x, probs)
+        return out, (captured[0] if len(captured) == 1 else None)
+
+    def run_for_grad(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                     probs: torch.Tensor, first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from megatron_flat.dispatch.experts import GradOnlyLinear, SavedOutputLinear
+
+        fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
+
+        def fc2_forward(input_, *args, **kwargs):
+            return GradOnlyLinear.apply(input_, fc2.weight0), None
+
+        def fc1_forward(input_, *args, **kwargs):
+            return SavedOutputLinear.apply(input_, fc1.weight0, first), None
+
+        with self._shadowed(fc1=fc1_forward if first is not None else None, fc2=fc2_forward):
+            return self.run(weights, x, probs)

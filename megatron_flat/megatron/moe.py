@@ -30,7 +30,11 @@ from megatron_flat.dispatch.experts import GradOnlyLinear, SavedOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
 from megatron_flat.megatron import compat, regions
-from megatron_flat.megatron.grouped_bank import GroupedExpertsBank, GroupedMLPBank
+from megatron_flat.megatron.grouped_bank import (
+    GroupedExpertsBank,
+    GroupedMLPBank,
+    TEGroupedMLPBank,
+)
 
 __all__ = ["FlatMoELayer", "SequentialMLPBank", "expert_bank", "replay_routing",
            "unsupported_settings"]
@@ -204,6 +208,8 @@ def expert_bank(experts: torch.nn.Module, config):
         return SequentialMLPBank(experts, config)
     if hasattr(experts, "weight1") and hasattr(experts, "activation_func_with_probs"):
         return GroupedMLPBank(experts, config)  # 0.16's GroupedMLP: recompute shortcuts too
+    if hasattr(getattr(experts, "linear_fc1", None), "weight0"):
+        return TEGroupedMLPBank(experts, config)  # TEGroupedMLP: shortcuts via its linears
     return GroupedExpertsBank(experts, config)
 
 

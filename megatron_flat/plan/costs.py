@@ -45,7 +45,7 @@ UNITS = ("dispatch", "vocab", "boundaries", "optimizer")
 # and 22 + 13·E_l in backward; flat 56 + 36·K + 19·E_l per forward pass and
 # 10 + 15·K + 55·E_l in backward.
 SYNCS_STOCK_PER_PASS = 3
-SYNCS_FLAT_FORWARD = 2
+SYNCS_FLAT_FORWARD = 1
 SYNCS_FLAT_PER_CHUNK = 0
 OPS_STOCK_FORWARD, OPS_STOCK_FORWARD_PER_EXPERT = 43, 6
 OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
@@ -87,7 +87,8 @@ def attention_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> f
 def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: int,
                      routes_computed: float, routes_sent: float, bytes_per_value: int,
                      gated: bool = True, flat: bool = False, chunks: int = 1, saved: int = 0,
-                     recompute: bool = False, graph_only: bool = True) -> dict:
+                     recompute: bool = False, graph_only: bool = True,
+                     max_chunks: Optional[int] = None) -> dict:
     """Counts of one MoE layer, one microbatch, forward + backward on one EP rank.
 
     ``routes_computed``: routes this rank's experts run; ``routes_sent``: routes it sends to
@@ -106,9 +107,11 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
                                                             backward re-sends each token
                                                             with its output grad (2·H·b + 4)
                                                             and returns dX and dprob
-                         + P·(EP − 1)·K·E·8                 per-chunk route counts
         other   = stock: P·(EP − 1)·E·8                     all-gather of tokens per expert
-                  flat:  P·2·(EP − 1)·(E + 1)·8             all-reduce of the global counts
+                  flat:  P·2·(EP − 1)·(S·E + 1)·8           all-reduce of every rank's counts
+                                                            per (chunk, expert) and N, in
+                                                            S = K_max slots (``max_chunks``;
+                                                            default K), 1 for ``llep``
         syncs, ops: the ledger's counts of the landed code (constants above)
 
     Checked exactly against the ledger on the tiny layer (``tests/runtime/
@@ -134,10 +137,10 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
         ops = passes * (OPS_STOCK_FORWARD + OPS_STOCK_FORWARD_PER_EXPERT * e_local) \
             + OPS_STOCK_BACKWARD + OPS_STOCK_BACKWARD_PER_EXPERT * e_local
     else:
-        a2a = routes_sent * (valued * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES) \
-            + passes * (ep - 1) * K * E * 8
-        other = passes * 2 * (ep - 1) * (E + 1) * 8
-        calls = {"all_to_all_single": valued * 2 * K + passes + 2 * K, "all_reduce": passes}
+        slots = K if max_chunks is None else max(K, max_chunks)
+        a2a = routes_sent * (valued * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES)
+        other = passes * 2 * (ep - 1) * (slots * E + 1) * 8
+        calls = {"all_to_all_single": valued * 2 * K + 2 * K, "all_reduce": passes}
         syncs = passes * SYNCS_FLAT_FORWARD + valued * SYNCS_FLAT_PER_CHUNK * K
         ops = passes * OPS_FLAT_FORWARD + valued * (OPS_FLAT_FORWARD_PER_CHUNK * K
                                                     + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \
@@ -249,7 +252,8 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
                               routes_sent=k * n_sp * (ep - 1) / ep, bytes_per_value=b,
                               gated=model.gated, flat=on, chunks=K, saved=saved,
                               recompute=True,
-                              graph_only=on and flat.dispatch_graph_only_recompute)
+                              graph_only=on and flat.dispatch_graph_only_recompute,
+                              max_chunks=flat.dispatch_max_chunks if on and K > 1 else None)
     if on:
         spilled = e_local * (sigma - sigma_run) / sigma if sigma > sigma_run else 0.0
         passes = 2 if flat.dispatch_graph_only_recompute else 3  # the graph-only re-run: none

@@ -200,3 +200,4 @@ def test_overlap_is_bitwise_the_serial_schedule(extra, dist_world, monkeypatch):
     chunks = stats.num_chunks
     assert sum(flags) >= 4 * chunks + 1, (flags, chunks)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+

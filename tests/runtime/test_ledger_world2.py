@@ -83,7 +83,7 @@ def test_moe_under_full_recompute_does_no_more_than_stock(run) -> None:
         hidden=args.hidden, ffn=args.ffn, experts=args.experts, tokens=args.tokens,
         ep=shape["ep"], routes_computed=shape["routes_computed"],
         routes_sent=shape["routes_sent_off_rank"], bytes_per_value=4, flat=True,
-        chunks=flat["stages"], recompute=True, graph_only=False)
+        chunks=flat["stages"], recompute=True, graph_only=False, max_chunks=args.max_chunks)
     assert valued["flops"] > stock["flops"] and valued["all_to_all_bytes"] > \
         stock["all_to_all_bytes"]
 
@@ -113,7 +113,8 @@ def test_moe_layer_formulas_equal_the_counts(run, unit, variant) -> None:
         hidden=args.hidden, ffn=args.ffn, experts=args.experts, tokens=args.tokens,
         ep=shape["ep"], routes_computed=shape["routes_computed"],
         routes_sent=shape["routes_sent_off_rank"], bytes_per_value=4, gated=True,
-        flat=variant == "flat", chunks=r["stages"], saved=0, recompute=unit == "moe-recompute")
+        flat=variant == "flat", chunks=r["stages"], saved=0, recompute=unit == "moe-recompute",
+        max_chunks=args.max_chunks)
     assert r["flops"] == want["flops"]
     assert r["all_to_all_bytes"] == want["all_to_all_bytes"]
     assert r["other_collective_bytes"] == want["other_collective_bytes"]
@@ -206,12 +207,14 @@ def test_collective_output_is_device_data(dist_world) -> None:
 
 
 @pytest.mark.parametrize("unit, passes", [("moe", 1), ("moe-recompute", 2)])
-def test_flat_moe_waits_twice_per_forward_pass(run, unit, passes) -> None:
-    """PipelinedLLEP reads the device twice per forward (global counts for the plan, then the
-    chunks' split sizes) and never in backward; Megatron's alltoall dispatcher waits once per
-    forward for its split sizes (plus two masked_select on 0.16)."""
+def test_flat_moe_waits_once_per_forward_pass(run, unit, passes) -> None:
+    """PipelinedLLEP reads the device once per forward (every rank's route counts per
+    chunk and expert: the plan and every split size follow from them) and never in
+    backward; Megatron's alltoall dispatcher waits once per forward for its split sizes
+    (plus two masked_select on 0.16). So the flat layer waits no more than stock on either
+    release, alone and under full recompute (its graph-only re-run waits once too)."""
     _, _, by = run
     flat, stock = by[(unit, "flat")], by[(unit, "stock")]
-    assert flat["sync_kinds"] == {"cpu": 2 * passes}
+    assert flat["sync_kinds"] == {"cpu": passes}
     assert stock["sync_kinds"].get("event_synchronize") == passes
-    assert flat["syncs"] <= 3 * passes
+    assert flat["syncs"] <= stock["syncs"]
