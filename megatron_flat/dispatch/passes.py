@@ -11,7 +11,7 @@ keeps the peak lowest. Either order gives bitwise the same values.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -19,24 +19,61 @@ from megatron_flat.dispatch.exchange import Pending
 from megatron_flat.dispatch.step import Step
 from megatron_flat.dispatch.strategies import main_grad, mark_added
 
-__all__ = ["backward_pass", "forward_pass"]
+__all__ = ["backward_pass", "forward_pass", "rounds"]
+
+
+def rounds(step: Step, dispatch: Callable[[int], Pending],
+           compute: Callable[[int, list], tuple], land: Callable[[int, Pending], None],
+           arrived: Callable[[], None] = lambda: None) -> None:
+    """The chunk loop of both passes: chunk i's ``dispatch(i)`` (in flight), ``compute(i,
+    received)`` (what goes back, as ``Step.pack`` gives it), its return all-to-all and
+    ``land(i, returning)`` (wait, then add into this rank's result). ``arrived()`` runs once
+    the first dispatch is issued (the spilled experts' weights land there). With
+    ``step.overlap`` chunk i+1's dispatch is issued before chunk i computes and chunk i's
+    return lands after chunk i+1 computed; otherwise one chunk at a time. Every rank issues
+    the all-to-alls in the same order either way."""
+    k = step.send.num_chunks
+    pending = dispatch(0)
+    arrived()
+    returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
+    for i in range(k):
+        received = pending.wait()
+        pending = dispatch(i + 1) if step.overlap and i + 1 < k else None
+        back = compute(i, received)
+        del received
+        if returning is not None:  # chunk i-1's return ran while chunk i computed
+            land(*returning)
+        returning = (i, step.a2a(back, i, back=True))
+        del back
+        if not step.overlap:
+            land(*returning)
+            returning = None
+            if i + 1 < k:
+                pending = dispatch(i + 1)
+    if returning is not None:
+        land(*returning)
 
 
 def forward_pass(step: Step, tokens: torch.Tensor, probs: torch.Tensor,
                  weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[N, H]``: each token's sum of its routes' probability-weighted expert outputs (zeros
     for a graph-only re-run, which moves nothing)."""
-    k = step.send.num_chunks
     hidden = tokens.shape[1]
     out = tokens.new_zeros((step.n, hidden))
     if not step.values:
         return out
-    arrived = step.fetch_helper_weights(weights)
+    fetched = step.fetch_helper_weights(weights)
+    helper: dict = {}
 
     def dispatch(i: int) -> Pending:
         idx = step.send.chunk(i)
         tok = step.route_token.index_select(0, idx)
         return step.a2a(step.pack([(tokens, tok), (probs, idx)]), i, back=False)
+
+    def compute(i: int, received: list):
+        x_recv, p_recv = received
+        received.clear()
+        return [step.strategies[i].forward(step, i, x_recv, p_recv, weights, helper)], None
 
     def combine(i: int, returning: Pending) -> None:
         (y_send,) = returning.wait()
@@ -46,25 +83,7 @@ def forward_pass(step: Step, tokens: torch.Tensor, probs: torch.Tensor,
         tok = step.route_token.index_select(0, step.send.chunk(i).index_select(0, restore))
         out.scatter_add_(0, tok.unsqueeze(1).expand(-1, hidden), y_em)
 
-    pending = dispatch(0)
-    helper = arrived()
-    returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
-    for i in range(k):
-        x_recv, p_recv = pending.wait()
-        pending = dispatch(i + 1) if step.overlap and i + 1 < k else None
-        y_recv = step.strategies[i].forward(step, i, x_recv, p_recv, weights, helper)
-        del x_recv, p_recv
-        if returning is not None:  # chunk i-1's combine ran while chunk i computed
-            combine(*returning)
-        returning = (i, step.a2a(([y_recv], None), i, back=True))
-        del y_recv
-        if not step.overlap:
-            combine(*returning)
-            returning = None
-            if i + 1 < k:
-                pending = dispatch(i + 1)
-    if returning is not None:
-        combine(*returning)
+    rounds(step, dispatch, compute, combine, lambda: helper.update(fetched()))
     if step.graph:
         step.helper = helper  # the held graphs use the helper copies
     return out
@@ -74,9 +93,9 @@ def backward_pass(step: Step, grad_out: torch.Tensor, tokens: torch.Tensor,
                   probs: torch.Tensor, weights: Sequence[torch.Tensor]):
     """``(grad_tokens, grad_probs, grad_weights)`` of one call; weight gradients that went
     into ``main_grad`` come back as one-element placeholders (see below)."""
-    k = step.send.num_chunks
     grad_out = grad_out.contiguous()
-    arrived = (lambda: step.helper) if step.graph else step.fetch_helper_weights(weights)
+    fetched = (lambda: step.helper) if step.graph else step.fetch_helper_weights(weights)
+    helper: dict = {}
     acc: dict[int, list[torch.Tensor]] = {}
     grad_tokens = torch.zeros_like(tokens)
     grad_probs = torch.zeros_like(probs)
@@ -98,27 +117,15 @@ def backward_pass(step: Step, grad_out: torch.Tensor, tokens: torch.Tensor,
         grad_tokens.index_add_(0, tok, dx_send.index_select(0, restore))
         grad_probs.index_copy_(0, idx, dp_send.to(grad_probs.dtype))
 
-    pending = dispatch(0)
-    helper = arrived()
-    step.helper = {}
-    returning: Optional[tuple[int, Pending]] = None  # the previous chunk's, in flight
-    for i in range(k):
-        received = pending.wait()
-        pending = dispatch(i + 1) if step.overlap and i + 1 < k else None
-        back = step.strategies[i].backward(step, i, received, weights, helper, acc)
-        del received
-        if returning is not None:  # chunk i-1's return ran while chunk i computed
-            add_back(*returning)
-        returning = (i, step.a2a(back, i, back=True))
-        del back
-        if not step.overlap:
-            add_back(*returning)
-            returning = None
-            if i + 1 < k:
-                pending = dispatch(i + 1)
-    if returning is not None:
-        add_back(*returning)
-    del helper
+    def arrived() -> None:
+        helper.update(fetched())
+        step.helper = {}
+
+    rounds(step, dispatch,
+           lambda i, received: step.strategies[i].backward(step, i, received, weights, helper,
+                                                           acc),
+           add_back, arrived)
+    helper.clear()
     step.return_helper_grads(acc, weights)
     grad_weights = []
     for j in range(step.e_local):
