@@ -82,29 +82,38 @@ def chunk_ranges(plan: LLEPPlan, chunk_loads: Sequence[Sequence[int]]) -> list[l
     return out
 
 
+def _whole(plan: LLEPPlan, ranges: list[list[list[Range]]], k: int,
+           e: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """``([K, E] rank, split)``: the one rank of each (chunk, expert) list the plan does not
+    split (its owner when empty), -1 for each it splits, and the split ones' ``(i, e)``."""
+    whole = torch.arange(e).div(e // plan.ep_size, rounding_mode="floor").expand(k, e).clone()
+    split = []
+    if plan.llep:  # a plain-EP plan splits nothing: every list on its owner
+        for i in range(k):
+            for ex in range(e):
+                r = ranges[i][ex]
+                if len(r) == 1:
+                    whole[i, ex] = r[0][0]
+                elif len(r) > 1:
+                    whole[i, ex] = -1
+                    split.append((i, ex))
+    return whole, split
+
+
 def chunk_flows(plan: LLEPPlan, ranges: list[list[list[Range]]],
                 counts: torch.Tensor) -> torch.Tensor:
     """``[P_src, P_dst, K, E]`` int64 (host): routes source s sends destination d in chunk i
     for expert e, from every source's ``counts`` ``[P, K, E]`` (host) and the chunk ranges."""
     counts = counts.to("cpu", torch.long)
     p, k, e = counts.shape
-    per = e // p
-    dest = torch.arange(e).div(per, rounding_mode="floor").expand(k, e).clone()
-    split = []
-    if plan.llep:
-        for i in range(k):
-            for ex in range(e):
-                r = ranges[i][ex]
-                if len(r) == 1:
-                    dest[i, ex] = r[0][0]
-                elif len(r) > 1:
-                    split.append((i, ex))
+    whole, split = _whole(plan, ranges, k, e)
     flows = torch.zeros(p, p, k, e, dtype=torch.long)
-    flows.scatter_(1, dest.view(1, 1, k, e).expand(p, 1, k, e), counts.view(p, 1, k, e))
+    kept = counts.masked_fill(whole < 0, 0)      # split lists are filled range by range
+    flows.scatter_(1, whole.clamp(min=0).view(1, 1, k, e).expand(p, 1, k, e),
+                   kept.view(p, 1, k, e))
     for i, ex in split:
         c = counts[:, i, ex]
         first = torch.cumsum(c, 0) - c          # each source's first position in the list
-        flows[:, dest[i, ex], i, ex] = 0
         for g, start, end in ranges[i][ex]:
             take = (torch.minimum(first + c, torch.tensor(end))
                     - torch.maximum(first, torch.tensor(start))).clamp(min=0)
@@ -121,25 +130,17 @@ def chunk_route_destinations(route_expert: torch.Tensor, route_chunk: torch.Tens
     lists the plan splits are looked up; the others go where their one range is."""
     device = route_expert.device
     p, k, e = counts.shape
-    per = e // p
     if not plan.llep:
-        return route_expert.div(per, rounding_mode="floor")
-    # One rank per (chunk, expert) list where the list is not split; -1 where it is.
-    whole = torch.arange(e).div(per, rounding_mode="floor").expand(k, e).clone()
-    starts, ranks = [], []
+        return route_expert.div(e // p, rounding_mode="floor")
+    whole, split = _whole(plan, ranges, k, e)
     counts = counts.to("cpu", torch.long)
     lists = counts.sum(0).reshape(-1)                  # l_ei, (chunk, expert)-major
     base = torch.cumsum(lists, 0) - lists
-    for i in range(k):
-        for ex in range(e):
-            r = ranges[i][ex]
-            if len(r) == 1:
-                whole[i, ex] = r[0][0]
-            elif len(r) > 1:
-                whole[i, ex] = -1
-                for g, start, _ in r:
-                    starts.append(int(base[i * e + ex]) + start)
-                    ranks.append(g)
+    starts, ranks = [], []
+    for i, ex in split:
+        for g, start, _ in ranges[i][ex]:
+            starts.append(int(base[i * e + ex]) + start)
+            ranks.append(g)
     key = route_chunk * e + route_expert
     dest = whole.reshape(-1).to(device)[key]
     if not starts:
