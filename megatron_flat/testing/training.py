@@ -99,14 +99,14 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.tiny, self.layout = tiny, layout
-        self.config = transformer_config(
-            tiny, tp=layout.tp, ep=layout.ep, pp=layout.pp, dispatcher=layout.dispatcher,
+        settings = dict(
+            tp=layout.tp, ep=layout.ep, pp=layout.pp, dispatcher=layout.dispatcher,
             recompute=layout.recompute, recompute_method=layout.recompute_method,
             recompute_num_layers=layout.recompute_num_layers,
             recompute_modules=layout.recompute_modules,
-            **({} if layout.etp is None else {"expert_tensor_parallel_size": layout.etp}),
-            **(config_overrides or {}),
-        )
+            **({} if layout.etp is None else {"expert_tensor_parallel_size": layout.etp}))
+        settings.update(config_overrides or {})  # the caller's overrides win
+        self.config = transformer_config(tiny, **settings)
         self.flat = flat
         if getattr(self.config, "mtp_num_layers", None):
             reset_mtp_tracker()
