@@ -23,6 +23,14 @@ output, its first linear layer's output (``first``); given back to ``run_for_gra
 in for that layer's forward GEMM, so a chunk saved for backward costs one ``[R, F1]`` tensor
 (F1: the first layer's width) instead of a recompute.
 
+A bank whose experts run as one grouped GEMM may also offer the *native* calls, on the rows of
+its own local experts concatenated in expert order (``counts[j]`` rows for local expert j,
+zero for an absent one) with its own parameters: ``run_native(x, probs, counts)``,
+``run_native_for_grad(x, probs, counts, first=None)`` and ``run_native_saving(x, probs,
+counts) -> (out, first)``, the same three contracts over all local experts at once. The engine
+then computes each chunk's native rows in one grouped call (its graph in backward holds that
+chunk's native experts together) and only spilled experts' rows one expert at a time.
+
 Megatron's ``SequentialMLP`` is adapted in :mod:`megatron_flat.megatron.moe`;
 :class:`GLUExperts` here is a plain-PyTorch bank for users outside Megatron and for tests.
 """
@@ -34,7 +42,8 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertBank", "GLUExperts", "GradOnlyLinear", "SavedOutputLinear", "check_bank"]
+__all__ = ["ExpertBank", "GLUExperts", "GradOnlyGroupedLinear", "GradOnlyLinear",
+           "SavedOutputGroupedLinear", "SavedOutputLinear", "check_bank"]
 
 
 class ExpertBank(Protocol):
@@ -109,6 +118,54 @@ class SavedOutputLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad_x, grad_w = GradOnlyLinear.backward(ctx, grad)
         return grad_x, grad_w, None
+
+
+def _grouped_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], splits: Sequence[int],
+                      grad: torch.Tensor):
+    """``(g_j W_j for every group, as one tensor; gᵀ_j x_j per group, None for an empty one)``:
+    :class:`GradOnlyLinear`'s formulas on each group of rows."""
+    grad_x, grad_w = [], []
+    for xj, gj, w in zip(torch.split(x, list(splits)), torch.split(grad, list(splits)), weights):
+        grad_x.append(gj.matmul(w))
+        grad_w.append(gj.t().matmul(xj) if xj.shape[0] else None)
+    return torch.cat(grad_x) if grad_x else grad.new_empty(x.shape), grad_w
+
+
+class GradOnlyGroupedLinear(torch.autograd.Function):
+    """``x_j W_jᵀ`` for each group j of rows (``splits``) of a grouped linear, for a graph
+    that is only differentiated: forward returns an uninitialised ``[rows, out]`` tensor (no
+    GEMM); backward is :class:`GradOnlyLinear`'s per group (no weight gradient for an empty
+    group). Saves ``x`` and the weights (references)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, splits: Sequence[int], *weights: torch.Tensor):
+        ctx.splits = list(splits)
+        ctx.save_for_backward(x, *weights)
+        return x.new_empty((x.shape[0], weights[0].shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x, grad_w = _grouped_backward(x, weights, ctx.splits, grad)
+        return (grad_x, None, *grad_w)
+
+
+class SavedOutputGroupedLinear(torch.autograd.Function):
+    """A grouped linear's output computed earlier (``output``, saved from forward): forward
+    returns it without a GEMM; backward is :class:`GradOnlyGroupedLinear`'s."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output: torch.Tensor, splits: Sequence[int],
+                *weights: torch.Tensor):
+        ctx.splits = list(splits)
+        ctx.save_for_backward(x, *weights)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        grad_x, grad_w = _grouped_backward(x, weights, ctx.splits, grad)
+        return (grad_x, None, None, *grad_w)
 
 
 class GLUExperts(torch.nn.Module):

@@ -8,8 +8,11 @@ probabilities again beside their output gradients (the chunk is rebuilt from the
 the output gradients (the chunk's graph was held).
 
 * :class:`Recomputed` (``pipelined``, the default): forward keeps nothing; backward rebuilds
-  each expert's graph from its rows, one expert at a time (the bank's ``run_for_grad`` skips
-  the last layer's forward GEMM), and differentiates it before the next exists.
+  each unit's graph from its rows, one unit at a time (the bank's ``run_for_grad`` skips
+  the last layer's forward GEMM), and differentiates it before the next exists. A *unit* is
+  one expert's rows, or, with a bank that offers ``run_native``, all of this rank's native
+  experts' rows of the chunk in one grouped call (:func:`units`); spilled experts' rows are
+  always units of their own, run with the transferred weights.
 * :class:`SavedFirstLayer` (the first ``saved_chunks`` chunks, a bank with ``run_saving``):
   forward saves each expert's first-layer output, which stands in for that GEMM in backward;
   otherwise as :class:`Recomputed`.
@@ -84,15 +87,40 @@ def accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
 
 
 # ---------------------------------------------------------------------------- shared pieces
-def each_expert(step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
-                run: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Chunk i's expert outputs in received order, one expert at a time: each expert's rows
-    are gathered, ``run(e, x, p)`` and written into one output buffer, so the working set
-    is one expert's intermediates rather than the whole chunk's."""
+def units(step: "Step", i: int, native: bool = True) -> list[tuple]:
+    """Chunk i's expert runs, ``(experts, start, end, counts)`` over its grouped rows: with a
+    bank that runs its local experts in one grouped call (``run_native``) this rank's native
+    experts are one unit (their rows are contiguous in the grouped order; ``counts``: rows per
+    local expert, 0 for an absent one), every other expert a unit of its own (counts None)."""
+    segments = step.recv.segments[i]
+    if not (native and hasattr(step.bank, "run_native")):
+        return [([e], s, t, None) for e, s, t in segments]
+    lo, hi = step.first, step.first + step.e_local
+    mine = [(e, s, t) for e, s, t in segments if lo <= e < hi]
+    out = []
+    for e, s, t in segments:
+        if not lo <= e < hi:
+            out.append(([e], s, t, None))
+        elif e == mine[0][0]:
+            counts = [0] * step.e_local
+            for ne, ns, nt in mine:
+                counts[ne - lo] = nt - ns
+            out.append(([ne for ne, _, _ in mine], mine[0][1], mine[-1][2], counts))
+    return out
+
+
+def each_unit(step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+              run: Callable[[tuple, torch.Tensor, torch.Tensor], torch.Tensor],
+              native: bool = True) -> torch.Tensor:
+    """Chunk i's expert outputs in received order, one unit at a time (:func:`units`): each
+    unit's rows are gathered, ``run(unit, x, p)`` and written into one output buffer, so the
+    working set is one unit's intermediates (one expert's, or the native experts' grouped
+    call) rather than the whole chunk's."""
     y_recv = None
-    for e, start, end in step.recv.segments[i]:
+    for unit in units(step, i, native):
+        _, start, end, _ = unit
         x, p = step.rows(x_recv, i, start, end), step.rows(p_recv, i, start, end)
-        y = run(e, start, end, x, p)
+        y = run(unit, x, p)
         del x, p
         if y_recv is None:
             y_recv = y.new_empty((x_recv.shape[0],) + tuple(y.shape[1:]))
@@ -102,17 +130,18 @@ def each_expert(step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor
 
 
 def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[torch.Tensor],
-                  experts: Iterator[tuple], acc: dict):
-    """Chunk i's backward one expert's graph at a time (``(e, start, end, x, p, leaves,
-    y)``: rebuilt, or saved from forward): differentiated, and its weight gradient added
-    (into ``main_grad`` or the accumulators) before the next expert's graph exists, so
-    backward holds one expert's graph and weight gradient, never the chunk's. Input and
-    probability gradients are written straight into the buffer sent back (``like``: their
-    dtypes and widths), in received order. Per-expert graphs are independent, so every value
-    is what one ``autograd.grad`` over the whole chunk would give."""
+                  graphs: Iterator[tuple], acc: dict):
+    """Chunk i's backward one unit's graph at a time (``(members, start, end, x, p, y)``,
+    ``members`` the unit's ``(expert, leaves)``: rebuilt, or saved from forward):
+    differentiated, and its weight gradients added (into ``main_grad`` or the accumulators)
+    before the next unit's graph exists, so backward holds one unit's graph and weight
+    gradients, never the chunk's. Input and probability gradients are written straight into
+    the buffer sent back (``like``: their dtypes and widths), in received order. Units'
+    graphs are independent, so every value is what one ``autograd.grad`` over the whole
+    chunk would give."""
     (dx_recv, dp_recv), back = step.empty_packed(like, g_recv.shape[0])
-    for e, start, end, x, p, leaves, y in experts:
-        wanted = [w for w in leaves if w.requires_grad]
+    for members, start, end, x, p, y in graphs:
+        wanted = [w for _, leaves in members for w in leaves if w.requires_grad]
         grads = torch.autograd.grad(y, [x, p] + wanted, step.rows(g_recv, i, start, end),
                                     allow_unused=True)
         del y
@@ -121,8 +150,10 @@ def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[tor
         step.put(dp_recv, i, start, end,
                  grads[1] if grads[1] is not None else torch.zeros_like(p))
         found = iter(grads[2:])
-        accumulate(acc, e, [next(found) if w.requires_grad else None for w in leaves], leaves)
-        del grads, found, x, p, leaves
+        for e, leaves in members:
+            accumulate(acc, e, [next(found) if w.requires_grad else None for w in leaves],
+                       leaves)
+        del grads, found, x, p, members
     return back
 
 
@@ -142,14 +173,21 @@ class ChunkStrategy:
 
 
 class Recomputed(ChunkStrategy):
-    """Nothing kept; backward rebuilds each expert's graph from its re-sent rows."""
+    """Nothing kept; backward rebuilds each unit's graph from its re-sent rows."""
 
     def forward(self, step, i, x_recv, p_recv, weights, helper):
-        return each_expert(step, i, x_recv, p_recv, lambda e, start, end, x, p: step.bank.run(
-            step.weights_of(e, weights, helper), x, p))
+        bank = step.bank
+
+        def run(unit, x, p):
+            experts, _, _, counts = unit
+            if counts is not None:
+                return bank.run_native(x, p, counts)
+            return bank.run(step.weights_of(experts[0], weights, helper), x, p)
+
+        return each_unit(step, i, x_recv, p_recv, run)
 
     def first_layers(self) -> Optional[list]:
-        """What forward saved per expert to stand in for the first layer (None: nothing)."""
+        """What forward saved per unit to stand in for the first layer (None: nothing)."""
         return None
 
     def backward(self, step, i, received, weights, helper, acc):
@@ -159,24 +197,29 @@ class Recomputed(ChunkStrategy):
                              self._rebuilt(step, i, x_recv, p_recv, weights, helper), acc)
 
     def _rebuilt(self, step, i, x_recv, p_recv, weights, helper) -> Iterator[tuple]:
-        """Each expert's graph rebuilt from its received rows, one at a time (the last linear
+        """Each unit's graph rebuilt from its received rows, one at a time (the last linear
         layer's forward GEMM skipped by ``run_for_grad``; the first layer's too when forward
         saved its output)."""
         bank = step.bank
         run = bank.run_for_grad if hasattr(bank, "run_for_grad") else bank.run
         firsts = self.first_layers()
-        for n, (e, start, end) in enumerate(step.recv.segments[i]):
+        for n, (experts, start, end, counts) in enumerate(units(step, i)):
             x = step.rows(x_recv, i, start, end).detach().requires_grad_()
             p = step.rows(p_recv, i, start, end).detach().requires_grad_()
-            leaves = step.leaf(e, weights, helper)
+            members = [(e, step.leaf(e, weights, helper)) for e in experts]
             first = None
             if firsts is not None:
                 first, firsts[n] = firsts[n], None
             with torch.enable_grad():
-                y = run(leaves, x, p) if first is None else run(leaves, x, p, first=first)
+                if counts is not None:  # the native experts' grouped call, own parameters
+                    y = bank.run_native_for_grad(x, p, counts, first=first)
+                elif first is None:
+                    y = run(members[0][1], x, p)
+                else:
+                    y = run(members[0][1], x, p, first=first)
             del first
-            yield e, start, end, x, p, leaves, y
-            del x, p, leaves, y
+            yield members, start, end, x, p, y
+            del x, p, members, y
 
 
 class SavedFirstLayer(Recomputed):
@@ -193,13 +236,18 @@ class SavedFirstLayer(Recomputed):
 
     def forward(self, step, i, x_recv, p_recv, weights, helper):
         firsts = []
+        bank = step.bank
 
-        def run(e, start, end, x, p):
-            y, first = step.bank.run_saving(step.weights_of(e, weights, helper), x, p)
+        def run(unit, x, p):
+            experts, _, _, counts = unit
+            if counts is not None:
+                y, first = bank.run_native_saving(x, p, counts)
+            else:
+                y, first = bank.run_saving(step.weights_of(experts[0], weights, helper), x, p)
             firsts.append(first)
             return y
 
-        y_recv = each_expert(step, i, x_recv, p_recv, run)
+        y_recv = each_unit(step, i, x_recv, p_recv, run)
         self.firsts = firsts
         return y_recv
 
@@ -217,15 +265,16 @@ class SavedGraph(ChunkStrategy):
     def forward(self, step, i, x_recv, p_recv, weights, helper):
         graphs = []
 
-        def run(e, start, end, x, p):
+        def run(unit, x, p):
+            (e,), start, end, _ = unit
             x, p = x.detach().requires_grad_(), p.detach().requires_grad_()
             leaves = step.leaf(e, weights, helper)
             with torch.enable_grad():
                 y = step.bank.run(leaves, x, p)
-            graphs.append((e, start, end, x, p, leaves, y))
+            graphs.append(([(e, leaves)], start, end, x, p, y))
             return y.detach()
 
-        y_recv = each_expert(step, i, x_recv, p_recv, run)
+        y_recv = each_unit(step, i, x_recv, p_recv, run, native=False)
         # dtype and width of the input and probability gradients sent back
         self.like = (x_recv.new_empty((0,) + tuple(x_recv.shape[1:])), p_recv.new_empty(0))
         self.graphs = graphs
@@ -258,17 +307,24 @@ class WholeGraph(ChunkStrategy):
 
     @staticmethod
     def _through(step, i, xg, pg, weight_of) -> torch.Tensor:
-        """Chunk i's grouped rows through their experts as one graph."""
-        run = step.bank.run
-        segments = step.recv.segments[i]
-        if not segments:
+        """Chunk i's grouped rows through their units (:func:`units`) as one graph."""
+        bank = step.bank
+
+        def run(unit, x, p):
+            experts, _, _, counts = unit
+            if counts is not None:
+                return bank.run_native(x, p, counts)
+            return bank.run(weight_of(experts[0]), x, p)
+
+        chunk_units = units(step, i)
+        if not chunk_units:
             return xg.new_empty((0,) + tuple(xg.shape[1:]))
-        if len(segments) == 1:
-            return run(weight_of(segments[0][0]), xg, pg)
+        if len(chunk_units) == 1:
+            return run(chunk_units[0], xg, pg)
         # torch.split, not slicing: split's backward is one cat, a slice's a full-size zeros.
-        sizes = [t - s for _, s, t in segments]
-        outs = [run(weight_of(e), x, p) for (e, _, _), x, p in
-                zip(segments, torch.split(xg, sizes), torch.split(pg, sizes))]
+        sizes = [t - s for _, s, t, _ in chunk_units]
+        outs = [run(unit, x, p) for unit, x, p in
+                zip(chunk_units, torch.split(xg, sizes), torch.split(pg, sizes))]
         return torch.cat(outs)
 
     def backward(self, step, i, received, weights, helper, acc):

@@ -171,6 +171,13 @@ class TEGroupedMLPBank(GroupedExpertsBank):
     the module computes its experts without calling its linears (TE's fused grouped MLP),
     nothing is shadowed: ``run_saving`` then saves nothing (``None``: that expert is
     recomputed) and ``run_for_grad`` is ``run``, values computed, gradients the same.
+
+    The native calls (``run_native``, ``run_native_for_grad``, ``run_native_saving``) run
+    all local experts' rows of a chunk through Megatron's ``forward`` once, with the
+    module's own weights and ``tokens_per_expert`` set from the counts, as the stock layer
+    runs its whole batch; the shortcuts then use the grouped forms
+    (:class:`~megatron_flat.dispatch.experts.GradOnlyGroupedLinear`,
+    :class:`~megatron_flat.dispatch.experts.SavedOutputGroupedLinear`).
     """
 
     @contextlib.contextmanager
@@ -213,3 +220,53 @@ class TEGroupedMLPBank(GroupedExpertsBank):
 
         with self._shadowed(fc1=fc1_forward if first is not None else None, fc2=fc2_forward):
             return self.run(weights, x, probs)
+
+    # -- one grouped call over the native experts (ExpertBank's run_native*) -------------
+    def _native(self, x: torch.Tensor, probs: torch.Tensor, counts: Sequence[int],
+                fc1=None, fc2=None) -> torch.Tensor:
+        """Megatron's experts ``forward`` on the local experts' rows (``counts`` per expert),
+        with the module's own weights: one grouped call."""
+        if len(counts) != self.num_local_experts or sum(counts) != x.shape[0]:
+            raise RuntimeError("PipelinedLLEP bug: native rows do not match their counts")
+        tokens_per_expert = torch.tensor(list(counts), dtype=torch.long)  # host, as Megatron's
+        with self._shadowed(fc1=fc1, fc2=fc2):
+            out, bias = self.experts(x, tokens_per_expert, probs)
+        if bias is not None:
+            raise RuntimeError("grouped experts returned a separate bias; the flat dispatch "
+                               "supports bias-free experts (add_bias_linear=False)")
+        return out
+
+    def _weights(self, linear) -> list:
+        return [getattr(linear, f"weight{j}") for j in range(self.num_local_experts)]
+
+    def run_native(self, x: torch.Tensor, probs: torch.Tensor,
+                   counts: Sequence[int]) -> torch.Tensor:
+        return self._native(x, probs, counts)
+
+    def run_native_saving(self, x: torch.Tensor, probs: torch.Tensor,
+                          counts: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        fc1, captured = self.experts.linear_fc1, []
+
+        def forward(*args, **kwargs):
+            out = type(fc1).forward(fc1, *args, **kwargs)
+            captured.append(out[0])
+            return out
+
+        out = self._native(x, probs, counts, fc1=forward)
+        return out, (captured[0] if len(captured) == 1 else None)
+
+    def run_native_for_grad(self, x: torch.Tensor, probs: torch.Tensor, counts: Sequence[int],
+                            first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from megatron_flat.dispatch.experts import GradOnlyGroupedLinear, SavedOutputGroupedLinear
+
+        fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
+
+        def fc2_forward(input_, *args, **kwargs):
+            return GradOnlyGroupedLinear.apply(input_, counts, *self._weights(fc2)), None
+
+        def fc1_forward(input_, *args, **kwargs):
+            return SavedOutputGroupedLinear.apply(input_, first, counts,
+                                                  *self._weights(fc1)), None
+
+        return self._native(x, probs, counts, fc1=fc1_forward if first is not None else None,
+                            fc2=fc2_forward)

@@ -201,3 +201,86 @@ def test_overlap_is_bitwise_the_serial_schedule(extra, dist_world, monkeypatch):
     assert sum(flags) >= 4 * chunks + 1, (flags, chunks)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
+
+
+class _NativeBank:
+    """A bank that also runs its local experts in one call (``run_native*``), built from
+    per-expert calls on each expert's rows, and counts its calls."""
+
+    def __init__(self, bank):
+        self.bank, self.calls = bank, {"native": 0, "expert": 0}
+        self.num_local_experts, self.local_weights = bank.num_local_experts, bank.local_weights
+
+    def _count(self, kind):
+        self.calls[kind] += 1
+
+    def run(self, *args):
+        self._count("expert")
+        return self.bank.run(*args)
+
+    def run_for_grad(self, *args, **kwargs):
+        self._count("expert")
+        return self.bank.run_for_grad(*args, **kwargs)
+
+    def run_saving(self, *args):
+        self._count("expert")
+        return self.bank.run_saving(*args)
+
+    def _each(self, x, probs, counts, fn, firsts=None):
+        self._count("native")
+        parts = zip(range(len(counts)), torch.split(x, counts), torch.split(probs, counts),
+                    torch.split(firsts, counts) if firsts is not None else [None] * len(counts))
+        return [fn(self.local_weights(j), xj, pj, fj) for j, xj, pj, fj in parts if len(xj)]
+
+    def run_native(self, x, probs, counts):
+        return torch.cat(self._each(x, probs, counts, lambda w, xj, pj, fj: self.bank.run(
+            w, xj, pj)))
+
+    def run_native_saving(self, x, probs, counts):
+        outs = self._each(x, probs, counts, lambda w, xj, pj, fj: self.bank.run_saving(
+            w, xj, pj))
+        return torch.cat([o for o, _ in outs]), torch.cat([f for _, f in outs])
+
+    def run_native_for_grad(self, x, probs, counts, first=None):
+        return torch.cat(self._each(x, probs, counts, lambda w, xj, pj, fj: self.bank.run_for_grad(
+            w, xj, pj, first=fj), firsts=first))
+
+
+class _PerExpert:
+    """The same bank without its native calls."""
+
+    def __init__(self, bank):
+        self.num_local_experts, self.local_weights = bank.num_local_experts, bank.local_weights
+        self.run, self.run_for_grad, self.run_saving = bank.run, bank.run_for_grad, \
+            bank.run_saving
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(saved_chunks=2), dict(mode="llep")],
+                         ids=["recomputed", "saved", "llep"])
+def test_native_experts_run_in_one_call_per_chunk(extra, dist_world):
+    """With a bank that runs its local experts in one grouped call, each chunk's native rows
+    go through one call per pass (spilled experts' rows still one expert at a time), with
+    outputs and every gradient bitwise those of the per-expert runs."""
+    from megatron_flat.testing.moe_reference import local_bank_from
+
+    rank = dist.get_rank()
+    base = dict(chunk_tokens=4, imbalance_threshold=0.0, min_tokens_per_gemm=1, **extra)
+    results = []
+    for native in (False, True):
+        full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(5))
+        bank = _NativeBank(local_bank_from(full, rank * (E // P), E // P))
+        eng = PipelinedLLEP(bank if native else _PerExpert(bank), num_experts=E, topk=2,
+                            options=DispatchOptions(**base))
+        b = RankCase(14 + 3 * rank, H, E, 2, "0.9/1", seed=40 + rank, shift=rank).build()
+        out = eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
+        out.backward(b["grad"])
+        weights = [w.grad for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
+        results.append(([out.detach(), b["tokens"].grad, b["logits"].grad] + weights,
+                        bank.calls, eng.last))
+    (want, plain_calls, _), (got, calls, stats) = results
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert plain_calls["native"] == 0 and calls["native"] > 0
+    # One native call per chunk with native rows, per pass (forward; backward unless llep).
+    passes = 1 if extra.get("mode") == "llep" else 2
+    assert calls["native"] <= passes * stats.num_chunks
+    assert calls["expert"] < plain_calls["expert"]

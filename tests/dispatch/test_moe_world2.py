@@ -232,10 +232,17 @@ def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
     from megatron_flat.testing.equivalence import Layout, assert_equivalent, run_layout
 
     tiny, reference = grouped_reference
-    built = []
+    built, native_calls = [], []
 
     def record(model):
         built.extend(m for m in model.modules() if isinstance(m, FlatMoELayer))
+        for layer in built:  # count TEGroupedMLP's grouped calls over its native experts
+            bank = layer.flat_dispatch.experts
+            for name in ("run_native", "run_native_for_grad", "run_native_saving"):
+                if hasattr(bank, name):
+                    method = getattr(bank, name)
+                    setattr(bank, name, lambda *a, _m=method, **k: (native_calls.append(1),
+                                                                     _m(*a, **k))[1])
         return model
 
     with flat_moe_specs(flat(dispatch_chunk_tokens=8, llep_imbalance_threshold=0.0)):
@@ -244,6 +251,8 @@ def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
     assert len(built) == tiny.num_layers
     kind = "GroupedMLP" if compat.grouped_mlp_class() is not None else "TEGroupedMLP"
     assert all(type(layer.experts).__name__ == kind for layer in built)
+    # TEGroupedMLP runs each chunk's native experts in one grouped call.
+    assert (len(native_calls) > 0) == (kind == "TEGroupedMLP")
     assert_equivalent(result, reference)
     stats = [layer.flat_dispatch.last for layer in built]
     assert all(s.num_chunks == 4 and s.llep for s in stats)
