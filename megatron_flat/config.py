@@ -60,6 +60,13 @@ class FlatConfig:
                           "region keeps its output for backward (verified on the first re-run; "
                           "the chunked backward does the work)."},
     )
+    dispatch_grouped_calls: bool = field(
+        default=False,
+        metadata={"help": "Run each chunk's rows for a rank's own experts through one grouped "
+                          "call (grouped-GEMM experts), not one call per expert: fewer "
+                          "launches, a higher dispatch peak (the chunk's own experts' graph "
+                          "and weight gradients held together in backward)."},
+    )
     llep_alpha: float = field(
         default=1.0, metadata={"help": "LLEP capacity factor alpha (cap = alpha * mean load)."}
     )

@@ -86,6 +86,10 @@ class DispatchOptions:
     ``graph_only_recompute``: on the re-run of a reentrant checkpoint's region, skip the
     dispatch and return zeros when the region's later saves do not depend on the output
     (verified on the first re-run; :mod:`megatron_flat.dispatch.recompute`).
+    ``grouped_calls``: with a bank that runs its local experts in one grouped call
+    (``run_native``: Megatron's grouped experts), each chunk's rows for this rank's own
+    experts go through one call per pass instead of one per expert: fewer kernel launches,
+    but backward then holds the chunk's own experts' graph and weight gradients at once.
     """
 
     mode: str = "pipelined"
@@ -99,11 +103,12 @@ class DispatchOptions:
     saved_chunks: int = 0
     debug_checks: bool = False
     graph_only_recompute: bool = True
+    grouped_calls: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"dispatch mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("debug_checks", "graph_only_recompute"):
+        for name in ("debug_checks", "graph_only_recompute", "grouped_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("chunk_tokens", "max_chunks", "min_tokens_per_gemm"):
@@ -141,7 +146,8 @@ class DispatchOptions:
                       imbalance_threshold=flat.llep_imbalance_threshold,
                       saved_chunks=flat.dispatch_saved_chunks,
                       debug_checks=flat.debug_checks,
-                      graph_only_recompute=flat.dispatch_graph_only_recompute)
+                      graph_only_recompute=flat.dispatch_graph_only_recompute,
+                      grouped_calls=flat.dispatch_grouped_calls)
         values.update(overrides)
         return cls(**values)
 
@@ -321,14 +327,14 @@ class PipelinedLLEP:
         fields = ["num_experts", "topk", "hidden size", "chunk_tokens", "max_chunks",
                   "membership", "mode", "dtype", "alpha", "min_tokens_per_gemm",
                   "imbalance_threshold", "expert weight elements", "saved_chunks",
-                  "graph_only_recompute"]
+                  "graph_only_recompute", "grouped_calls"]
         mine = torch.tensor([
             self.num_experts, self.topk, hidden, o.chunk_tokens, o.max_chunks,
             MEMBERSHIPS.index(o.membership), MODES.index(o.mode),
             _DTYPES.index(dtype) if dtype in _DTYPES else 99, round(o.alpha * 1e6),
             o.min_tokens_per_gemm, round(o.imbalance_threshold * 1e6),
             sum(math.prod(s) for s, _ in self.signature), o.saved_chunks,
-            int(o.graph_only_recompute)],
+            int(o.graph_only_recompute), int(o.grouped_calls)],
             dtype=torch.long, device=device)
         every = mine.new_empty(self.ep_size * mine.numel())
         dist.all_gather_into_tensor(every, mine, group=self.group)
@@ -463,7 +469,7 @@ class PipelinedLLEP:
                     transfers=len(plan.weight_transfers), overlap=overlap,
                     graph=needs_grad and not o.recompute and not graph_only,
                     saved=min(o.saved_chunks, k_chunks) if needs_grad and not graph_only else 0,
-                    values=not graph_only)
+                    values=not graph_only, grouped_calls=o.grouped_calls)
         self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits],

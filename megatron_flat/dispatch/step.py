@@ -36,7 +36,7 @@ class Step:
                  weights_per_expert: int, n_tokens: int, route_token: torch.Tensor,
                  send: SendSchedule, recv: ReceiveSchedule, wsched: WeightSchedule,
                  transfers: int, overlap: bool, graph: bool, saved: int = 0,
-                 values: bool = True):
+                 values: bool = True, grouped_calls: bool = False):
         self.bank, self.group, self.p, self.rank = bank, group, ep_size, rank
         self.e_local = num_experts // ep_size
         self.first = rank * self.e_local
@@ -48,6 +48,8 @@ class Step:
         self.graph = graph
         self.saved = 0 if graph else saved
         self.values = values
+        # One grouped call per chunk for this rank's own experts (strategies.units).
+        self.native = grouped_calls and hasattr(bank, "run_native")
         if not values and (graph or saved):
             raise RuntimeError("PipelinedLLEP bug: a graph-only forward holds nothing")
         self.strategies: list[ChunkStrategy] = [

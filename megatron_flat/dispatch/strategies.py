@@ -10,9 +10,11 @@ the output gradients (the chunk's graph was held).
 * :class:`Recomputed` (``pipelined``, the default): forward keeps nothing; backward rebuilds
   each unit's graph from its rows, one unit at a time (the bank's ``run_for_grad`` skips
   the last layer's forward GEMM), and differentiates it before the next exists. A *unit* is
-  one expert's rows, or, with a bank that offers ``run_native``, all of this rank's native
-  experts' rows of the chunk in one grouped call (:func:`units`); spilled experts' rows are
-  always units of their own, run with the transferred weights.
+  one expert's rows, or, with grouped calls on (``--flat-dispatch-grouped-calls``, a bank
+  that offers ``run_native``), all of this rank's native experts' rows of the chunk in one
+  grouped call (:func:`units`); spilled experts' rows are always units of their own, run
+  with the transferred weights. A grouped unit's backward holds its experts' graph and
+  weight gradients together: fewer launches, a higher peak.
 * :class:`SavedFirstLayer` (the first ``saved_chunks`` chunks, a bank with ``run_saving``):
   forward saves each expert's first-layer output, which stands in for that GEMM in backward;
   otherwise as :class:`Recomputed`.
@@ -88,12 +90,12 @@ def accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
 
 # ---------------------------------------------------------------------------- shared pieces
 def units(step: "Step", i: int, native: bool = True) -> list[tuple]:
-    """Chunk i's expert runs, ``(experts, start, end, counts)`` over its grouped rows: with a
-    bank that runs its local experts in one grouped call (``run_native``) this rank's native
-    experts are one unit (their rows are contiguous in the grouped order; ``counts``: rows per
+    """Chunk i's expert runs, ``(experts, start, end, counts)`` over its grouped rows: with
+    grouped calls on (``Step.native``: the option and a bank with ``run_native``) this rank's
+    native experts are one unit (their rows are contiguous in the grouped order; ``counts``: rows per
     local expert, 0 for an absent one), every other expert a unit of its own (counts None)."""
     segments = step.recv.segments[i]
-    if not (native and hasattr(step.bank, "run_native")):
+    if not (native and step.native):
         return [([e], s, t, None) for e, s, t in segments]
     lo, hi = step.first, step.first + step.e_local
     mine = [(e, s, t) for e, s, t in segments if lo <= e < hi]
@@ -129,10 +131,46 @@ def each_unit(step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
     return x_recv.new_empty(x_recv.shape) if y_recv is None else y_recv
 
 
+def gradient_targets(step: "Step", unit_members: Sequence[tuple]):
+    """What to differentiate for units ``(members, native)`` (``members``: the unit's
+    ``(expert, leaves)``; ``native``: its rows ran through the bank's native call):
+    ``(tensors, spread)``, where ``spread(grads)`` yields each expert's ``(expert, weight
+    gradients, leaves)`` from the gradients of ``tensors``. A native unit is differentiated
+    with respect to the bank's ``native_params()`` when the bank has them (parameters its
+    native call reads whole, e.g. a grouped weight whose experts' leaves are views) and
+    split back per expert by its ``native_grads``; otherwise per expert leaf."""
+    bank = step.bank
+    wanted, pieces = [], []
+    for members, native in unit_members:
+        if native and hasattr(bank, "native_params"):
+            params = list(bank.native_params())
+            pieces.append((members, True, len(wanted), len(params)))
+            wanted += params
+        else:
+            for e, leaves in members:
+                take = [w for w in leaves if w.requires_grad]
+                pieces.append(([(e, leaves)], False, len(wanted), len(take)))
+                wanted += take
+
+    def spread(grads: Sequence[Optional[torch.Tensor]]) -> Iterator[tuple]:
+        for members, native, at, n in pieces:
+            got = list(grads[at:at + n])
+            if native:
+                per_expert = bank.native_grads(got)
+                for e, leaves in members:
+                    yield e, list(per_expert[e - step.first]), leaves
+            else:
+                (e, leaves), = members
+                found = iter(got)
+                yield e, [next(found) if w.requires_grad else None for w in leaves], leaves
+
+    return wanted, spread
+
+
 def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[torch.Tensor],
                   graphs: Iterator[tuple], acc: dict):
-    """Chunk i's backward one unit's graph at a time (``(members, start, end, x, p, y)``,
-    ``members`` the unit's ``(expert, leaves)``: rebuilt, or saved from forward):
+    """Chunk i's backward one unit's graph at a time (``(members, start, end, x, p, y,
+    native)``, ``members`` the unit's ``(expert, leaves)``: rebuilt, or saved from forward):
     differentiated, and its weight gradients added (into ``main_grad`` or the accumulators)
     before the next unit's graph exists, so backward holds one unit's graph and weight
     gradients, never the chunk's. Input and probability gradients are written straight into
@@ -140,8 +178,8 @@ def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[tor
     graphs are independent, so every value is what one ``autograd.grad`` over the whole
     chunk would give."""
     (dx_recv, dp_recv), back = step.empty_packed(like, g_recv.shape[0])
-    for members, start, end, x, p, y in graphs:
-        wanted = [w for _, leaves in members for w in leaves if w.requires_grad]
+    for members, start, end, x, p, y, native in graphs:
+        wanted, spread = gradient_targets(step, [(members, native)])
         grads = torch.autograd.grad(y, [x, p] + wanted, step.rows(g_recv, i, start, end),
                                     allow_unused=True)
         del y
@@ -149,11 +187,9 @@ def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[tor
                  grads[0] if grads[0] is not None else torch.zeros_like(x))
         step.put(dp_recv, i, start, end,
                  grads[1] if grads[1] is not None else torch.zeros_like(p))
-        found = iter(grads[2:])
-        for e, leaves in members:
-            accumulate(acc, e, [next(found) if w.requires_grad else None for w in leaves],
-                       leaves)
-        del grads, found, x, p, members
+        for e, expert_grads, leaves in spread(grads[2:]):
+            accumulate(acc, e, expert_grads, leaves)
+        del grads, x, p, members, wanted, spread
     return back
 
 
@@ -218,7 +254,7 @@ class Recomputed(ChunkStrategy):
                 else:
                     y = run(members[0][1], x, p, first=first)
             del first
-            yield members, start, end, x, p, y
+            yield members, start, end, x, p, y, counts is not None
             del x, p, members, y
 
 
@@ -271,7 +307,7 @@ class SavedGraph(ChunkStrategy):
             leaves = step.leaf(e, weights, helper)
             with torch.enable_grad():
                 y = step.bank.run(leaves, x, p)
-            graphs.append(([(e, leaves)], start, end, x, p, y))
+            graphs.append(([(e, leaves)], start, end, x, p, y, False))
             return y.detach()
 
         y_recv = each_unit(step, i, x_recv, p_recv, run, native=False)
@@ -333,16 +369,15 @@ class WholeGraph(ChunkStrategy):
         xg, pg, leaves, yg = self.held
         self.held = None
         if step.recv.segments[i]:
-            experts = [e for e, _, _ in step.recv.segments[i]]
-            wanted = [w for e in experts for w in leaves[e] if w.requires_grad]
+            wanted, spread = gradient_targets(step, [
+                ([(e, leaves[e]) for e in experts], counts is not None)
+                for experts, _, _, counts in units(step, i)])
             grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
             dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
             dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
-            found = iter(grads[2:])
-            for e in experts:
-                accumulate(acc, e, [next(found) if w.requires_grad else None
-                                    for w in leaves[e]], leaves[e])
-            del grads, found
+            for e, expert_grads, expert_leaves in spread(grads[2:]):
+                accumulate(acc, e, expert_grads, expert_leaves)
+            del grads, wanted, spread
         else:
             dxg, dpg = xg.detach(), pg.detach()  # empty
         del xg, pg, yg, gg, leaves

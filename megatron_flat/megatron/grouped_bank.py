@@ -155,6 +155,64 @@ class GroupedMLPBank(GroupedExpertsBank):
         fc1 = x @ w1 if first is None else SavedOutputLinear.apply(x, w1.t(), first)
         return GradOnlyLinear.apply(self.experts.activation_func_with_probs(fc1, p), w2.t())
 
+    # -- one grouped call over the native experts (ExpertBank's run_native*) -------------
+    # The call reads weight1/weight2 whole (viewed as [E_l, H, 2F] / [E_l, F, H], as
+    # GroupedMLP.forward does, through the same gmm), so its graph is differentiated with
+    # respect to them (native_params) and the gradients split per expert (native_grads).
+    def native_params(self) -> list:
+        return [self.experts.weight1, self.experts.weight2]
+
+    def native_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> list:
+        n, hidden = self.num_local_experts, self.experts.config.hidden_size
+        g1, g2 = grads
+        blocks1 = [None] * n if g1 is None else g1.view(n, hidden, -1).unbind(0)
+        blocks2 = [None] * n if g2 is None else g2.view(n, -1, hidden).unbind(0)
+        return list(zip(blocks1, blocks2))
+
+    def _stacked(self):
+        n, hidden = self.num_local_experts, self.experts.config.hidden_size
+        return (self.experts.weight1.view(n, hidden, -1),
+                self.experts.weight2.view(n, -1, hidden))
+
+    @staticmethod
+    def _check(x: torch.Tensor, counts: Sequence[int], n: int) -> torch.Tensor:
+        if len(counts) != n or sum(counts) != x.shape[0]:
+            raise RuntimeError("PipelinedLLEP bug: native rows do not match their counts")
+        return torch.tensor(list(counts), dtype=torch.long)  # on the host, as Megatron's
+
+    def run_native(self, x: torch.Tensor, probs: torch.Tensor,
+                   counts: Sequence[int]) -> torch.Tensor:
+        return self.run_native_saving(x, probs, counts)[0]
+
+    def run_native_saving(self, x: torch.Tensor, probs: torch.Tensor,
+                          counts: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+        batch = self._check(x, counts, self.num_local_experts)
+        w1, w2 = self._stacked()
+        x, p = self._inputs(x, probs)
+        fc1 = gg.ops.gmm(x, w1, batch, trans_b=False)
+        out = gg.ops.gmm(self.experts.activation_func_with_probs(fc1, p), w2, batch,
+                         trans_b=False)
+        return out, fc1
+
+    def run_native_for_grad(self, x: torch.Tensor, probs: torch.Tensor, counts: Sequence[int],
+                            first: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+        from megatron_flat.dispatch.experts import GradOnlyGroupedLinear, SavedOutputGroupedLinear
+
+        batch = self._check(x, counts, self.num_local_experts)
+        w1, w2 = self._stacked()
+        x, p = self._inputs(x, probs)
+        if first is None:
+            fc1 = gg.ops.gmm(x, w1, batch, trans_b=False)
+        else:
+            fc1 = SavedOutputGroupedLinear.apply(x, first, list(counts),
+                                                 *[w.t() for w in w1.unbind(0)])
+        act = self.experts.activation_func_with_probs(fc1, p)
+        return GradOnlyGroupedLinear.apply(act, list(counts), *[w.t() for w in w2.unbind(0)])
+
 
 class TEGroupedMLPBank(GroupedExpertsBank):
     """:class:`GroupedExpertsBank` for ``TEGroupedMLP`` (0.16 and 0.19), with the engine's

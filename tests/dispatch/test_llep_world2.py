@@ -264,7 +264,8 @@ def test_native_experts_run_in_one_call_per_chunk(extra, dist_world):
     from megatron_flat.testing.moe_reference import local_bank_from
 
     rank = dist.get_rank()
-    base = dict(chunk_tokens=4, imbalance_threshold=0.0, min_tokens_per_gemm=1, **extra)
+    base = dict(chunk_tokens=4, imbalance_threshold=0.0, min_tokens_per_gemm=1,
+                grouped_calls=True, **extra)
     results = []
     for native in (False, True):
         full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(5))

@@ -46,6 +46,16 @@ CASES = {
         # of being recomputed (fc2's forward skipped): bitwise the "pipelined" variant.
         "pipelined-kept": dict(dispatch_chunk_tokens=4, llep_imbalance_threshold=0.0,
                                dispatch_saved_chunks=2),
+        # Grouped experts: one grouped call per chunk for each rank's own experts (no effect
+        # on SequentialMLP); recomputed, saved and unchunked.
+        "pipelined-grouped-calls": dict(dispatch_chunk_tokens=4, llep_imbalance_threshold=0.0,
+                                        dispatch_grouped_calls=True),
+        "pipelined-kept-grouped-calls": dict(dispatch_chunk_tokens=4,
+                                             llep_imbalance_threshold=0.0,
+                                             dispatch_saved_chunks=2,
+                                             dispatch_grouped_calls=True),
+        "llep-grouped-calls": dict(mode="llep", llep_imbalance_threshold=0.0,
+                                   dispatch_grouped_calls=True),
     }),
     "one-rank-receives-nothing": (1, "1/1", [5, 5], 2, {
         "plain-ep": dict(dispatch_chunk_tokens=3, llep_imbalance_threshold=1e9),
@@ -98,7 +108,7 @@ def test_layer_matches_alltoall(case, megatron_cpu):
                 assert stats.num_chunks == max(seqs) * mb == 3
             if case == "k1":
                 assert stats.num_chunks == 1
-            if name == "pipelined-kept":
+            if name.startswith("pipelined-kept"):
                 assert stats.saved_chunks == 2 and stats.num_chunks == 4
     assert problems == {name: [] for name in variants}
     if "pipelined-kept" in results:
@@ -208,6 +218,8 @@ GROUPED_GPT_LAYOUTS = {
     "ep2-pipelined-full-recompute": dict(ep=2, recompute="full"),
     # Both layers in one checkpointed region: layer 1's MoE output feeds layer 2's norm.
     "ep2-pipelined-full-recompute-2": dict(ep=2, recompute="full", recompute_num_layers=2),
+    # One grouped call per chunk for each rank's own experts (--flat-dispatch-grouped-calls).
+    "ep2-pipelined-grouped-calls": dict(ep=2, recompute="full"),
 }
 
 
@@ -236,7 +248,7 @@ def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
 
     def record(model):
         built.extend(m for m in model.modules() if isinstance(m, FlatMoELayer))
-        for layer in built:  # count TEGroupedMLP's grouped calls over its native experts
+        for layer in built:  # count the grouped calls over each rank's native experts
             bank = layer.flat_dispatch.experts
             for name in ("run_native", "run_native_for_grad", "run_native_saving"):
                 if hasattr(bank, name):
@@ -245,14 +257,16 @@ def test_grouped_gpt_step_matches_stock_model(name, grouped_reference):
                                                                      _m(*a, **k))[1])
         return model
 
-    with flat_moe_specs(flat(dispatch_chunk_tokens=8, llep_imbalance_threshold=0.0)):
+    grouped_calls = name.endswith("grouped-calls")
+    with flat_moe_specs(flat(dispatch_chunk_tokens=8, llep_imbalance_threshold=0.0,
+                             dispatch_grouped_calls=grouped_calls)):
         result = run_layout(tiny, Layout(**GROUPED_GPT_LAYOUTS[name]), reference,
                             wrap_model=record)
     assert len(built) == tiny.num_layers
     kind = "GroupedMLP" if compat.grouped_mlp_class() is not None else "TEGroupedMLP"
     assert all(type(layer.experts).__name__ == kind for layer in built)
-    # TEGroupedMLP runs each chunk's native experts in one grouped call.
-    assert (len(native_calls) > 0) == (kind == "TEGroupedMLP")
+    # With grouped calls on, each chunk's native experts run in one grouped call.
+    assert bool(native_calls) == grouped_calls
     assert_equivalent(result, reference)
     stats = [layer.flat_dispatch.last for layer in built]
     assert all(s.num_chunks == 4 and s.llep for s in stats)
