@@ -32,7 +32,9 @@ One process (EP = 1, still chunked) works too, on CPU or on a GPU at a real shap
 ``TEGroupedMLP``, on CPU with the reference grouped linears). ``--recompute``: each layer
 inside Megatron's full recompute (``tensor_parallel.checkpoint``: the forward again in
 backward), as the demo and the paper preset run it; the flat layers' re-run is graph-only
-(``--flat-dispatch-graph-only-recompute``, verified in the warm-up step). The counts table adds the ratios of
+(``--flat-dispatch-graph-only-recompute``, verified in the warm-up step).
+``--grouped-calls`` (with ``--grouped``): each chunk's rows for a rank's own experts in one
+grouped call (``--flat-dispatch-grouped-calls``). The counts table adds the ratios of
 FLOPs, all-to-all bytes and syncs to ``alltoall``'s. ``--json PATH`` writes a list of
 records, one per (profile, variant, grouped, recompute): ``profile``, ``variant``,
 ``grouped``, ``recompute``, ``peak_bytes``, ``flops``, ``a2a_bytes``, ``syncs``, ``time_ms``
@@ -82,7 +84,8 @@ def build_layers(args, device):
         spec = compat.replace_experts(spec, grouped_experts_spec(torch.cuda.is_available()))
     common = dict(dispatch_chunk_tokens=args.chunk, dispatch_max_chunks=args.max_chunks,
                   llep_min_tokens_per_gemm=args.min_tokens_per_gemm,
-                  llep_imbalance_threshold=args.imbalance_threshold)
+                  llep_imbalance_threshold=args.imbalance_threshold,
+                  dispatch_grouped_calls=bool(getattr(args, "grouped_calls", False)))
     flats = {
         "llep": FlatConfig(dispatch="llep", **common),
         "pipelined-strided": FlatConfig(dispatch="pipelined", dispatch_membership="strided",
@@ -173,6 +176,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--grouped", action="store_true",
                    help="grouped-GEMM experts (GroupedMLP / TEGroupedMLP) in every variant")
+    p.add_argument("--grouped-calls", action="store_true",
+                   help="with --grouped: one grouped call per chunk for each rank's own "
+                        "experts (--flat-dispatch-grouped-calls)")
     p.add_argument("--recompute", action="store_true",
                    help="each layer inside Megatron's full recompute")
     p.add_argument("--json", default=None, help="write the list of records here (rank 0)")
@@ -216,6 +222,7 @@ def run(args) -> list:
                 if world > 1:
                     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 rows.append(dict(profile=profile, variant=name, grouped=bool(args.grouped),
+                                 grouped_calls=bool(getattr(args, "grouped_calls", False)),
                                  recompute=bool(rc), peak_bytes=int(worst[0]),
                                  flops=int(counts["flops"]),
                                  a2a_bytes=int(counts["all_to_all_bytes"]),
