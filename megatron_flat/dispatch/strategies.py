@@ -88,6 +88,14 @@ def accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
             a.add_(g)
 
 
+def accumulate_all(acc: dict, expert_grads: Iterator[tuple]) -> None:
+    """:func:`accumulate` for each ``(expert, gradients, leaves)``; in a function of its own
+    so no gradient outlives the call (a loop variable would keep the last expert's alive
+    while the next unit's graph is built)."""
+    for e, grads, leaves in expert_grads:
+        accumulate(acc, e, grads, leaves)
+
+
 # ---------------------------------------------------------------------------- shared pieces
 def units(step: "Step", i: int, native: bool = True) -> list[tuple]:
     """Chunk i's expert runs, ``(experts, start, end, counts)`` over its grouped rows: with
@@ -187,8 +195,7 @@ def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[tor
                  grads[0] if grads[0] is not None else torch.zeros_like(x))
         step.put(dp_recv, i, start, end,
                  grads[1] if grads[1] is not None else torch.zeros_like(p))
-        for e, expert_grads, leaves in spread(grads[2:]):
-            accumulate(acc, e, expert_grads, leaves)
+        accumulate_all(acc, spread(grads[2:]))
         del grads, x, p, members, wanted, spread
     return back
 
@@ -375,8 +382,7 @@ class WholeGraph(ChunkStrategy):
             grads = list(torch.autograd.grad(yg, [xg, pg] + wanted, gg, allow_unused=True))
             dxg = grads[0] if grads[0] is not None else torch.zeros_like(xg)
             dpg = grads[1] if grads[1] is not None else torch.zeros_like(pg)
-            for e, expert_grads, expert_leaves in spread(grads[2:]):
-                accumulate(acc, e, expert_grads, expert_leaves)
+            accumulate_all(acc, spread(grads[2:]))
             del grads, wanted, spread
         else:
             dxg, dpg = xg.detach(), pg.detach()  # empty
