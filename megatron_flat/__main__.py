@@ -13,6 +13,9 @@ from typing import List, Optional
 COMMANDS = {
     "plan": ("megatron_flat.plan.cli",
              "predict the memory peaks, pick the knobs, find the longest context that fits"),
+    "patch": ("megatron_flat.patch",
+              "teach a Megatron-LM checkout's pretrain_gpt.py the --flat-* flags "
+              "(--check, --revert, --dry-run)"),
 }
 
 
