@@ -10,7 +10,10 @@
 # Then:
 #   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_gpt_flat_single_gpu.sh
 # Without transformer-engine: TRANSFORMER_IMPL=local SEQ_LENGTH=8192 (Megatron-Core's local
-# attention materialises the s x s scores). DRY_RUN=1 prints the command instead of running it.
+# attention materialises the s x s scores; --no-rope-fusion is added, the fused RoPE kernel
+# being transformer-engine's). Without NVIDIA apex: NO_APEX=1 adds --no-persist-layer-norm and
+# --no-gradient-accumulation-fusion (both kernels are apex's). DRY_RUN=1 prints the command
+# instead of running it.
 set -euo pipefail
 
 FLAT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -95,6 +98,14 @@ ARGS=(
     --flat-dispatch-chunk-tokens 8192     # per-source token cap per chunk: 32K tokens -> K = 4 chunks
     --flat-sco-host-budget-gib 1          # 8 boundaries x 32,768 x 1024 x 2 B = 0.5 GiB of pinned host
 )
+
+if [[ "$TRANSFORMER_IMPL" == local ]]; then
+    ARGS+=(--no-rope-fusion)              # the fused RoPE kernel comes with transformer-engine
+fi
+if [[ "${NO_APEX:-0}" == 1 ]]; then
+    ARGS+=(--no-persist-layer-norm        # apex's persistent layer-norm kernel
+           --no-gradient-accumulation-fusion)  # apex's fused weight-gradient accumulation
+fi
 
 CMD=(torchrun --standalone --nproc-per-node 1 "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}")
 
