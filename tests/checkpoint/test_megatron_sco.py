@@ -152,6 +152,9 @@ def test_distribute_saved_activations_refused(built, tiny):
         model.config.distribute_saved_activations = False
 
 
+NOISE_BYTES = 256  # the CPU meter's run-to-run noise in bytes left after backward
+
+
 def test_step_peak_and_leftovers_not_above_plain_recompute(megatron_cpu):
     """SCO moves boundaries only: a training step's peak and the bytes alive after its
     backward are at most plain full recompute's, and the decoder holds less from forward to
@@ -184,7 +187,10 @@ def test_step_peak_and_leftovers_not_above_plain_recompute(megatron_cpu):
                 assert trainer.sco.stats.boundaries_offloaded - before == LAYERS
     (peak, left, held), (sco_peak, sco_left, sco_held) = figures["plain"], figures["sco"]
     assert sco_peak <= peak, figures
-    assert sco_left <= left, figures
+    # The CPU meter sees tiny storages freed by the garbage collector at varying times, so
+    # what is left after backward varies by a few bytes between runs (21 B seen); a boundary
+    # left behind would be s·b·H·4 = 32 KiB.
+    assert sco_left <= left + NOISE_BYTES, figures
     # Every layer input but the first (alive before the decoder) went to the host pool.
     boundary = tiny.seq_length * tiny.micro_batch_size * tiny.hidden_size * 4
     assert sco_held <= held - (LAYERS - 1) * boundary, figures
