@@ -23,13 +23,13 @@ With K = 1 the ranges are the plan's own and the destinations those of
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from megatron_flat.dispatch.plan import LLEPPlan
 
-__all__ = ["chunk_flows", "chunk_ranges", "chunk_route_destinations"]
+__all__ = ["chunk_flows", "chunk_ranges", "chunk_route_destinations", "split_lists"]
 
 Range = tuple[int, int, int]
 
@@ -82,10 +82,13 @@ def chunk_ranges(plan: LLEPPlan, chunk_loads: Sequence[Sequence[int]]) -> list[l
     return out
 
 
-def _whole(plan: LLEPPlan, ranges: list[list[list[Range]]], k: int,
-           e: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def split_lists(plan: LLEPPlan,
+                ranges: list[list[list[Range]]]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """``([K, E] rank, split)``: the one rank of each (chunk, expert) list the plan does not
-    split (its owner when empty), -1 for each it splits, and the split ones' ``(i, e)``."""
+    split (its owner when empty), -1 for each it splits, and the split ones' ``(i, e)``.
+    :func:`chunk_flows` and :func:`chunk_route_destinations` both need it: compute it once
+    and pass it as their ``lists``."""
+    k, e = len(ranges), plan.num_experts
     whole = torch.arange(e).div(e // plan.ep_size, rounding_mode="floor").expand(k, e).clone()
     split = []
     if plan.llep:  # a plain-EP plan splits nothing: every list on its owner
@@ -100,13 +103,14 @@ def _whole(plan: LLEPPlan, ranges: list[list[list[Range]]], k: int,
     return whole, split
 
 
-def chunk_flows(plan: LLEPPlan, ranges: list[list[list[Range]]],
-                counts: torch.Tensor) -> torch.Tensor:
+def chunk_flows(plan: LLEPPlan, ranges: list[list[list[Range]]], counts: torch.Tensor,
+                lists: Optional[tuple] = None) -> torch.Tensor:
     """``[P_src, P_dst, K, E]`` int64 (host): routes source s sends destination d in chunk i
-    for expert e, from every source's ``counts`` ``[P, K, E]`` (host) and the chunk ranges."""
+    for expert e, from every source's ``counts`` ``[P, K, E]`` (host) and the chunk ranges
+    (``lists``: their :func:`split_lists`, when already made)."""
     counts = counts.to("cpu", torch.long)
     p, k, e = counts.shape
-    whole, split = _whole(plan, ranges, k, e)
+    whole, split = lists if lists is not None else split_lists(plan, ranges)
     flows = torch.zeros(p, p, k, e, dtype=torch.long)
     kept = counts.masked_fill(whole < 0, 0)      # split lists are filled range by range
     flows.scatter_(1, whole.clamp(min=0).view(1, 1, k, e).expand(p, 1, k, e),
@@ -123,7 +127,8 @@ def chunk_flows(plan: LLEPPlan, ranges: list[list[list[Range]]],
 
 def chunk_route_destinations(route_expert: torch.Tensor, route_chunk: torch.Tensor,
                              counts: torch.Tensor, plan: LLEPPlan,
-                             ranges: list[list[list[Range]]], rank: int) -> torch.Tensor:
+                             ranges: list[list[list[Range]]], rank: int,
+                             lists: Optional[tuple] = None) -> torch.Tensor:
     """``[R]`` int64 on the routes' device: the compute rank of each of this rank's routes
     (expert-major ``route_expert``, their chunks ``route_chunk``), given every source's
     ``counts`` ``[P, K, E]`` (host) and the chunk ranges. Only routes of (chunk, expert)
@@ -132,7 +137,7 @@ def chunk_route_destinations(route_expert: torch.Tensor, route_chunk: torch.Tens
     p, k, e = counts.shape
     if not plan.llep:
         return route_expert.div(e // p, rounding_mode="floor")
-    whole, split = _whole(plan, ranges, k, e)
+    whole, split = lists if lists is not None else split_lists(plan, ranges)
     counts = counts.to("cpu", torch.long)
     lists = counts.sum(0).reshape(-1)                  # l_ei, (chunk, expert)-major
     base = torch.cumsum(lists, 0) - lists

@@ -31,7 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_flat.dispatch.chunk_plan import chunk_flows, chunk_ranges, chunk_route_destinations
+from megatron_flat.dispatch.chunk_plan import (
+    chunk_flows,
+    chunk_ranges,
+    chunk_route_destinations,
+    split_lists,
+)
 from megatron_flat.dispatch.exchange import group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
 from megatron_flat.dispatch.passes import backward_pass, forward_pass
@@ -403,24 +408,27 @@ class PipelinedLLEP:
 
         k_mine = chunks_of(n)[0]
         token_chunk = token_chunks(n, k_mine, o.membership, device)
-        counts = self._counts(n, route_expert, token_chunk[route_token], k_mine, slots, device)
+        route_chunk = token_chunk[route_token]
+        counts = self._counts(n, route_expert, route_chunk, k_mine, slots, device)
         ns = counts[:, -1].tolist()
         max_n = max(ns)
         k_chunks, c_eff = chunks_of(max_n)
         if any(chunks_of(m)[0] != k_chunks for m in ns):  # ragged N across the group
             token_chunk = token_chunks(n, k_chunks, o.membership, device)
-            counts = self._counts(n, route_expert, token_chunk[route_token], k_chunks,
+            route_chunk = token_chunk[route_token]
+            counts = self._counts(n, route_expert, route_chunk, k_chunks,
                                   k_chunks, device)
         by_chunk = counts[:, :k_chunks * e].view(p, k_chunks, e)
-        chunk_loads = by_chunk.sum(0)
-        plan = plan_dispatch(chunk_loads.sum(0), p, alpha=o.alpha,
+        chunk_loads = by_chunk.sum(0).tolist()             # [K][E], host
+        plan = plan_dispatch(by_chunk.sum((0, 1)), p, alpha=o.alpha,
                              min_tokens_per_gemm=o.min_tokens_per_gemm,
                              imbalance_threshold=o.imbalance_threshold,
-                             chunk_loads=chunk_loads.tolist() if k_chunks > 1 else None)
-        ranges = chunk_ranges(plan, chunk_loads.tolist())
-        flows = chunk_flows(plan, ranges, by_chunk)          # [P_src, P_dst, K, E]
-        dest = chunk_route_destinations(route_expert, token_chunk[route_token], by_chunk,
-                                        plan, ranges, rank)
+                             chunk_loads=chunk_loads if k_chunks > 1 else None)
+        ranges = chunk_ranges(plan, chunk_loads)
+        lists = split_lists(plan, ranges)
+        flows = chunk_flows(plan, ranges, by_chunk, lists)   # [P_src, P_dst, K, E]
+        dest = chunk_route_destinations(route_expert, route_chunk, by_chunk,
+                                        plan, ranges, rank, lists)
         send = send_schedule(route_token, route_expert, dest, token_chunk,
                              num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False)
         if o.debug_checks and not torch.equal(send.counts.cpu(), flows[rank]):

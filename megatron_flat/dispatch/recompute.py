@@ -77,6 +77,7 @@ class RecomputeRegion:
     hooks: Any = None                       # what our pack/unpack hooks compose with
     watched: List[_Watch] = field(default_factory=list)
     _clean: list = field(default_factory=list)  # nodes known not to reach a watched node
+    _clean_ids: set = field(default_factory=set)  # their ids (the list holds the nodes alive)
     _pack: Optional[Callable] = None
 
     def on_top(self) -> bool:
@@ -101,7 +102,7 @@ class RecomputeRegion:
         targets = {id(w.node): w for w in self.watched if not w.flagged}
         if not targets:
             return None
-        known = {id(n) for n in self._clean}
+        known = self._clean_ids
         seen, stack, order = set(), [root], []
         while stack:
             node = stack.pop()
@@ -114,6 +115,7 @@ class RecomputeRegion:
             order.append(node)
             stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
         self._clean.extend(order)  # held, so their ids stay theirs for this region
+        self._clean_ids.update(id(n) for n in order)
         return None
 
     def check(self, tensor: torch.Tensor) -> None:
@@ -141,6 +143,7 @@ class RecomputeRegion:
                 w.verdict.graph_only = True
         self.watched.clear()
         self._clean.clear()
+        self._clean_ids.clear()
 
 
 def current_region() -> Optional[RecomputeRegion]:
