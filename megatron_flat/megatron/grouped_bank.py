@@ -102,8 +102,14 @@ class GroupedExpertsBank:
         tokens_per_expert = torch.zeros(slots, dtype=torch.long)  # on the host, as Megatron's
         tokens_per_expert[0] = x.shape[0]
         with self._one_expert():
-            out, bias = torch.func.functional_call(self.experts, dict(zip(self.names, weights)),
-                                                   (x, tokens_per_expert, probs))
+            return self._output(torch.func.functional_call(
+                self.experts, dict(zip(self.names, weights)), (x, tokens_per_expert, probs)))
+
+    @staticmethod
+    def _output(result: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
+        """The experts' output from Megatron's ``(output, bias)``; a separate bias is refused
+        (``unsupported_settings`` refuses biased grouped experts first)."""
+        out, bias = result
         if bias is not None:
             raise RuntimeError("grouped experts returned a separate bias; the flat dispatch "
                                "supports bias-free experts (add_bias_linear=False)")
@@ -251,16 +257,21 @@ class TEGroupedMLPBank(GroupedExpertsBank):
                 if forward is not None:
                     del module.forward
 
-    def run_saving(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
-                   probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        fc1, captured = self.experts.linear_fc1, []
+    def _capturing_fc1(self, captured: list):
+        """``linear_fc1``'s own forward, appending its output to ``captured``."""
+        fc1 = self.experts.linear_fc1
 
         def forward(*args, **kwargs):
             out = type(fc1).forward(fc1, *args, **kwargs)
             captured.append(out[0])
             return out
 
-        with self._shadowed(fc1=forward):
+        return forward
+
+    def run_saving(self, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                   probs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        captured: list = []
+        with self._shadowed(fc1=self._capturing_fc1(captured)):
             out = self.run(weights, x, probs)
         return out, (captured[0] if len(captured) == 1 else None)
 
@@ -288,11 +299,7 @@ class TEGroupedMLPBank(GroupedExpertsBank):
             raise RuntimeError("PipelinedLLEP bug: native rows do not match their counts")
         tokens_per_expert = torch.tensor(list(counts), dtype=torch.long)  # host, as Megatron's
         with self._shadowed(fc1=fc1, fc2=fc2):
-            out, bias = self.experts(x, tokens_per_expert, probs)
-        if bias is not None:
-            raise RuntimeError("grouped experts returned a separate bias; the flat dispatch "
-                               "supports bias-free experts (add_bias_linear=False)")
-        return out
+            return self._output(self.experts(x, tokens_per_expert, probs))
 
     def _weights(self, linear) -> list:
         return [getattr(linear, f"weight{j}") for j in range(self.num_local_experts)]
@@ -303,14 +310,8 @@ class TEGroupedMLPBank(GroupedExpertsBank):
 
     def run_native_saving(self, x: torch.Tensor, probs: torch.Tensor,
                           counts: Sequence[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        fc1, captured = self.experts.linear_fc1, []
-
-        def forward(*args, **kwargs):
-            out = type(fc1).forward(fc1, *args, **kwargs)
-            captured.append(out[0])
-            return out
-
-        out = self._native(x, probs, counts, fc1=forward)
+        captured: list = []
+        out = self._native(x, probs, counts, fc1=self._capturing_fc1(captured))
         return out, (captured[0] if len(captured) == 1 else None)
 
     def run_native_for_grad(self, x: torch.Tensor, probs: torch.Tensor, counts: Sequence[int],
