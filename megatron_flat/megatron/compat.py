@@ -1,16 +1,23 @@
-"""The one place that knows which megatron-core release is installed.
+"""The one place that knows how the installed megatron-core differs from others.
 
-Differences between supported releases (0.16.1 and 0.19.x) are gated here, each with the
-version and the reason, so the rest of ``megatron_flat.megatron`` stays release-agnostic.
-Importing this module does not import megatron-core; ``version()`` does, lazily.
+Each difference is detected by what the installed code has (a class, a module function, a
+parameter), not by its version number, so a release between or after the tested ones
+(0.16.1, 0.17.0, 0.18.0, 0.19.x, main) gets the mechanism it really has. Each gate says which
+releases take which branch and why. ``check_supported()`` refuses only releases older than
+0.16 and warns once about one newer than the newest tested. Importing this module does not
+import megatron-core; ``version()`` does, lazily.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import re
+import warnings
 from typing import Tuple
 
-SUPPORTED = ((0, 16), (0, 19))
+OLDEST = (0, 16)  # older releases lack the process-group collections and MoE layouts used here
+NEWEST_TESTED = (0, 20)  # Megatron-LM main as of the README's supported-versions table
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,14 +33,28 @@ def minor() -> Tuple[int, int]:
     return version()[:2]
 
 
+def version_text() -> str:
+    return ".".join(map(str, version()))
+
+
+class UntestedMegatronWarning(UserWarning):
+    """The installed megatron-core is newer than any release megatron-flat was tested with."""
+
+
+@functools.lru_cache(maxsize=None)
 def check_supported() -> None:
-    """Raise a clear error on a megatron-core release this package was not built for."""
+    """Raise a clear error on a megatron-core older than 0.16; warn once on one newer than the
+    newest tested (the features it has are detected; rehearse a launch before trusting it)."""
     mm = minor()
-    if not (SUPPORTED[0] <= mm <= SUPPORTED[1]):
-        raise RuntimeError(
-            f"megatron-flat supports megatron-core {SUPPORTED[0][0]}.{SUPPORTED[0][1]} to "
-            f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]}; found {'.'.join(map(str, version()))}"
-        )
+    if mm < OLDEST:
+        raise RuntimeError(f"megatron-flat needs megatron-core {OLDEST[0]}.{OLDEST[1]} or newer; "
+                           f"found {version_text()}")
+    if mm > NEWEST_TESTED:
+        warnings.warn(
+            f"megatron-core {version_text()} is newer than the newest release megatron-flat was "
+            f"tested with ({NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}); its hooks are chosen by the "
+            "features found. Check a launch line first: python -m megatron_flat rehearse",
+            UntestedMegatronWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------------- MoE layer specs
@@ -100,10 +121,12 @@ def grouped_mlp_class():
 
 
 def te_grouped_mlp_spec(linear_fc1: type, linear_fc2: type):
-    """A spec building ``TEGroupedMLP`` with the given grouped linears (either release)."""
+    """A spec building ``TEGroupedMLP`` with the given grouped linears, in the installed
+    release's form: ``partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(...))`` where
+    ``GroupedMLPSubmodules`` exists (0.17 on), else a ``ModuleSpec`` with ``MLPSubmodules``."""
     from megatron.core.transformer.moe import experts
 
-    if minor() >= (0, 19):
+    if hasattr(experts, "GroupedMLPSubmodules"):
         return functools.partial(experts.TEGroupedMLP, submodules=experts.GroupedMLPSubmodules(
             linear_fc1=linear_fc1, linear_fc2=linear_fc2))
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -152,12 +175,24 @@ def local_expert_weights(experts, *, grads: bool = False) -> list:
 def moe_layer_recompute(layer) -> bool:
     """Whether ``MoELayer.forward`` wraps its body in ``tensor_parallel.checkpoint``.
 
-    0.16 checks ``moe_layer_recompute`` alone; 0.19 adds ``and self.training`` (no recompute
-    in eval). Mirrored so a subclass's forward recomputes exactly when the stock one would.
+    0.16 checks ``moe_layer_recompute`` alone; 0.17 on add ``and self.training`` (no
+    recompute in eval), read from the installed ``MoELayer.forward``. Mirrored so a subclass's
+    forward recomputes exactly when the stock one would.
     """
-    if minor() >= (0, 19):
+    if _moe_recompute_only_in_training():
         return bool(layer.moe_layer_recompute and layer.training)
     return bool(layer.moe_layer_recompute)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_recompute_only_in_training() -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    try:
+        source = inspect.getsource(MoELayer.forward)
+    except (OSError, TypeError):  # no source: assume the newer behaviour
+        return True
+    return re.search(r"moe_layer_recompute\s+and\s+self\.training", source) is not None
 
 
 # ---------------------------------------------------------------------------- optimizer build
@@ -178,7 +213,7 @@ def inner_optimizer_builder():
     name = "_get_megatron_optimizer_based_on_param_groups"
     if not callable(getattr(optimizer_module, name, None)):
         raise RuntimeError(f"megatron.core.optimizer.{name} not found in megatron-core "
-                           f"{'.'.join(map(str, version()))}")
+                           f"{version_text()}")
     return optimizer_module, name
 
 
@@ -277,11 +312,12 @@ def inference_active(inference_context=None) -> bool:
     """Whether a ``GPTModel._postprocess`` call is an inference one (keep Megatron's logits)."""
     if inference_context is not None:
         return True
-    if minor() >= (0, 19):
+    try:  # 0.19 on: a process-wide inference mode; 0.16: only the context says so
         from megatron.core.inference.utils import InferenceMode
-
-        return bool(InferenceMode.is_active())
-    return False
+    except ImportError:
+        return False
+    is_active = getattr(InferenceMode, "is_active", None)
+    return bool(is_active()) if callable(is_active) else False
 
 
 def vocab_parallel_cross_entropy(logits, target, tp_group=None):
@@ -290,7 +326,7 @@ def vocab_parallel_cross_entropy(logits, target, tp_group=None):
     ``logits`` in place, as Megatron's does."""
     from megatron.core import tensor_parallel
 
-    if minor() >= (0, 19):
+    if _cross_entropy_takes_group():
         return tensor_parallel.vocab_parallel_cross_entropy(logits, target, tp_group=tp_group)
     if tp_group is not None:
         from megatron.core import parallel_state
@@ -301,6 +337,14 @@ def vocab_parallel_cross_entropy(logits, target, tp_group=None):
     return tensor_parallel.vocab_parallel_cross_entropy(logits, target)
 
 
+@functools.lru_cache(maxsize=None)
+def _cross_entropy_takes_group() -> bool:
+    from megatron.core import tensor_parallel
+
+    params = inspect.signature(tensor_parallel.vocab_parallel_cross_entropy).parameters
+    return "tp_group" in params
+
+
 # ---------------------------------------------------------------------------- full-recompute site
 # SCO (megatron.sco) routes the checkpoints of ``recompute_granularity='full'`` through its
 # offloading checkpoint. Both releases call ``tensor_parallel.checkpoint(fn,
@@ -308,9 +352,10 @@ def vocab_parallel_cross_entropy(logits, target, tp_group=None):
 # rotary_pos_emb..., padding_mask)``, looking ``tensor_parallel`` up in the *calling module's*
 # globals at call time, but from different places:
 # * 0.16: the method ``TransformerBlock._checkpointed_forward`` (module transformer_block);
-# * 0.19: the free function ``megatron.core.recompute.checkpointed_forward`` (module recompute,
-#   also used by the hybrid/Mamba block), imported *by name* into transformer_block, where
-#   ``TransformerBlock.forward`` looks ``checkpointed_forward`` up at call time.
+# * 0.18 on: the free function ``megatron.core.recompute.checkpointed_forward`` (module
+#   recompute, also used by the hybrid/Mamba block), imported *by name* into transformer_block,
+#   where ``TransformerBlock.forward`` looks ``checkpointed_forward`` up at call time.
+# Detected by which of the two transformer_block has.
 # ``full_recompute_site()`` names (a) the module whose global ``tensor_parallel`` the
 # checkpoint call reads and (b) the (owner, attribute) to wrap so that only the transformer
 # block's checkpointed forward is affected.
@@ -322,15 +367,13 @@ def full_recompute_site():
     (method or module function) whose duration delimits it."""
     from megatron.core.transformer import transformer_block
 
-    if minor() >= (0, 19):
+    if callable(getattr(transformer_block, "checkpointed_forward", None)):
         from megatron.core import recompute
 
-        if not callable(getattr(transformer_block, "checkpointed_forward", None)):
-            raise RuntimeError("megatron.core.transformer.transformer_block.checkpointed_forward "
-                               f"not found in megatron-core {'.'.join(map(str, version()))}")
         return recompute, transformer_block, "checkpointed_forward"
     owner = transformer_block.TransformerBlock
-    if not callable(getattr(owner, "_checkpointed_forward", None)):
-        raise RuntimeError("TransformerBlock._checkpointed_forward not found in megatron-core "
-                           f"{'.'.join(map(str, version()))}")
-    return transformer_block, owner, "_checkpointed_forward"
+    if callable(getattr(owner, "_checkpointed_forward", None)):
+        return transformer_block, owner, "_checkpointed_forward"
+    raise RuntimeError("neither megatron.core.transformer.transformer_block.checkpointed_forward "
+                       "nor TransformerBlock._checkpointed_forward exists in megatron-core "
+                       f"{version_text()}: SCO cannot find the full-recompute site")

@@ -9,7 +9,8 @@ demo and benchmarks on machines without a GPU; production runs never call it.
 Contract:
 - Every patch is a no-op when CUDA is available (``enable_cpu_backend`` returns without
   touching anything), so calling it on a GPU machine is harmless.
-- Every patch names the megatron-core versions it applies to and why it is needed.
+- Every patch says why it is needed and applies only where the installed megatron-core has
+  what it patches (feature detection: ``Patch.needed``), never by version number.
 - Patches are applied once (idempotent) and can be listed with ``applied_patches()``.
 
 The main mechanism is a *CPU view of torch.cuda* confined to named Megatron modules:
@@ -28,7 +29,7 @@ import importlib
 import logging
 import types
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 
@@ -201,17 +202,19 @@ class _TorchWithCpuCuda(types.ModuleType):
 _TORCH_PROXY: Optional[_TorchWithCpuCuda] = None
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Patch:
-    """One CPU patch: what it changes, for which megatron-core versions, and why."""
+    """One CPU patch: what it changes, why, and whether the installed megatron-core needs it
+    (``needed``: a feature check, e.g. "has GroupedMLP")."""
 
     name: str
     reason: str
     apply: Callable[[], None]
-    versions: Tuple[Tuple[int, int], Tuple[int, int]] = ((0, 16), (0, 99))
-
-    def applies_to(self, version: Tuple[int, int]) -> bool:
-        return self.versions[0] <= version <= self.versions[1]
+    needed: Callable[[], bool] = _always
 
 
 _APPLIED: List[str] = []
@@ -330,11 +333,16 @@ def _mark_dispatcher_host_indices() -> None:
     cls.__init__ = __init__
 
 
+def _lacks_te_general_gemm() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
 def _define_te_general_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    moe_utils.te_general_gemm = None
 
 
 def _allow_sequence_parallel_torch_norm() -> None:
@@ -553,10 +561,10 @@ PATCHES: List[Patch] = [
     ),
     Patch(
         "te_general_gemm global",
-        "0.16.x only binds moe_utils.te_general_gemm when transformer-engine imports, but the "
-        "router's gating linear reads it unconditionally (NameError without TE).",
+        "Where moe_utils binds te_general_gemm only when transformer-engine imports (0.16), the "
+        "router's gating linear still reads it unconditionally (NameError without TE).",
         _define_te_general_gemm,
-        versions=((0, 16), (0, 16)),
+        needed=_lacks_te_general_gemm,
     ),
     Patch(
         "torch norm under sequence parallelism",
@@ -594,7 +602,7 @@ PATCHES: List[Patch] = [
         "GroupedMLP (--moe-grouped-gemm) calls the CUDA-only grouped_gemm package and asserts "
         "bf16; a per-expert matmul loop (megatron.cpu_grouped.gmm) stands in, in any dtype.",
         _grouped_reference,
-        versions=((0, 16), (0, 16)),
+        needed=lambda: compat.grouped_mlp_class() is not None,
     ),
 ]
 
@@ -611,9 +619,8 @@ def enable_cpu_backend() -> List[str]:
     if cuda_present():
         return []
     compat.check_supported()
-    mm = compat.minor()
     for patch in PATCHES:
-        if patch.name in _APPLIED or not patch.applies_to(mm):
+        if patch.name in _APPLIED or not patch.needed():
             continue
         patch.apply()
         _APPLIED.append(patch.name)

@@ -3,23 +3,27 @@
 import pytest
 import torch
 
-from megatron_flat.megatron import compat, cpu
+from megatron_flat.megatron import cpu
 
 
-def test_every_patch_documents_why_and_for_which_versions(megatron_cpu):
+def test_every_patch_documents_why_and_applies_where_needed(megatron_cpu):
     assert cpu.PATCHES
     for patch in cpu.PATCHES:
         assert len(patch.reason) > 40, patch.name
-        lo, hi = patch.versions
-        assert lo <= hi
-    applied = cpu.applied_patches()
-    expected = [p.name for p in cpu.PATCHES if p.applies_to(compat.minor())]
+    applied = [name for name in cpu.applied_patches() if name in {p.name for p in cpu.PATCHES}]
+    expected = [p.name for p in cpu.PATCHES if p.name in applied or p.needed()]
     assert applied == expected
 
 
-def test_version_gating():
-    only_016 = next(p for p in cpu.PATCHES if p.name == "te_general_gemm global")
-    assert only_016.applies_to((0, 16)) and not only_016.applies_to((0, 19))
+def test_feature_gating(megatron_cpu):
+    """Patches follow what the installed release has, not its version number."""
+    from megatron.core.transformer.moe import experts
+
+    grouped = next(p for p in cpu.PATCHES if p.name == "grouped_gemm reference")
+    assert (grouped.name in cpu.applied_patches()) == hasattr(experts, "GroupedMLP")
+    te_gemm = next(p for p in cpu.PATCHES if p.name == "te_general_gemm global")
+    # Once defined (by the patch or by the release itself), it is no longer needed.
+    assert not te_gemm.needed()
 
 
 def test_idempotent(megatron_cpu):
