@@ -8,15 +8,24 @@
   the arguments itself: calls ``flat_install(get_args())`` on the first model build, then
   delegates.
 
-Importing this module does not import Megatron-LM; ``megatron.training`` is imported only
-when a wrapped model provider runs without an injected ``get_args``.
+``--help``: Megatron-LM answers it at its *first* parse, which is not the one given
+``extra_args_provider`` (``inprocess_restart.maybe_wrap_for_inprocess_restart`` parses with the
+stock parser before ``pretrain()`` / ``parse_and_validate_args`` run). So when the command line
+asks for help, importing this module makes every ``megatron.training.arguments.parse_args``
+call add the ``--flat-*`` flags (:func:`show_flat_flags_in_help`), and the help lists them.
+
+Otherwise importing this module does not import Megatron-LM; ``megatron.training`` is imported
+only when a wrapped model provider runs without an injected ``get_args``, or for ``--help``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any, Callable, Optional
+import importlib
+import re
+import sys
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_flat.config import add_flat_args
 
@@ -80,4 +89,63 @@ def flat_model_provider(
     return provider
 
 
-__all__ = ["flat_extra_args", "flat_install", "flat_model_provider"]
+def help_requested(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` (``sys.argv``) asks argparse for help (before a ``--`` separator)."""
+    rest = list(argv[1:])
+    if "--" in rest:
+        rest = rest[:rest.index("--")]
+    return any(a in ("-h", "--help") for a in rest)
+
+
+def show_flat_flags_in_help(arguments: Any = None) -> bool:
+    """Make ``arguments.parse_args`` (``megatron.training.arguments`` by default) always add
+    the ``--flat-*`` flags, so whichever parse answers ``--help`` lists them. Idempotent;
+    returns False when Megatron-LM's arguments module cannot be imported."""
+    if arguments is None:
+        try:
+            arguments = importlib.import_module("megatron.training.arguments")
+        except ImportError:
+            return False
+    stock = getattr(arguments, "parse_args", None)
+    if stock is None:
+        return False
+    if getattr(stock, "_megatron_flat", False):
+        return True
+
+    @functools.wraps(stock)
+    def parse_args(extra_args_provider: Optional[ExtraArgsProvider] = None, *args: Any,
+                   **kwargs: Any) -> argparse.Namespace:
+        def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+            parser = flat_extra_args(extra_args_provider)(parser)
+            _escape_help_percents(parser)
+            return parser
+
+        return stock(provider, *args, **kwargs)
+
+    parse_args._megatron_flat = True  # type: ignore[attr-defined]
+    arguments.parse_args = parse_args
+    return True
+
+
+_PERCENT = re.compile(r"%%|%\(|%")
+
+
+def _escape_lone_percents(text: str) -> str:
+    """``text`` with every "%" that is neither "%%" nor the start of "%(name)s" doubled."""
+    return _PERCENT.sub(lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", text)
+
+
+def _escape_help_percents(parser: argparse.ArgumentParser) -> None:
+    # argparse %-formats every help string; a literal "%" not written "%%" (Megatron-LM
+    # 0.19.0's --moe-paged-stash-buffer-size-factor-cuda: "10%).") makes --help raise.
+    for action in parser._actions:
+        if isinstance(action.help, str) and "%" in action.help:
+            action.help = _escape_lone_percents(action.help)
+
+
+if help_requested(sys.argv):
+    show_flat_flags_in_help()
+
+
+__all__ = ["flat_extra_args", "flat_install", "flat_model_provider", "help_requested",
+           "show_flat_flags_in_help"]

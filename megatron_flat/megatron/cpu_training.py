@@ -1,0 +1,234 @@
+"""Run Megatron-LM's training code (``megatron.training``) on a CPU-only torch with gloo.
+
+``megatron.cpu`` makes Megatron-Core's model, dispatchers and optimizers run on CPU; a real
+``pretrain_gpt.py`` launch also goes through Megatron-LM's initialisation and training loop,
+which assume a GPU in a few more places. ``enable_cpu_training()`` covers those, for the
+rehearsal (``python -m megatron_flat rehearse``) only: it changes process-wide state
+(``Tensor.cuda`` becomes the identity) and is meant for a process that exists to rehearse.
+
+Each workaround is a :class:`Patch` that names what it changes and why, and applies when
+the installed code has what it patches (feature detection, not version numbers: a
+Megatron-LM checkout without ``megatron.legacy.fused_kernels`` simply has nothing to stub).
+Applied patches are listed by ``megatron.cpu.applied_patches()`` with the Megatron-Core ones.
+
+Call :func:`shim_python` before Megatron-LM is imported and :func:`enable_cpu_training` after
+``megatron.cpu.enable_cpu_backend()`` and before the training script runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import typing
+from dataclasses import dataclass
+from typing import Callable, List
+
+import torch
+
+from megatron_flat.megatron import cpu
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One workaround: what it changes, why, and whether the installed code needs it."""
+
+    name: str
+    reason: str
+    apply: Callable[[], None]
+    needed: Callable[[], bool]
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------- Python
+def _needs_override() -> bool:
+    return not hasattr(typing, "override")
+
+
+def _shim_override() -> None:
+    def override(method):
+        # PEP 698's decorator only marks the method for type checkers.
+        try:
+            method.__override__ = True
+        except (AttributeError, TypeError):
+            pass
+        return method
+
+    typing.override = override
+
+
+# ---------------------------------------------------------------------------- torch.cuda
+class _OneDevice(cpu._CudaOnCpu):
+    """``torch.cuda`` as Megatron-LM's initialisation must see it to set up model parallelism
+    and seed the RNG tracker: available, one device (which is the CPU)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+
+class _TorchWithOneDevice(cpu._TorchWithCpuCuda):
+    def __init__(self):
+        super().__init__()
+        self.cuda = _OneDevice()
+
+
+class _CpuViewFinder(importlib.abc.MetaPathFinder):
+    """Gives every ``megatron.*`` module imported from now on the CPU view of ``torch.cuda``
+    (``megatron.training.initialize``: the one-device view)."""
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _give_cpu_view(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_ONE_DEVICE = "megatron.training.initialize"
+
+
+def _give_cpu_view(module) -> None:
+    if getattr(module, "torch", None) is torch:
+        if module.__name__ == _ONE_DEVICE:
+            module.torch = _TorchWithOneDevice()
+        else:
+            module.torch = cpu._torch_proxy()
+
+
+def _cpu_view_everywhere() -> None:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and module is not None:
+            _give_cpu_view(module)
+    if not any(isinstance(f, _CpuViewFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CpuViewFinder())
+
+
+def _cuda_identity() -> None:
+    # get_model() moves the model with module.cuda(device); batches, timers and loss
+    # reductions call tensor.cuda(). On CPU everything already is where it would go.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+# ---------------------------------------------------------------------------- compilation
+def _builds_dataset_helper() -> bool:
+    return _has_module("megatron.core.datasets.utils")
+
+
+def _compile_helpers_here() -> None:
+    from megatron.core.datasets import utils
+
+    if getattr(utils.compile_helpers, "_megatron_flat", False):
+        return
+
+    def compile_helpers():
+        """Build ``helpers_cpp`` with Megatron's Makefile for *this* interpreter.
+
+        The Makefile asks ``python3``/``python3-config`` on PATH, which need not be the
+        interpreter running the launch (a virtualenv has no ``python3-config``). Nothing is
+        built when this interpreter already finds the helper (a megatron-core wheel ships it).
+        """
+        folder = os.path.dirname(os.path.abspath(utils.__file__))
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        if os.path.exists(os.path.join(folder, "helpers_cpp" + suffix)):
+            return
+        try:
+            includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"],
+                                      check=True, capture_output=True, text=True).stdout.strip()
+        except subprocess.CalledProcessError:
+            raise RuntimeError("Megatron-LM compiles its dataset helper (helpers.cpp) with "
+                               f"pybind11, which {sys.executable} cannot import: "
+                               "pip install pybind11") from None
+        done = subprocess.run(["make", "-C", folder, f"LIBEXT={suffix}", f"CPPFLAGS={includes}"])
+        if done.returncode != 0:
+            raise RuntimeError(f"building Megatron-LM's dataset helper in {folder} failed "
+                               f"(make exit {done.returncode}); see the output above")
+
+    compile_helpers._megatron_flat = True
+    utils.compile_helpers = compile_helpers
+
+
+def _has_fused_kernels() -> bool:
+    return _has_module("megatron.legacy.fused_kernels")
+
+
+def _no_fused_kernels() -> None:
+    from megatron.legacy import fused_kernels
+
+    # The fused softmax/layernorm CUDA extensions; the CPU runs the unfused paths.
+    fused_kernels.load = lambda *args, **kwargs: None
+
+
+PATCHES: List[Patch] = [
+    Patch("typing.override", "Megatron-LM's training code from 0.19 on imports Python 3.12's "
+          "typing.override; on Python 3.11 it is an identity decorator.",
+          _shim_override, _needs_override),
+    Patch("torch.cuda view for megatron.*", "Megatron-LM's initialisation, training loop, "
+          "timers and batch code call torch.cuda unconditionally; initialisation sees one "
+          "available device, so it builds the model-parallel groups and seeds the RNG tracker "
+          "(it skips both when no GPU is visible).",
+          _cpu_view_everywhere, lambda: True),
+    Patch(".cuda() is the identity", "get_model() moves the model with .cuda(); batches, "
+          "timers and loss reductions move tensors with .cuda().",
+          _cuda_identity, lambda: True),
+    Patch("dataset helper for this interpreter", "Megatron's Makefile builds helpers_cpp for "
+          "python3 on PATH, which need not be the interpreter running the launch.",
+          _compile_helpers_here, _builds_dataset_helper),
+    Patch("no fused kernels", "megatron.legacy.fused_kernels.load builds CUDA extensions.",
+          _no_fused_kernels, _has_fused_kernels),
+]
+
+
+def shim_python() -> List[str]:
+    """The Python-level shims, needed before Megatron-LM is imported; returns those applied."""
+    return _apply([p for p in PATCHES if p.name == "typing.override"])
+
+
+def enable_cpu_training() -> List[str]:
+    """Apply every needed workaround (idempotent); returns the names applied now or before.
+
+    A no-op on a machine with CUDA: the rehearsal hides GPUs, and a GPU run needs none."""
+    if cpu.cuda_present():
+        return []
+    return _apply(PATCHES)
+
+
+def _apply(patches: List[Patch]) -> List[str]:
+    for patch in patches:
+        if patch.name in cpu._APPLIED or not patch.needed():
+            continue
+        patch.apply()
+        cpu._APPLIED.append(patch.name)
+        log.debug("megatron-flat CPU training patch applied: %s (%s)", patch.name, patch.reason)
+    return [p.name for p in patches if p.name in cpu._APPLIED]
+
+
+__all__ = ["PATCHES", "Patch", "enable_cpu_training", "shim_python"]

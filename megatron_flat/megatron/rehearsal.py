@@ -1,0 +1,242 @@
+"""One rank of a rehearsal: run a Megatron-LM training script on CPU under the memory meter.
+
+    python -m torch.distributed.run ... -m megatron_flat.megatron.rehearsal SCRIPT [ARGS...]
+
+``python -m megatron_flat rehearse`` launches this twice (stock and flat); it is not meant to
+be run by hand. Per rank it
+
+1. puts SCRIPT's directory first on ``sys.path`` (a Megatron-LM checkout's own ``megatron``
+   package then wins, as when the script is run directly) and applies the CPU workarounds
+   (``megatron.cpu``, ``megatron.cpu_training``);
+2. runs SCRIPT as ``__main__`` — patched in memory with ``megatron_flat.patch`` when the file
+   on disk is not (the checkout is never written);
+3. measures under one ``MemoryMeter``: the four peak sections of ``megatron.peaks`` on every
+   model chunk the training loop passes to Megatron-Core's forward-backward function, the
+   optimizer step (every ``MegatronOptimizer.step``, outermost call), and ``step`` (from the
+   forward-backward call to the end of the optimizer step that follows);
+4. writes ``rank<R>.json`` into ``$MEGATRON_FLAT_REHEARSAL_OUT``: the peaks, the whole run's
+   peak, which flat modules were really in the model, SCO's counters and the CPU workarounds
+   applied. It is written also when the script fails (``"ok": false``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+OUT_ENV = "MEGATRON_FLAT_REHEARSAL_OUT"
+STEP = "step"
+
+
+class _Probe:
+    """The meter's hooks into the training loop, and what they saw."""
+
+    def __init__(self, meter):
+        from megatron_flat.megatron.peaks import _Switch
+
+        self.meter = meter
+        self.step = _Switch(meter, STEP)
+        self.models: List[Any] = []
+        self._attached = set()
+        self._sections = []
+        self._optimizer_depth = 0
+        self._optimizers_hooked = False
+
+    # -- forward-backward: opens "step", attaches the peak sections to new model chunks --
+    def wrap_schedule_getter(self, getter):
+        probe = self
+
+        def get_forward_backward_func(*args, **kwargs):
+            func = getter(*args, **kwargs)
+
+            def forward_backward(*f_args, **f_kwargs):
+                if not f_kwargs.get("forward_only", False):
+                    probe.attach(f_kwargs.get("model"))
+                    probe.step.on()
+                return func(*f_args, **f_kwargs)
+
+            return forward_backward
+
+        get_forward_backward_func._megatron_flat = True
+        return get_forward_backward_func
+
+    def attach(self, model) -> None:
+        from megatron_flat.megatron.peaks import attach_peak_sections
+
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        for chunk in chunks:
+            if chunk is None or id(chunk) in self._attached:
+                continue
+            self._attached.add(id(chunk))
+            self.models.append(chunk)
+            self._sections.append(attach_peak_sections(chunk, self.meter))
+        self.hook_optimizers()
+
+    # -- optimizer: every MegatronOptimizer subclass's own step, outermost call only --
+    def hook_optimizers(self) -> None:
+        if self._optimizers_hooked:
+            return
+        self._optimizers_hooked = True
+        from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+        seen, todo = set(), [MegatronOptimizer]
+        while todo:
+            cls = todo.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+            if "step" in cls.__dict__:
+                cls.step = self._wrap_step(cls.__dict__["step"])
+
+    def _wrap_step(self, step):
+        import functools
+
+        from megatron_flat.megatron.peaks import OPTIMIZER
+
+        probe = self
+
+        @functools.wraps(step)
+        def wrapped(optimizer, *args, **kwargs):
+            if probe._optimizer_depth:
+                return step(optimizer, *args, **kwargs)
+            probe._optimizer_depth += 1
+            try:
+                with probe.meter.section(OPTIMIZER):
+                    return step(optimizer, *args, **kwargs)
+            finally:
+                probe._optimizer_depth -= 1
+                probe.step.off()
+
+        return wrapped
+
+    def close(self) -> None:
+        self.step.off()
+        for sections in self._sections:
+            sections.remove()
+
+
+def _flat_modules(models) -> Dict[str, int]:
+    """What megatron-flat really put into the model chunks (counted by class)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_flat.megatron.moe import FlatMoELayer
+    from megatron_flat.megatron.vocab import ring_dtp_output
+
+    counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0}
+    for model in models:
+        for module in model.modules():
+            counts["FlatMoELayer"] += isinstance(module, FlatMoELayer)
+            counts["MoELayer"] += isinstance(module, MoELayer)
+        # Ring-DTP's module hangs off the GPTModel, outside its registered submodules.
+        counts["RingDTPOutputLoss"] += ring_dtp_output(model) is not None
+    return counts
+
+
+def _offload_optimizers() -> int:
+    import gc
+
+    from megatron_flat.optim.offload_adamw import OffloadStreamAdamW
+
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, OffloadStreamAdamW))
+
+
+def script_source(script: Path) -> bytes:
+    """SCRIPT's bytes, patched in memory when the file is not patched (and can be)."""
+    from megatron_flat import patch
+
+    data = script.read_bytes()
+    if script.name != patch.TARGET:
+        return data
+    state = patch.inspect_state(data, script.name)
+    if state.patched or state.problem is not None:
+        return data
+    return patch.patch(data, script.name).data
+
+
+def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
+    script = script.resolve()
+    sys.argv = [str(script)] + list(argv)
+    sys.path.insert(0, str(script.parent))
+
+    from megatron_flat.megatron import cpu_training
+
+    cpu_training.shim_python()
+    from megatron_flat.megatron import cpu
+
+    cpu.enable_cpu_backend()
+    cpu_training.enable_cpu_training()
+
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_flat.runtime.memory import MemoryMeter
+
+    record: Dict[str, Any] = {"ok": False, "script": str(script)}
+    code = 1
+    meter = MemoryMeter("cpu")
+    with meter:
+        probe = _Probe(meter)
+        getter = schedules.get_forward_backward_func
+        wrapped = probe.wrap_schedule_getter(getter)
+        pipeline_parallel.get_forward_backward_func = wrapped
+        schedules.get_forward_backward_func = wrapped
+        namespace = {"__name__": "__main__", "__file__": str(script),
+                     "__builtins__": __builtins__}
+        try:
+            exec(compile(script_source(script), str(script), "exec"), namespace)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            record["error"] = traceback.format_exc(limit=-3)
+        finally:
+            probe.close()
+    record["ok"] = code == 0
+    record["exit"] = code
+    record["sections"] = {name: [s.peak_device_bytes, s.peak_host_bytes, s.entries]
+                          for name, s in meter.sections.items()}
+    record["run_peak"] = [meter.peak_device_bytes, meter.peak_host_bytes]
+    record["patches"] = cpu.applied_patches()
+    record.update(_what_ran(probe.models))
+    if out is not None:
+        rank = int(os.environ.get("RANK", "0"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    return code
+
+
+def _what_ran(models) -> Dict[str, Any]:
+    from megatron_flat.megatron import sco
+    from megatron_flat.megatron.install import installed
+
+    flat = installed()
+    found: Dict[str, Any] = {"flat": None if flat is None else flat.to_dict(),
+                             "modules": _flat_modules(models),
+                             "offload_optimizers": _offload_optimizers()}
+    active = sco.enabled()
+    if active is not None:
+        stats = active.stats
+        found["sco"] = {k: getattr(stats, k) for k in
+                        ("checkpoints", "boundaries_offloaded", "boundaries_kept",
+                         "reloads_on_demand", "prefetch_hits", "peak_host_bytes")}
+    return found
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print("usage: python -m megatron_flat.megatron.rehearsal SCRIPT [ARGS...]",
+              file=sys.stderr)
+        return 2
+    out = os.environ.get(OUT_ENV)
+    return run(Path(argv[0]), argv[1:], Path(out) if out else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

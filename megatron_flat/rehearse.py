@@ -1,0 +1,439 @@
+"""Rehearse a Megatron-LM launch line on CPU: stock and flat, losses side by side, peaks.
+
+    python -m megatron_flat rehearse [--nproc-per-node N] [--iters N] -- pretrain_gpt.py ARGS...
+
+Runs the user's own training script (Megatron-LM's ``pretrain_gpt.py``, patched in memory when
+the checkout is not) twice with ``torch.distributed.run`` on this machine's CPU, gloo as the
+backend, at the tiny shape ARGS give:
+
+* **stock**: ARGS with every ``--flat-*`` flag removed. A megatron-flat ``--spec`` stays: with
+  every technique off it builds Megatron's own layer spec.
+* **flat**: ARGS as given.
+
+Both runs get the same overrides, printed before they start: ``--train-iters`` (``--iters``),
+``--log-interval 1``, ``--distributed-backend gloo``; ``--save`` / ``--load`` and logging
+destinations are dropped, so a production line can be rehearsed as it is (given tiny shapes
+and ``--mock-data``); SCO's host budget is capped (``--host-budget-gib``), because the CPU
+allocates it as plain memory.
+
+Prints each iteration's ``lm loss`` from both runs, the per-component peak table (the worst
+rank's, measured by the memory meter: ``megatron_flat.megatron.rehearsal``), which flat modules
+were really built, and a verdict as the last line:
+
+    rehearsal: flat losses equal stock over N iterations
+
+Exit status: 0 equal; 1 the losses differ beyond ``--rtol`` (fp32 reordering; the log prints
+7 significant digits), a run failed, printed no losses, or a requested technique was not in
+the model; 2 bad arguments (nothing launched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_flat.config import FlatConfig, add_flat_args
+
+WORKER = "megatron_flat.megatron.rehearsal"
+LOSS_LINE = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|.*?\blm loss:\s*([-+0-9.eEinfa]+)")
+# Flags dropped from both runs (each takes one value): outputs a rehearsal must not write.
+DROPPED = ("--save", "--load", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name",
+           "--wandb-save-dir", "--wandb-entity")
+PEAK_ROWS = ("expert dispatch", "vocabulary projection + loss", "checkpoint boundaries",
+             "optimizer step", "step")
+EXIT_EQUAL, EXIT_DIFFER, EXIT_USAGE = 0, 1, 2
+
+
+class RehearsalError(Exception):
+    """Bad arguments: reported before anything is launched."""
+
+
+# ---------------------------------------------------------------------------- launch lines
+def _flat_arities() -> Dict[str, int]:
+    """``--flat-*`` option string -> number of values it takes."""
+    parser = add_flat_args(argparse.ArgumentParser(add_help=False))
+    arities = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith(("--flat-", "--no-flat-")):
+                arities[option] = 0 if action.nargs == 0 else 1
+    return arities
+
+
+def _split_option(token: str) -> Tuple[str, Optional[str]]:
+    if token.startswith("--") and "=" in token:
+        name, value = token.split("=", 1)
+        return name, value
+    return token, None
+
+
+def strip_options(args: Sequence[str], arities: Dict[str, int]) -> Tuple[List[str], List[str]]:
+    """``args`` without the options in ``arities`` (and their values); returns (kept, removed)."""
+    kept, removed = [], []
+    i = 0
+    while i < len(args):
+        name, inline = _split_option(args[i])
+        if name in arities:
+            take = 0 if inline is not None else arities[name]
+            removed.extend(args[i:i + 1 + take])
+            i += 1 + take
+            continue
+        kept.append(args[i])
+        i += 1
+    return kept, removed
+
+
+def flat_config_of(args: Sequence[str]) -> FlatConfig:
+    """The FlatConfig ``args`` ask for (other flags ignored); raises RehearsalError if bad."""
+    parser = add_flat_args(argparse.ArgumentParser(add_help=False))
+    try:
+        known, _ = parser.parse_known_args(list(args))
+        return FlatConfig.from_args(known)
+    except (SystemExit, ValueError) as exc:
+        raise RehearsalError(f"the --flat-* flags do not parse: {exc}") from None
+
+
+@dataclass
+class Lines:
+    stock: List[str]
+    flat: List[str]
+    notes: List[str] = field(default_factory=list)
+    flat_config: FlatConfig = field(default_factory=FlatConfig)
+
+
+def launch_lines(args: Sequence[str], *, iters: int, host_budget_gib: float) -> Lines:
+    """The stock and flat argument lists for one rehearsal of ``args``."""
+    notes = []
+    common, dropped = strip_options(args, {name: 1 for name in DROPPED})
+    if dropped:
+        notes.append("dropped (a rehearsal writes nothing): " + " ".join(dropped))
+    overrides = ["--log-interval", "1", "--distributed-backend", "gloo"]
+    if iters > 0:
+        overrides = ["--train-iters", str(iters)] + overrides
+    notes.append("added to both runs: " + " ".join(overrides))
+    common = list(common) + overrides
+    flat = flat_config_of(common)
+    flat_args = list(common)
+    if flat.sco and flat.sco_host_budget_gib > host_budget_gib:
+        flat_args += ["--flat-sco-host-budget-gib", f"{host_budget_gib:g}"]
+        notes.append(f"SCO host budget capped for the CPU: {flat.sco_host_budget_gib:g} GiB -> "
+                     f"{host_budget_gib:g} GiB per rank (--host-budget-gib)")
+        flat = flat_config_of(flat_args)
+    stock, removed = strip_options(common, _flat_arities())
+    notes.append("stock run: without " + (" ".join(removed) if removed else "any --flat-* flag"))
+    return Lines(stock, flat_args, notes, flat)
+
+
+# ---------------------------------------------------------------------------- one run
+@dataclass
+class Run:
+    name: str
+    exit: int
+    log: Path
+    losses: Dict[int, float]
+    ranks: List[dict]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit == 0 and bool(self.ranks) and all(r.get("ok") for r in self.ranks)
+
+    def peak(self, row: str) -> Optional[int]:
+        values = [r["sections"][row][0] for r in self.ranks if row in r.get("sections", {})]
+        return max(values) if values else None
+
+    def run_peak(self) -> Optional[int]:
+        values = [r["run_peak"][0] for r in self.ranks if "run_peak" in r]
+        return max(values) if values else None
+
+
+def parse_losses(text: str) -> Dict[int, float]:
+    """``{iteration: lm loss}`` from Megatron-LM's training log (first line per iteration)."""
+    losses: Dict[int, float] = {}
+    for match in LOSS_LINE.finditer(text):
+        iteration = int(match.group(1))
+        try:
+            losses.setdefault(iteration, float(match.group(2)))
+        except ValueError:
+            continue
+    return losses
+
+
+def _environment(out: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a rehearsal is a CPU run, also on a GPU machine
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MEGATRON_FLAT_REHEARSAL_OUT"] = str(out)
+    # Megatron-LM's Makefiles and helpers call ``python3``: make it this interpreter's.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Path,
+           timeout: float) -> Run:
+    out = work / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    log = work / f"{name}.log"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", WORKER, str(script), *args]
+    start = time.monotonic()
+    with log.open("w") as sink:
+        sink.write("$ " + " ".join(command) + "\n")
+        sink.flush()
+        try:
+            done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT,
+                                  env=_environment(out), timeout=timeout)
+            code = done.returncode
+        except subprocess.TimeoutExpired:
+            sink.write(f"\nrehearsal: timed out after {timeout:g} s\n")
+            code = 124
+    text = log.read_text(errors="replace")
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return Run(name, code, log, parse_losses(text), ranks, time.monotonic() - start)
+
+
+# ---------------------------------------------------------------------------- report
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*"
+                        r"(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def first_error(text: str) -> Optional[str]:
+    """The first exception line in a run's log (torchrun's own ChildFailedError aside)."""
+    for line in text.splitlines():
+        match = _EXCEPTION.match(line.strip())
+        if match and "ChildFailedError" not in line:
+            return match.group(1)
+    return None
+
+
+def _bytes(n: Optional[int]) -> str:
+    from megatron_flat.runtime.memory import format_bytes
+
+    return "-" if n is None else format_bytes(n)
+
+
+def _ratio(flat: Optional[int], stock: Optional[int]) -> str:
+    if flat is None or stock is None or stock <= 0:
+        return "-"
+    return f"{flat / stock:.2f}"
+
+
+def loss_table(stock: Run, flat: Run) -> List[str]:
+    rows = ["iteration | stock lm loss | flat lm loss | relative difference"]
+    for it in sorted(set(stock.losses) | set(flat.losses)):
+        a, b = stock.losses.get(it), flat.losses.get(it)
+        diff = "-" if a is None or b is None else f"{_relative(a, b):.1e}"
+        rows.append(f"{it:9d} | {_fmt(a):>13s} | {_fmt(b):>12s} | {diff}")
+    return rows
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.6E}"
+
+
+def _relative(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def peak_table(stock: Run, flat: Run) -> List[str]:
+    rows = ["peak (worst rank, device bytes) | stock | flat | flat/stock"]
+    for row in PEAK_ROWS:
+        a, b = stock.peak(row), flat.peak(row)
+        if a is None and b is None:
+            continue
+        rows.append(f"{row} | {_bytes(a)} | {_bytes(b)} | {_ratio(b, a)}")
+    a, b = stock.run_peak(), flat.run_peak()
+    rows.append(f"whole run | {_bytes(a)} | {_bytes(b)} | {_ratio(b, a)}")
+    return rows
+
+
+def what_ran(flat: Run) -> List[str]:
+    """One line per technique the flat run asked for: what was really in the model."""
+    if not flat.ranks:
+        return []
+    first = flat.ranks[0]
+    config = first.get("flat") or {}
+    modules: Dict[str, int] = {}
+    for r in flat.ranks:
+        for k, v in r.get("modules", {}).items():
+            modules[k] = max(modules.get(k, 0), v)
+    lines = []
+    if config.get("dispatch", "off") != "off":
+        lines.append(f"PipelinedLLEP ({config['dispatch']}): FlatMoELayer in "
+                     f"{modules.get('FlatMoELayer', 0)} of {modules.get('MoELayer', 0)} MoE layers")
+    if config.get("vocab"):
+        lines.append(f"Ring-DTP: {'on' if modules.get('RingDTPOutputLoss') else 'not built'}")
+    if config.get("sco"):
+        sco = [r.get("sco") for r in flat.ranks if r.get("sco")]
+        offloaded = max((s["boundaries_offloaded"] for s in sco), default=0)
+        checkpoints = max((s["checkpoints"] for s in sco), default=0)
+        lines.append(f"SCO: {offloaded} of {checkpoints} boundaries offloaded (worst rank)"
+                     if sco else "SCO: not enabled in the run")
+    if config.get("optimizer_offload"):
+        count = max(r.get("offload_optimizers", 0) for r in flat.ranks)
+        lines.append(f"OffloadStreamAdamW: {count} inner optimizer(s)")
+    return lines
+
+
+def missing_techniques(flat: Run) -> List[str]:
+    """Techniques the flat line turned on that the flat run's model does not have."""
+    if not flat.ranks:
+        return []
+    config = flat.ranks[0].get("flat") or {}
+    modules = flat.ranks[0].get("modules", {})
+    missing = []
+    if (config.get("dispatch", "off") != "off" and modules.get("MoELayer", 0)
+            and not modules.get("FlatMoELayer", 0)):
+        missing.append(f"--flat-dispatch {config['dispatch']} is on but no MoE layer is a "
+                       "FlatMoELayer (a --spec that builds its own MoE layer?)")
+    return missing
+
+
+def verdict(stock: Run, flat: Run, rtol: float) -> Tuple[int, str]:
+    for run in (stock, flat):
+        if not run.ok:
+            return EXIT_DIFFER, (f"rehearsal: the {run.name} run failed (exit {run.exit}); "
+                                 f"its log: {run.log}")
+        if not run.losses:
+            return EXIT_DIFFER, (f"rehearsal: the {run.name} run printed no 'lm loss' lines; "
+                                 f"its log: {run.log}")
+    if set(stock.losses) != set(flat.losses):
+        return EXIT_DIFFER, (f"rehearsal: the runs logged different iterations (stock "
+                             f"{sorted(stock.losses)}, flat {sorted(flat.losses)})")
+    for it in sorted(stock.losses):
+        a, b = stock.losses[it], flat.losses[it]
+        rel = _relative(a, b)
+        if not rel <= rtol:
+            return EXIT_DIFFER, (f"rehearsal: flat loss differs from stock at iteration {it}: "
+                                 f"{_fmt(b)} vs {_fmt(a)} (relative {rel:.1e} > rtol {rtol:g})")
+    stock_flat = max((r.get("modules", {}).get("FlatMoELayer", 0) for r in stock.ranks), default=0)
+    if stock_flat:
+        return EXIT_DIFFER, (f"rehearsal: the stock run built {stock_flat} FlatMoELayer(s) "
+                             "without --flat-* flags: the comparison would not be against stock")
+    missing = missing_techniques(flat)
+    if missing:
+        return EXIT_DIFFER, "rehearsal: " + "; ".join(missing)
+    return EXIT_EQUAL, f"rehearsal: flat losses equal stock over {len(stock.losses)} iterations"
+
+
+# ---------------------------------------------------------------------------- CLI
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Run a Megatron-LM launch line on CPU twice (stock, then with "
+        "its --flat-* flags) and compare losses and memory peaks.",
+        epilog="example: python -m megatron_flat rehearse --nproc-per-node 2 -- "
+               "$MEGATRON_LM/pretrain_gpt.py --num-layers 2 ... --mock-data --flat-preset paper")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks (processes) per run (default: 1)")
+    parser.add_argument("--iters", type=int, default=3,
+                        help="training iterations per run: sets --train-iters (0: keep the "
+                             "line's own; default: 3)")
+    parser.add_argument("--rtol", type=float, default=1e-5,
+                        help="largest relative loss difference accepted as fp32 reordering "
+                             "(default: 1e-5)")
+    parser.add_argument("--host-budget-gib", type=float, default=1.0,
+                        help="cap on SCO's host budget per rank for the rehearsal (default: 1)")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds each run may take (default: 1800)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where logs and per-rank peaks go (default: a temporary "
+                             "directory, kept when the rehearsal fails)")
+    parser.usage = f"{prog} [options] -- SCRIPT [ARGS...]"
+    return parser
+
+
+def _check_script(script: Path) -> None:
+    if not script.is_file():
+        raise RehearsalError(f"{script}: no such file")
+    from megatron_flat import patch
+
+    if script.name == patch.TARGET:
+        state = patch.inspect_state(script.read_bytes(), script.name)
+        if state.problem is not None:
+            raise RehearsalError(f"{state.problem} (python -m megatron_flat patch --check "
+                                 f"{script.parent} says more)")
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_flat rehearse",
+         out=None) -> int:
+    out = out or sys.stdout
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    opts = parser.parse_args(argv[:cut])  # everything after "--" is the launch line
+    if cut + 1 >= len(argv):
+        parser.error("give the launch line after --: -- pretrain_gpt.py ARGS...")
+    script, line = Path(argv[cut + 1]), argv[cut + 2:]
+    try:
+        if opts.nproc_per_node < 1:
+            raise RehearsalError("--nproc-per-node must be >= 1")
+        if opts.iters < 0 or opts.rtol < 0 or opts.host_budget_gib < 0:
+            raise RehearsalError("--iters, --rtol and --host-budget-gib must be >= 0")
+        _check_script(script)
+        lines = launch_lines(line, iters=opts.iters, host_budget_gib=opts.host_budget_gib)
+    except RehearsalError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    work = opts.work_dir or Path(tempfile.mkdtemp(prefix="megatron-flat-rehearsal-"))
+    work.mkdir(parents=True, exist_ok=True)
+    script = script.resolve()
+    print(f"rehearsing {script} on CPU with {opts.nproc_per_node} rank(s), gloo", file=out)
+    print(f"flat: {lines.flat_config.describe()}", file=out)
+    for note in lines.notes:
+        print(f"  {note}", file=out)
+    runs = []
+    for name, args in (("stock", lines.stock), ("flat", lines.flat)):
+        print(f"{name} run ... (log: {work / (name + '.log')})", file=out, flush=True)
+        run = launch(name, script, args, nproc=opts.nproc_per_node, work=work,
+                     timeout=opts.timeout)
+        print(f"{name} run: exit {run.exit}, {len(run.losses)} iterations logged, "
+              f"{run.seconds:.0f} s", file=out, flush=True)
+        runs.append(run)
+    stock, flat = runs
+    print("", file=out)
+    for row in loss_table(stock, flat):
+        print(row, file=out)
+    if stock.ranks or flat.ranks:
+        print("", file=out)
+        for row in peak_table(stock, flat):
+            print(row, file=out)
+    ran = what_ran(flat)
+    if ran:
+        print("", file=out)
+        print("flat run built: " + "; ".join(ran), file=out)
+    patches = flat.ranks[0].get("patches", []) if flat.ranks else []
+    if patches:
+        print("CPU workarounds: " + ", ".join(patches), file=out)
+    code, last = verdict(stock, flat, opts.rtol)
+    if code != EXIT_EQUAL:
+        for run in runs:
+            if not run.ok:
+                error = first_error(run.log.read_text(errors="replace"))
+                print(f"\nthe {run.name} run's first error: {error or '(none found)'}", file=out)
+    elif opts.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    print(last, file=out)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""A synthetic Megatron-LM checkout that really trains, for rehearsal tests.
+
+Megatron-LM is not installable from the package index, so CI rehearses against this: a
+``pretrain_gpt.py`` in either call shape (0.16-era: ``pretrain()`` parses; 0.19-era:
+``parse_and_validate_args`` then ``pretrain(full_config, ...)``) and a small
+``megatron.training`` package beside it (a namespace-package sibling of the installed
+``megatron.core``). It is written for these tests, not copied: it trains the tiny MoE GPT of
+``megatron_flat.testing`` with Megatron-Core's own DDP, optimizer and schedule, prints
+Megatron-LM's ``iteration N/ M | ... | lm loss: X |`` lines, and has the obstacles a real
+launch meets on CPU, so the rehearsal's workarounds are exercised:
+
+* ``initialize_megatron`` asserts ``torch.cuda.is_available()`` and builds the model-parallel
+  groups only when ``torch.cuda.device_count() > 0``; it calls ``compile_helpers()``;
+* the model is moved with ``model.cuda(torch.cuda.current_device())``;
+* ``inprocess_restart.maybe_wrap_for_inprocess_restart`` parses first with the stock parser
+  (``ignore_unknown_args=True``), which is what answers ``--help``.
+
+Test knobs (kept by the stock run, acting only when a technique is installed):
+``--perturb-flat-lr F`` multiplies the learning rate by ``1 + F``; ``--fail-when-flat``
+raises after the first iteration.
+"""
+
+import textwrap
+from pathlib import Path
+
+GLOBAL_VARS = '''\
+_ARGS = None
+
+
+def set_args(args):
+    global _ARGS
+    _ARGS = args
+
+
+def get_args():
+    return _ARGS
+'''
+
+INIT = '''\
+"""Synthetic megatron.training (rehearsal tests)."""
+from megatron.training.global_vars import get_args, set_args
+
+
+def print_rank_0(message):
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+'''
+
+ARGUMENTS = '''\
+import argparse
+
+from megatron.training.global_vars import set_args
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py",
+                                     description="Synthetic Megatron-LM arguments.")
+    group = parser.add_argument_group("model and run")
+    for flag, kind, default in (
+        ("--num-layers", int, 2), ("--hidden-size", int, 64), ("--num-attention-heads", int, 4),
+        ("--seq-length", int, 16), ("--micro-batch-size", int, 2),
+        ("--global-batch-size", int, 8), ("--num-experts", int, 4),
+        ("--moe-router-topk", int, 2), ("--expert-model-parallel-size", int, 1),
+        ("--tensor-model-parallel-size", int, 1), ("--train-iters", int, 100),
+        ("--log-interval", int, 10), ("--lr", float, 1e-3), ("--seed", int, 1234),
+        ("--vocab-size", int, 128), ("--distributed-backend", str, "nccl"),
+        ("--recompute-granularity", str, None), ("--recompute-method", str, None),
+        ("--recompute-num-layers", int, None), ("--tokenizer-type", str, None),
+        ("--save", str, None), ("--load", str, None), ("--perturb-flat-lr", float, 0.0),
+    ):
+        group.add_argument(flag, type=kind, default=default, help=f"{flag[2:]} (100% synthetic)")
+    group.add_argument("--spec", nargs=2, default=None, help="module and layer spec name")
+    group.add_argument("--mock-data", action="store_true")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--fail-when-flat", action="store_true")
+    return parser
+
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    parser = _parser()
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    if ignore_unknown_args:
+        return parser.parse_known_args()[0]
+    return parser.parse_args()
+
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
+                            args_defaults={}):
+    args = parse_args(extra_args_provider, ignore_unknown_args)
+    for name, value in args_defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    set_args(args)
+    return args
+'''
+
+INPROCESS_RESTART = '''\
+from megatron.training import arguments
+
+
+def maybe_wrap_for_inprocess_restart(pretrain):
+    arguments.parse_args(ignore_unknown_args=True)  # the stock parser sees the line first
+    return pretrain, None
+'''
+
+INITIALIZE = '''\
+import torch
+
+from megatron.training.global_vars import get_args
+
+
+def initialize_megatron():
+    assert torch.cuda.is_available(), "Megatron requires CUDA."
+    args = get_args()
+    torch.distributed.init_process_group(backend=args.distributed_backend)
+    if torch.cuda.device_count() > 0:
+        from megatron.core import parallel_state, tensor_parallel
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    _compile_dependencies()
+
+
+def _compile_dependencies():
+    if torch.distributed.get_rank() == 0:
+        from megatron.core.datasets.utils import compile_helpers
+
+        compile_helpers()
+    torch.distributed.barrier()
+'''
+
+MODELS = '''\
+import importlib
+
+from megatron_flat.testing.tiny_gpt import TinyMoE, build_tiny_gpt, transformer_config
+
+
+def tiny_of(args):
+    return TinyMoE(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads,
+                   ffn_hidden_size=2 * args.hidden_size, num_experts=args.num_experts,
+                   topk=args.moe_router_topk, moe_ffn_hidden_size=args.hidden_size,
+                   vocab_size=args.vocab_size, seq_length=args.seq_length,
+                   micro_batch_size=args.micro_batch_size,
+                   global_batch_size=args.global_batch_size, seed=args.seed, data="zipf")
+
+
+def build_gpt(args, pre_process=True, post_process=True):
+    recompute = {}
+    if args.recompute_granularity:
+        recompute = dict(recompute=args.recompute_granularity,
+                         recompute_method=args.recompute_method or "uniform",
+                         recompute_num_layers=args.recompute_num_layers or 1)
+    config = transformer_config(tiny_of(args), tp=args.tensor_model_parallel_size,
+                                ep=args.expert_model_parallel_size, **recompute)
+    spec = None
+    if args.spec:
+        spec = getattr(importlib.import_module(args.spec[0]), args.spec[1])
+    return build_tiny_gpt(tiny_of(args), config, layer_spec=spec)
+'''
+
+TRAINING = '''\
+import datetime
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron.training.global_vars import get_args
+from megatron.training.initialize import initialize_megatron
+
+
+def _flat_on():
+    from megatron_flat.megatron.install import installed
+
+    flat = installed()
+    return flat is not None and flat != type(flat)()
+
+
+def pretrain(*positional, **kwargs):
+    if "extra_args_provider" in kwargs:  # 0.16 shape: pretrain parses the arguments
+        _datasets, model_provider, _model_type, forward_step_func = positional[:4]
+        from megatron.training.arguments import parse_and_validate_args
+
+        parse_and_validate_args(kwargs["extra_args_provider"],
+                                args_defaults=kwargs.get("args_defaults") or {})
+    else:  # 0.19 shape: pretrain(full_config, datasets, model_type, forward_step, ...)
+        _config, _datasets, _model_type, forward_step_func = positional[:4]
+        model_provider = kwargs.get("model_provider") or _model_provider
+    initialize_megatron()
+    _train(model_provider, forward_step_func)
+
+
+def _model_provider(pre_process=True, post_process=True, vp_stage=None):
+    from megatron.training.models import build_gpt
+
+    return build_gpt(get_args(), pre_process, post_process)
+
+
+def _train(model_provider, forward_step_func):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron.training.models import tiny_of
+    from megatron_flat.testing.tiny_gpt import dp_share, global_batch
+    from megatron_flat.testing.training import step_loss
+
+    args = get_args()
+    model = model_provider(pre_process=True, post_process=True)
+    model.cuda(torch.cuda.current_device())
+    ddp = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer),
+        module=model)
+    lr = args.lr * (1.0 + args.perturb_flat_lr if _flat_on() else 1.0)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0,
+                        params_dtype=torch.float32,
+                        use_distributed_optimizer=args.use_distributed_optimizer),
+        [ddp])
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    tiny = tiny_of(args)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    for iteration in range(1, args.train_iters + 1):
+        mine = dp_share(global_batch(tiny, iteration), dp_rank, dp_size)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward = get_forward_backward_func()
+        losses = forward_backward(
+            forward_step_func=forward_step_func, data_iterator=iter(mine), model=[ddp],
+            num_microbatches=len(mine), seq_length=tiny.seq_length,
+            micro_batch_size=tiny.micro_batch_size, forward_only=False)
+        ok, _, _ = optimizer.step()
+        loss = step_loss(losses)
+        if iteration % args.log_interval == 0 and torch.distributed.get_rank() == 0:
+            print(f" [{datetime.datetime.now()}] iteration {iteration:8d}/{args.train_iters:8d} |"
+                  f" consumed samples: {iteration * args.global_batch_size:12d} |"
+                  f" lm loss: {loss:.6E} | loss scale: 1.0 |", flush=True)
+        if args.fail_when_flat and _flat_on():
+            raise RuntimeError("synthetic failure in the flat run")
+'''
+
+_COMMON = '''\
+"""Synthetic pretrain_gpt.py ({era} call shape) for rehearsal tests."""
+
+from functools import partial
+
+from megatron.training import get_args, print_rank_0
+from megatron.training import inprocess_restart
+from megatron.training.training import pretrain
+from megatron_flat.testing.training import forward_step
+
+try:
+    from megatron.post_training.arguments import add_modelopt_args
+
+    has_nvidia_modelopt = True
+except ImportError:
+    has_nvidia_modelopt = False
+
+
+def gpt_builder(args, pre_process, post_process, vp_stage=None):
+    from megatron.training.models import build_gpt
+
+    return build_gpt(args, pre_process, post_process)
+
+
+def model_provider(model_builder, pre_process=True, post_process=True, vp_stage=None):
+    return model_builder(get_args(), pre_process, post_process, vp_stage)
+
+
+def datasets_provider(num_samples):
+    return None, None, None
+'''
+
+SCRIPT_016 = _COMMON.format(era="0.16-era") + '''
+
+if __name__ == "__main__":
+    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+
+    pretrain(
+        datasets_provider,
+        partial(model_provider, gpt_builder),
+        "encoder_or_decoder",
+        forward_step,
+        args_defaults={"tokenizer_type": "NullTokenizer"},
+        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
+        store=store,
+    )
+'''
+
+SCRIPT_019 = _COMMON.format(era="0.19-era") + '''
+from megatron.training.arguments import parse_and_validate_args
+
+
+if __name__ == "__main__":
+    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+
+    args = parse_and_validate_args(
+        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
+        args_defaults={"tokenizer_type": "NullTokenizer"},
+    )
+    full_config = {"num_layers": args.num_layers}
+    pretrain(
+        full_config,
+        datasets_provider,
+        "encoder_or_decoder",
+        forward_step,
+        store=store,
+    )
+'''
+
+SCRIPTS = {"0.16": SCRIPT_016, "0.19": SCRIPT_019}
+
+
+def write_checkout(root: Path, era: str) -> Path:
+    """A synthetic checkout of ``era`` ("0.16" or "0.19") under ``root``; returns its
+    ``pretrain_gpt.py`` (unpatched)."""
+    training = root / "megatron" / "training"
+    training.mkdir(parents=True)
+    files = {"global_vars.py": GLOBAL_VARS, "__init__.py": INIT, "arguments.py": ARGUMENTS,
+             "inprocess_restart.py": INPROCESS_RESTART, "initialize.py": INITIALIZE,
+             "models.py": MODELS, "training.py": TRAINING}
+    for name, text in files.items():
+        (training / name).write_text(textwrap.dedent(text))
+    script = root / "pretrain_gpt.py"
+    script.write_text(SCRIPTS[era])
+    return script
+
+
+# A tiny launch line: EP 2 over 2 ranks, full recompute, the flat layer spec.
+LINE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--num-experts", "4", "--moe-router-topk", "2", "--vocab-size", "128",
+        "--expert-model-parallel-size", "2", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1",
+        "--use-distributed-optimizer", "--mock-data", "--lr", "1e-2",
+        "--distributed-backend", "nccl", "--log-interval", "10", "--save", "/nonexistent/ckpt",
+        "--spec", "megatron_flat.megatron.spec", "flat_gpt_layer_spec"]
+FLAT = ["--flat-preset", "paper", "--flat-dispatch-chunk-tokens", "4",
+        "--flat-optimizer-bucket-numel", "4096"]

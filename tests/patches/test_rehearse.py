@@ -1,0 +1,230 @@
+"""``python -m megatron_flat rehearse``: launch lines, loss parsing, verdicts, and real
+rehearsals of the synthetic checkout (``rehearsal_checkout``) in both call shapes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_flat import rehearse
+from megatron_flat.megatron import entry
+
+sys.path.insert(0, str(Path(__file__).parent))
+import rehearsal_checkout as checkout  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------- launch lines
+def test_strip_options_removes_flat_flags_with_their_values():
+    arities = rehearse._flat_arities()
+    line = ["--num-layers", "2", "--flat-dispatch", "pipelined", "--flat-sco",
+            "--flat-dispatch-chunk-tokens=8", "--no-flat-vocab", "--lr", "0.1",
+            "--flat-preset", "paper"]
+    kept, removed = rehearse.strip_options(line, arities)
+    assert kept == ["--num-layers", "2", "--lr", "0.1"]
+    assert removed == ["--flat-dispatch", "pipelined", "--flat-sco",
+                       "--flat-dispatch-chunk-tokens=8", "--no-flat-vocab", "--flat-preset",
+                       "paper"]
+
+
+def test_launch_lines_override_drop_and_cap():
+    lines = rehearse.launch_lines(checkout.LINE + checkout.FLAT, iters=4, host_budget_gib=0.5)
+    for args in (lines.stock, lines.flat):
+        assert "--save" not in args and "/nonexistent/ckpt" not in args
+        # argparse keeps the last value: the overrides come after the user's own.
+        assert args[len(args) - 1 - args[::-1].index("--distributed-backend") + 1] == "gloo"
+        assert args[len(args) - 1 - args[::-1].index("--log-interval") + 1] == "1"
+        assert args[args.index("--train-iters") + 1] == "4"
+    assert not [a for a in lines.stock if "flat-" in a]
+    assert lines.flat[-2:] == ["--flat-sco-host-budget-gib", "0.5"]  # paper: 64 GiB
+    assert lines.flat_config.sco_host_budget_gib == 0.5
+    assert any("64 GiB -> 0.5 GiB" in n for n in lines.notes)
+
+
+def test_launch_lines_leave_a_small_budget_and_the_iterations_alone():
+    line = checkout.LINE + ["--flat-sco", "--flat-sco-host-budget-gib", "0.25"]
+    lines = rehearse.launch_lines(line, iters=0, host_budget_gib=1.0)
+    assert "--train-iters" not in lines.flat
+    assert lines.flat_config.sco_host_budget_gib == 0.25
+    assert not any("capped" in n for n in lines.notes)
+
+
+def test_bad_flat_flags_are_refused_before_launch(tmp_path, capsys):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.16")
+    code = rehearse.main(["--", str(script), "--flat-dispatch", "sideways"])
+    assert code == rehearse.EXIT_USAGE
+    assert "--flat-dispatch" in capsys.readouterr().err
+
+
+def test_usage_errors(tmp_path, capsys):
+    assert rehearse.main(["--", str(tmp_path / "missing.py")]) == rehearse.EXIT_USAGE
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        rehearse.main(["--nproc-per-node", "2"])  # no launch line
+    assert exc.value.code == 2
+    script = checkout.write_checkout(tmp_path / "mlm", "0.16")
+    assert rehearse.main(["--nproc-per-node", "0", "--", str(script)]) == rehearse.EXIT_USAGE
+
+
+def test_a_partly_patched_script_is_refused(tmp_path, capsys):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.16")
+    text = script.read_text()
+    script.write_text(text.replace("store=store,\n", "store=store,  # megatron-flat\n"))
+    assert rehearse.main(["--", str(script)]) == rehearse.EXIT_USAGE
+    assert "patch" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- logs, verdict
+MEGATRON_LOG = (
+    " [2026-12-01 20:38:38.699852] iteration        1/       3 | consumed samples:            4"
+    " | elapsed time per iteration (ms): 284.1 | learning rate: 6.666667E-04 | global batch "
+    "size:     4 | lm loss: 5.549661E+00 | loss scale: 1.0 | grad norm: 1.097 |\n"
+    "[rank1]: something else | lm loss: 9.0E+00 |\n"
+    " [2026-12-01 20:38:38.806315] iteration        2/       3 | consumed samples:            8"
+    " | lm loss: 5.502558E+00 | mtp_1 loss: 5.7E+00 |\n"
+    " [2026-12-01 20:38:38.806315] iteration        2/       3 | lm loss: 7.0E+00 |\n")
+
+
+def test_parse_losses_reads_megatron_lines_first_per_iteration():
+    assert rehearse.parse_losses(MEGATRON_LOG) == {1: 5.549661, 2: 5.502558}
+
+
+def _run(name, losses, ok=True, modules=None):
+    rank = {"ok": ok, "sections": {}, "run_peak": [0, 0],
+            "modules": modules or {"FlatMoELayer": 0, "MoELayer": 2}, "flat": {}}
+    return rehearse.Run(name, 0 if ok else 1, Path(f"/tmp/{name}.log"), losses, [rank], 1.0)
+
+
+def test_verdict():
+    stock = _run("stock", {1: 5.0, 2: 4.9})
+    code, last = rehearse.verdict(stock, _run("flat", {1: 5.0, 2: 4.9}), 1e-5)
+    assert code == 0 and last == "rehearsal: flat losses equal stock over 2 iterations"
+    code, last = rehearse.verdict(stock, _run("flat", {1: 5.0, 2: 4.95}), 1e-5)
+    assert code == 1 and "differs from stock at iteration 2" in last
+    assert rehearse.verdict(stock, _run("flat", {1: 5.0, 2: 4.9 * (1 + 1e-6)}), 1e-5)[0] == 0
+    code, last = rehearse.verdict(stock, _run("flat", {1: 5.0}), 1e-5)
+    assert code == 1 and "different iterations" in last
+    code, last = rehearse.verdict(stock, _run("flat", {1: 5.0, 2: float("nan")}), 1e-5)
+    assert code == 1
+    code, last = rehearse.verdict(stock, _run("flat", {}, ok=False), 1e-5)
+    assert code == 1 and "the flat run failed" in last
+    code, last = rehearse.verdict(stock, _run("flat", {}), 1e-5)
+    assert code == 1 and "no 'lm loss' lines" in last
+    flat_in_stock = _run("stock", {1: 5.0, 2: 4.9}, modules={"FlatMoELayer": 2, "MoELayer": 2})
+    code, last = rehearse.verdict(flat_in_stock, _run("flat", {1: 5.0, 2: 4.9}), 1e-5)
+    assert code == 1 and "stock run built 2 FlatMoELayer" in last
+
+
+def test_verdict_when_dispatch_was_asked_for_but_not_built():
+    flat = _run("flat", {1: 5.0})
+    flat.ranks[0]["flat"] = {"dispatch": "pipelined"}
+    code, last = rehearse.verdict(_run("stock", {1: 5.0}), flat, 1e-5)
+    assert code == 1 and "no MoE layer is a FlatMoELayer" in last
+
+
+def test_first_error_skips_torchrun_noise():
+    log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "[rank0]: RuntimeError: boom\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert rehearse.first_error(log) == "RuntimeError: boom"
+    assert rehearse.first_error("all good\n") is None
+
+
+# ---------------------------------------------------------------------------- --help
+def test_help_requested():
+    assert entry.help_requested(["p.py", "--num-layers", "2", "-h"])
+    assert entry.help_requested(["p.py", "--help"])
+    assert not entry.help_requested(["p.py", "--", "--help"])
+    assert not entry.help_requested(["p.py", "--num-layers", "2"])
+
+
+def test_escape_lone_percents():
+    text = "10%). 100%% sure, default %(default)s"
+    escaped = entry._escape_lone_percents(text)
+    assert escaped % {"default": 3} == "10%). 100% sure, default 3"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+@pytest.mark.parametrize("era", ["0.16", "0.19"])
+def test_help_of_a_patched_script_lists_the_flat_flags(tmp_path, era):
+    """Megatron-LM's first parse (inprocess restart's, stock parser) answers --help."""
+    script = checkout.write_checkout(tmp_path / "mlm", era)
+    patched = subprocess.run([sys.executable, "-m", "megatron_flat", "patch", str(script.parent)],
+                             capture_output=True, text=True, env=_env())
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                           text=True, env=_env(), cwd=script.parent)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "--flat-dispatch {off,llep,pipelined}" in shown.stdout
+    assert "PipelinedLLEP" in shown.stdout and "--flat-sco-host-budget-gib" in shown.stdout
+    assert "100% synthetic" in shown.stdout  # the checkout's own unescaped "%" survives
+    unpatched = checkout.write_checkout(tmp_path / "plain", era)
+    stock = subprocess.run([sys.executable, str(unpatched), "--help"], capture_output=True,
+                           text=True, env=_env(), cwd=unpatched.parent)
+    assert "--flat-" not in stock.stdout  # only a patched script knows them
+
+
+# ---------------------------------------------------------------------------- rehearsals
+def _rehearse(tmp_path, script, line, nproc):
+    work = tmp_path / "work"
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_flat", "rehearse", "--nproc-per-node", str(nproc),
+         "--work-dir", str(work), "--timeout", "600", "--", str(script), *line],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path)
+    return done, work
+
+
+@pytest.mark.parametrize("era", ["0.16", "0.19"])
+def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
+    script = checkout.write_checkout(tmp_path / "mlm", era)
+    before = script.read_bytes()
+    done, work = _rehearse(tmp_path, script, checkout.LINE + checkout.FLAT, nproc=2)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations"
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 3 and all(line.endswith("0.0e+00") for line in rows)  # side by side
+    assert "FlatMoELayer in 2 of 2 MoE layers" in out and "Ring-DTP: on" in out
+    assert "OffloadStreamAdamW: 2 inner optimizer(s)" in out
+    for row in ("expert dispatch |", "checkpoint boundaries |", "optimizer step |",
+                "whole run |"):
+        assert row in out
+    assert "dropped (a rehearsal writes nothing): --save /nonexistent/ckpt" in out
+    assert script.read_bytes() == before  # patched in memory only
+    for name in ("stock", "flat"):
+        assert len(list((work / name).glob("rank*.json"))) == 2
+
+
+def test_rehearsal_catches_a_loss_difference(tmp_path):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.19")
+    line = list(checkout.LINE)
+    line[line.index("--expert-model-parallel-size") + 1] = "1"
+    done, _ = _rehearse(tmp_path, script,
+                        line + ["--flat-dispatch", "pipelined", "--perturb-flat-lr", "0.5"],
+                        nproc=1)
+    assert done.returncode == 1, done.stdout
+    last = done.stdout.splitlines()[-1]
+    # Iteration 1 runs before any update: equal; the larger learning rate shows at 2.
+    assert last.startswith("rehearsal: flat loss differs from stock at iteration 2"), last
+
+
+def test_rehearsal_reports_a_failed_run(tmp_path):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.16")
+    line = list(checkout.LINE)
+    line[line.index("--expert-model-parallel-size") + 1] = "1"
+    done, work = _rehearse(tmp_path, script,
+                           line + ["--flat-dispatch", "pipelined", "--fail-when-flat"], nproc=1)
+    assert done.returncode == 1
+    assert "the flat run's first error: RuntimeError: synthetic failure in the flat run" \
+        in done.stdout
+    assert done.stdout.splitlines()[-1] == (
+        f"rehearsal: the flat run failed (exit 1); its log: {work / 'flat.log'}")
