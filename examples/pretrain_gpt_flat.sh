@@ -12,6 +12,12 @@
 #       bash examples/pretrain_gpt_flat.sh
 # DRY_RUN=1 prints the command instead of running it.
 #
+# Check this flag set on a laptop first (no GPU, checkout patched or not): REHEARSE=1 runs
+#   python -m megatron_flat rehearse --nproc-per-node 2 -- "$MEGATRON_LM/pretrain_gpt.py" ...
+# with every flag below plus tiny-shape overrides (see TINY), stock and flat, and compares the
+# losses; it ends with "rehearsal: flat losses equal stock over N iterations".
+#   MEGATRON_LM=/path/to/Megatron-LM REHEARSE=1 bash examples/pretrain_gpt_flat.sh
+#
 # Will it fit? The peak planner answers before launch (per-GPU peaks with and without flat):
 #   python -m megatron_flat plan --model paper-667b --seq 1M --gpus 64 --gpu-mem 141GiB \
 #       --host-mem 2TiB --tp 8 --cp 8 --ep 64 --pp 1 --all-on
@@ -37,7 +43,7 @@ TRAIN_ITERS=${TRAIN_ITERS:-100}
 # sequence-parallel / tensor-parallel communication overlap order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
-if ! "$PYTHON" "$FLAT_ROOT/patches/apply.py" "$MEGATRON_LM" --check >/dev/null; then
+if [[ "${REHEARSE:-0}" != 1 ]] && ! "$PYTHON" "$FLAT_ROOT/patches/apply.py" "$MEGATRON_LM" --check >/dev/null; then
     echo "error: $MEGATRON_LM/pretrain_gpt.py does not take the --flat-* flags yet;" \
          "run: $PYTHON $FLAT_ROOT/patches/apply.py $MEGATRON_LM" >&2
     exit 1
@@ -164,6 +170,26 @@ FLAT=(
 CMD=("${LAUNCH[@]}" "$MEGATRON_LM/pretrain_gpt.py"
      "${MODEL[@]}" "${MOE[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${LOGGING[@]}"
      "${FLAT[@]}")
+
+if [[ "${REHEARSE:-0}" == 1 ]]; then
+    # The same flags at a tiny shape on 2 CPU ranks; the overrides come last, so they win.
+    # Megatron-Core's local modules stand in for transformer-engine (no CP, no fused kernels);
+    # fp32 instead of --bf16 (a store-true flag, so it is left out rather than overridden).
+    TINY=(
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16
+        --num-query-groups 2 --seq-length 64 --max-position-embeddings 64
+        --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64
+        --tensor-model-parallel-size 1 --context-parallel-size 1 --expert-model-parallel-size 2
+        --micro-batch-size 1 --global-batch-size 4 --vocab-size 128 --lr-warmup-iters 1
+        --transformer-impl local --spec megatron_flat.megatron.spec flat_gpt_layer_spec
+        --no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion
+        --no-masked-softmax-fusion
+        --flat-dispatch-chunk-tokens 16 --flat-optimizer-bucket-numel 65536
+    )
+    FULL=()
+    for arg in "${CMD[@]:${#LAUNCH[@]}}"; do [[ "$arg" == --bf16 ]] || FULL+=("$arg"); done
+    CMD=("$PYTHON" -m megatron_flat rehearse --nproc-per-node 2 -- "${FULL[@]}" "${TINY[@]}")
+fi
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${CMD[@]}"

@@ -14,6 +14,12 @@
 # being transformer-engine's). Without NVIDIA apex: NO_APEX=1 adds --no-persist-layer-norm and
 # --no-gradient-accumulation-fusion (both kernels are apex's). DRY_RUN=1 prints the command
 # instead of running it.
+#
+# Check this flag set on a laptop first (no GPU, checkout patched or not): REHEARSE=1 runs
+#   python -m megatron_flat rehearse --nproc-per-node 1 -- "$MEGATRON_LM/pretrain_gpt.py" ...
+# with every flag below plus tiny-shape overrides (see TINY), stock and flat, and compares the
+# losses; it ends with "rehearsal: flat losses equal stock over N iterations".
+#   MEGATRON_LM=/path/to/Megatron-LM REHEARSE=1 bash examples/pretrain_gpt_flat_single_gpu.sh
 set -euo pipefail
 
 FLAT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -22,6 +28,9 @@ MEGATRON_LM=${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (patched: p
 SEQ_LENGTH=${SEQ_LENGTH:-32768}         # 32K tokens per sequence
 TRAIN_ITERS=${TRAIN_ITERS:-20}
 TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-transformer_engine}  # or local
+if [[ "${REHEARSE:-0}" == 1 ]]; then
+    TRANSFORMER_IMPL=local NO_APEX=1      # the rehearsal runs on CPU: neither is there
+fi
 
 # The --spec object for the chosen modules: both build Megatron's MoE layer spec with
 # megatron-flat's FlatMoELayer once install() ran with --flat-dispatch on.
@@ -33,7 +42,7 @@ esac
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1    # Megatron's expected launch ordering (one connection)
 
-if ! "$PYTHON" "$FLAT_ROOT/patches/apply.py" "$MEGATRON_LM" --check >/dev/null; then
+if [[ "${REHEARSE:-0}" != 1 ]] && ! "$PYTHON" "$FLAT_ROOT/patches/apply.py" "$MEGATRON_LM" --check >/dev/null; then
     echo "error: $MEGATRON_LM/pretrain_gpt.py does not take the --flat-* flags yet;" \
          "run: $PYTHON $FLAT_ROOT/patches/apply.py $MEGATRON_LM" >&2
     exit 1
@@ -108,6 +117,21 @@ if [[ "${NO_APEX:-0}" == 1 ]]; then
 fi
 
 CMD=(torchrun --standalone --nproc-per-node 1 "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}")
+
+if [[ "${REHEARSE:-0}" == 1 ]]; then
+    # The same flags at a tiny shape on one CPU rank; the overrides come last, so they win.
+    # fp32 instead of --bf16 (a store-true flag, so it is left out rather than overridden).
+    TINY=(
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
+        --seq-length 64 --max-position-embeddings 64 --moe-ffn-hidden-size 64
+        --micro-batch-size 1 --global-batch-size 2 --vocab-size 128 --no-masked-softmax-fusion
+        --flat-dispatch-chunk-tokens 16
+    )
+    FULL=()
+    for arg in "${ARGS[@]}"; do [[ "$arg" == --bf16 ]] || FULL+=("$arg"); done
+    CMD=("$PYTHON" -m megatron_flat rehearse --nproc-per-node 1 -- "$MEGATRON_LM/pretrain_gpt.py"
+         "${FULL[@]}" "${TINY[@]}")
+fi
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${CMD[@]}"

@@ -213,10 +213,17 @@ _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w
 
 def first_error(text: str) -> Optional[str]:
     """The first exception line in a run's log (torchrun's own ChildFailedError aside)."""
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         match = _EXCEPTION.match(line.strip())
         if match and "ChildFailedError" not in line:
-            return match.group(1)
+            error = match.group(1)
+            if ":" not in error:  # a bare "AssertionError": name the failing line
+                source = [s.strip() for s in lines[max(0, i - 3):i]
+                          if s.strip() and set(s.strip()) - set("^~ ")]
+                if source:
+                    error += f" ({source[-1]})"
+            return error
     return None
 
 
@@ -251,6 +258,10 @@ def _relative(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _above(flat: Optional[int], stock: Optional[int]) -> bool:
+    return flat is not None and stock is not None and flat > stock
 
 
 def peak_table(stock: Run, flat: Run) -> List[str]:
@@ -416,6 +427,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
         print("", file=out)
         for row in peak_table(stock, flat):
             print(row, file=out)
+        if any(_above(flat.peak(r), stock.peak(r)) for r in PEAK_ROWS):
+            print("(at rehearsal shapes the fixed-size buffers -- dispatch chunk cap, optimizer "
+                  "buckets and staging -- can outweigh what they save; python -m megatron_flat "
+                  "plan predicts the peaks at the real shape)", file=out)
     ran = what_ran(flat)
     if ran:
         print("", file=out)

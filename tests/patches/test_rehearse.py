@@ -131,6 +131,9 @@ def test_first_error_skips_torchrun_noise():
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
     assert rehearse.first_error(log) == "RuntimeError: boom"
     assert rehearse.first_error("all good\n") is None
+    bare = ("  File \"s.py\", line 157, in __init__\n    assert warmup < decay\n"
+            "           ^^^^^^^^^^^^^^\nAssertionError\n")
+    assert rehearse.first_error(bare) == "AssertionError (assert warmup < decay)"
 
 
 # ---------------------------------------------------------------------------- --help
