@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from rehearsal_checkout import GLOBAL_VARS, MAIN_016, MAIN_019  # noqa: E402  (shared)
+
 REPO = Path(__file__).resolve().parents[2]
 
 _COMMON = '''\
@@ -72,22 +75,7 @@ def pretrain(datasets_provider, model_provider, model_type, forward_step_func,
     _parse(extra_args_provider)
     for vp_stage in (0, 1):
         model_provider(pre_process=True, post_process=True, vp_stage=vp_stage)
-
-
-if __name__ == "__main__":
-    # Wrapping keeps the name; this line passes pretrain, it does not call it.
-    pretrain, store = maybe_wrap_for_inprocess_restart(pretrain)
-
-    pretrain(
-        datasets_provider,
-        partial(model_provider, gpt_builder),
-        "encoder_or_decoder",
-        forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
-        store=store,
-    )
-'''
+''' + MAIN_016
 
 SCRIPT_019 = _COMMON.format(era="0.19-era") + '''
 
@@ -98,39 +86,12 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults={}):
 def pretrain(config, datasets_provider, model_type, forward_step_func, model_provider=None,
              store=None):
     EVENTS.append(["build", None, get_args().flat_dispatch_max_chunks])
+''' + MAIN_019
 
-
-if __name__ == "__main__":
-    pretrain, store = maybe_wrap_for_inprocess_restart(pretrain)
-
-    args = parse_and_validate_args(
-        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-    )
-    full_config = {"num_layers": args.num_layers}
-    pretrain(
-        full_config,
-        datasets_provider,
-        "encoder_or_decoder",
-        forward_step,
-        store=store,
-    )
-'''
-
-_STUB_TRAINING = '''\
+_STUB_TRAINING = ('''\
 """Stand-in for megatron.training: the global args and an event log."""
 EVENTS = []
-_ARGS = None
-
-
-def set_args(args):
-    global _ARGS
-    _ARGS = args
-
-
-def get_args():
-    return _ARGS
-'''
+''' + GLOBAL_VARS)
 
 _STUB_MODELOPT = '''\
 def add_modelopt_args(parser):

@@ -259,7 +259,7 @@ _COMMON = '''\
 from functools import partial
 
 from megatron.training import get_args, print_rank_0
-from megatron.training import inprocess_restart
+from megatron.training.inprocess_restart import maybe_wrap_for_inprocess_restart
 from megatron.training.training import pretrain
 from megatron_flat.testing.training import forward_step
 
@@ -285,32 +285,33 @@ def datasets_provider(num_samples):
     return None, None, None
 '''
 
-SCRIPT_016 = _COMMON.format(era="0.16-era") + '''
+# The ``__main__`` blocks of both call shapes, shared with the patcher tests' scripts
+# (conftest.py): the lines the patcher anchors on.
+MAIN_016 = '''
 
 if __name__ == "__main__":
-    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    # Wrapping keeps the name; this line passes pretrain, it does not call it.
+    pretrain, store = maybe_wrap_for_inprocess_restart(pretrain)
 
     pretrain(
         datasets_provider,
         partial(model_provider, gpt_builder),
         "encoder_or_decoder",
         forward_step,
-        args_defaults={"tokenizer_type": "NullTokenizer"},
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
         extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
         store=store,
     )
 '''
 
-SCRIPT_019 = _COMMON.format(era="0.19-era") + '''
-from megatron.training.arguments import parse_and_validate_args
-
+MAIN_019 = '''
 
 if __name__ == "__main__":
-    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    pretrain, store = maybe_wrap_for_inprocess_restart(pretrain)
 
     args = parse_and_validate_args(
         extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
-        args_defaults={"tokenizer_type": "NullTokenizer"},
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     )
     full_config = {"num_layers": args.num_layers}
     pretrain(
@@ -321,6 +322,11 @@ if __name__ == "__main__":
         store=store,
     )
 '''
+
+SCRIPT_016 = _COMMON.format(era="0.16-era") + MAIN_016
+
+SCRIPT_019 = (_COMMON.format(era="0.19-era")
+              + "\nfrom megatron.training.arguments import parse_and_validate_args\n" + MAIN_019)
 
 SCRIPTS = {"0.16": SCRIPT_016, "0.19": SCRIPT_019}
 
