@@ -115,6 +115,19 @@ class FlatConfig:
         default=2, metadata={"help": "Device staging slots for the optimizer pipeline."}
     )
 
+    # The host tier: every technique's host memory (megatron_flat.runtime.host_tier).
+    host_mem_per_node_gib: float = field(
+        default=0.0,
+        metadata={"help": "Host memory of one node that megatron-flat may pin, GiB, checked "
+                          "against ranks per node x each rank's host budgets before anything "
+                          "is allocated (0: the node's total memory)."},
+    )
+    host_pageable: bool = field(
+        default=False,
+        metadata={"help": "When pinning host memory fails, use pageable memory (every copy "
+                          "from it is synchronous) instead of stopping with an error."},
+    )
+
     # Debugging: checks that read device data on every call.
     debug_checks: bool = field(
         default=False,
@@ -153,6 +166,8 @@ class FlatConfig:
             self._bad("llep_imbalance_threshold", self.llep_imbalance_threshold, "must be >= 0")
         if self.sco_host_budget_gib < 0:
             self._bad("sco_host_budget_gib", self.sco_host_budget_gib, "must be >= 0")
+        if self.host_mem_per_node_gib < 0:
+            self._bad("host_mem_per_node_gib", self.host_mem_per_node_gib, "must be >= 0")
         if self.sco_prefetch < 0:
             self._bad("sco_prefetch", self.sco_prefetch, "must be >= 0")
         if self.dispatch_saved_chunks < 0:
@@ -166,6 +181,10 @@ class FlatConfig:
     @property
     def sco_host_budget_bytes(self) -> int:
         return int(self.sco_host_budget_gib * GIB)
+
+    @property
+    def host_mem_per_node_bytes(self) -> int:
+        return int(self.host_mem_per_node_gib * GIB)
 
     @property
     def any_enabled(self) -> bool:

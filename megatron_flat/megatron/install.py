@@ -125,6 +125,20 @@ _ENABLED = {
 }
 
 
+def _host_problems(flat: FlatConfig) -> List[str]:
+    """The node check of the host budgets known at install (SCO's), nothing allocated."""
+    if not flat.sco:
+        return []
+    from megatron_flat.runtime import host_tier
+
+    trial = host_tier.HostTier(node_budget_bytes=flat.host_mem_per_node_bytes or None)
+    try:
+        trial.declare("sco", flat.sco_host_budget_bytes)
+    except host_tier.HostTierError as exc:
+        return [str(exc)]
+    return []
+
+
 def install(config_or_args: Union[FlatConfig, argparse.Namespace],
             megatron: Any = None) -> FlatConfig:
     """Validate and wire in megatron-flat; returns the FlatConfig in force.
@@ -145,11 +159,18 @@ def install(config_or_args: Union[FlatConfig, argparse.Namespace],
         raise FlatConfigError("megatron-flat is already installed with a different FlatConfig; "
                               "install() once per process, before the model is built")
     problems = check_against_megatron(flat, megatron) if megatron is not None else []
+    problems += _host_problems(flat)
     missing = [name for name, on in _ENABLED.items() if on(flat) and name not in WIRING]
     problems += [f"--flat-{name.replace('_', '-')}: not available in this release of megatron-flat"
                  for name in missing]
     if problems:
         raise FlatConfigError("megatron-flat cannot be installed:\n  - " + "\n  - ".join(problems))
+    # One host tier for SCO and OffloadStreamAdamW; nothing is allocated or pinned here (the
+    # device may not be set yet): pools are created at first use.
+    from megatron_flat.runtime import host_tier
+
+    host_tier.configure(node_budget_bytes=flat.host_mem_per_node_bytes or None,
+                        allow_pageable=flat.host_pageable)
     for name, on in _ENABLED.items():
         if on(flat):
             WIRING[name](flat, megatron)
@@ -174,4 +195,7 @@ def _reset_for_tests() -> None:
     sco = sys.modules.get("megatron_flat.megatron.sco")
     if sco is not None and sco.enabled() is not None:
         sco.disable()
+    from megatron_flat.runtime import host_tier
+
+    host_tier.configure()
     # dispatch and vocab wiring read installed() at model build / forward time: inert now.

@@ -93,8 +93,10 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
            sco: Optional[SelectiveCheckpointOffload] = None) -> SelectiveCheckpointOffload:
     """Route the transformer block's full-recompute checkpoints through SCO.
 
-    ``host_budget_bytes``/``prefetch`` build the :class:`SelectiveCheckpointOffload` (its host
-    pool is allocated here, once); or pass a ready ``sco`` (then ``host_budget_bytes`` is
+    ``host_budget_bytes``/``prefetch`` build the :class:`SelectiveCheckpointOffload`, whose
+    host pool comes from the process's host tier (``runtime.host_tier``): declared and checked
+    against the node now, allocated (pinned, exactly that size) at the first offload, so
+    enabling touches no device; or pass a ready ``sco`` (then ``host_budget_bytes`` is
     ignored). Enabling again replaces the previous SCO. Returns the SCO in force (its
     ``stats`` count the offloaded boundaries).
     """
@@ -102,7 +104,10 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
 
     compat.check_supported()
     if sco is None:
-        sco = SelectiveCheckpointOffload(int(host_budget_bytes), prefetch=prefetch)
+        from megatron_flat.runtime import host_tier
+
+        pool = host_tier.tier().lazy_pool("sco", int(host_budget_bytes))
+        sco = SelectiveCheckpointOffload(None, prefetch=prefetch, pool=pool)
     adapter = tensor_parallel_checkpoint(
         sco,
         offload_args=(0,),

@@ -39,8 +39,8 @@ def _release(pool: HostPool, tensors: list[torch.Tensor]) -> None:
 class HostState:
     """The flat host buffers; ``fallbacks`` names those that are not from the pool.
 
-    ``pool=None`` creates a private pool sized exactly for the buffers (pinned when CUDA
-    is available; if pinning that much fails, unpinned). Blocks taken from a shared pool
+    ``pool=None`` takes a pool sized exactly for the buffers from the host tier (pinned
+    when CUDA is available; a failed pinning raises unless the tier allows pageable memory). Blocks taken from a shared pool
     go back to it when this object is garbage collected.
     """
 
@@ -82,8 +82,12 @@ class HostState:
 
 
 def _private_pool(nbytes: int, fallbacks: list[str]) -> HostPool:
-    try:
-        return HostPool(nbytes)
-    except RuntimeError:  # pinning failed (too much page-locked memory): pageable pool
+    """A pool of exactly ``nbytes`` from the process's host tier (checked against the node,
+    pinned exactly on CUDA). A failed pinning raises, unless the tier allows pageable memory
+    (``--flat-host-pageable``): then the pool is pageable and ``fallbacks`` says so."""
+    from megatron_flat.runtime import host_tier
+
+    pool = host_tier.tier().pool("optimizer", nbytes)
+    if nbytes and torch.cuda.is_available() and not pool.pinned:
         fallbacks.append("pinning")
-        return HostPool(nbytes, pin_memory=False)
+    return pool

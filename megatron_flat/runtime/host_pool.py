@@ -89,6 +89,15 @@ def _return_host_bytes(free_list: _FreeList) -> None:
         memory.note_host_bytes(-free_list.used)
 
 
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:
+        return False
+
+
 def _normalize_shape(shape: ShapeLike) -> tuple[int, ...]:
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     for dim in dims:
@@ -115,6 +124,8 @@ class HostPool:
         budget_bytes: int,
         pin_memory: Optional[bool] = None,
         alignment: int = 512,
+        *,
+        buffer: Optional[torch.Tensor] = None,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
             raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
@@ -130,16 +141,27 @@ class HostPool:
         ):
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
         self._alignment = alignment
-        # Pinning zero bytes buys nothing.
-        self._pinned = bool(
-            budget_bytes and pin_memory is not False and torch.cuda.is_available()
-        )
-        with memory.host_allocation():
-            self._buffer = torch.empty(
-                budget_bytes, dtype=torch.uint8, pin_memory=self._pinned
-            )
-            self._storage = self._buffer.untyped_storage()
+        if buffer is not None:
+            # Memory someone else allocated (the host tier pins it at its exact size).
+            if (buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.device.type != "cpu"
+                    or buffer.numel() != budget_bytes or pin_memory is not None):
+                raise ValueError("buffer must be a 1-D uint8 CPU tensor of budget_bytes "
+                                 "elements (and pin_memory left None)")
+            self._pinned = bool(budget_bytes) and _is_pinned(buffer)
+            self._buffer = buffer
+            self._storage = buffer.untyped_storage()
             memory.register_host_storage(self._storage)
+        else:
+            # Pinning zero bytes buys nothing.
+            self._pinned = bool(
+                budget_bytes and pin_memory is not False and torch.cuda.is_available()
+            )
+            with memory.host_allocation():
+                self._buffer = torch.empty(
+                    budget_bytes, dtype=torch.uint8, pin_memory=self._pinned
+                )
+                self._storage = self._buffer.untyped_storage()
+                memory.register_host_storage(self._storage)
         self._base = self._buffer.data_ptr()
         self._lock = threading.Lock()
         self._free = _FreeList(budget_bytes)

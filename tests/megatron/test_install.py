@@ -104,3 +104,35 @@ def test_vocab_takes_multi_token_prediction_and_refuses_deferred_embedding_wgrad
     assert inst.installed() is None
     cfg = megatron_flat.install(megatron_args("--flat-vocab", mtp_num_layers=2))
     assert cfg.vocab and inst.installed() == cfg
+
+
+def test_install_touches_no_device_and_pins_nothing(megatron_cpu, monkeypatch):
+    """0.19-era scripts call install() before each rank sets its device: it must not create
+    a CUDA context (torch.cuda._lazy_init) nor pin host memory (cudaHostRegister)."""
+    import torch
+
+    from megatron_flat.megatron import sco
+    from megatron_flat.runtime import host_tier
+
+    touched = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU node
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: touched.append("_lazy_init"))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: touched.append("cudart"))
+    args = megatron_args("--flat-preset", "paper", "--flat-sco-host-budget-gib", "0.25",
+                         recompute_granularity="full")
+    megatron_flat.install(args)
+    assert touched == []
+    assert host_tier.tier().allocated_bytes == {} and host_tier.tier().pinned_bytes == 0
+    assert not sco.enabled().pool.allocated  # SCO's pool comes at its first offload
+
+
+def test_host_budgets_that_cannot_fit_the_node_are_refused_at_install(megatron_cpu,
+                                                                      monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = megatron_args("--flat-sco", "--flat-sco-host-budget-gib", "64",
+                         "--flat-host-mem-per-node-gib", "256", recompute_granularity="full")
+    with pytest.raises(inst.FlatConfigError) as err:
+        megatron_flat.install(args)
+    assert "8 rank(s) per node x 64.00 GiB per rank" in str(err.value)
+    assert "> 256.00 GiB (--flat-host-mem-per-node-gib)" in str(err.value)
+    assert inst.installed() is None
