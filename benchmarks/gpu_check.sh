@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-only, in one run on one GPU (under 8 minutes on an H200):
+# Everything GPU-only, in one run on one GPU (under 10 minutes on an H200):
 #   benchmarks/gpu_check.sh OUTDIR            # on the GPU machine
 #   benchmarks/gpu_check.sh --dry-run OUTDIR  # anywhere: argument handling, the plan of
 #                                             # stages, and the ledger stage at a tiny shape
@@ -8,6 +8,8 @@
 #  1. tests   the CUDA-only tests (-m cuda) and the runtime/optim/checkpoint suites on CUDA
 #             (meter peak stats, real streams/events, pinned pool, SCO copy races,
 #             OffloadStreamAdamW on streams, the ledger against set_sync_debug_mode)
+#  1b. races  the optim and checkpoint suites again with a sleep kernel before every
+#             side-stream copy (FLAT_CUDA_COPY_SLEEP_CYCLES): late copies, missing waits fail
 #  2. meter   benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations
 #  3. ledger  benchmarks/gpu_ledger.py: per technique, the ledger's counts with the CUDA
 #             sync-debug count beside them, measured time, the step-time model's predicted
@@ -62,6 +64,10 @@ fi
 
 run_stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/optim tests/checkpoint \
   --junitxml="$OUT/cuda-tests.xml"
+# The copy-race check on CUDA: the same suites with a sleep kernel before every side-stream
+# copy (each copy lands ~20 ms late), so a missing wait fails bitwise (CPU: delayed copies).
+run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/optim tests/checkpoint --junitxml="$OUT/cuda-races.xml"
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
 run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --json "$OUT/ledger-gpu.json"
 run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"

@@ -21,6 +21,17 @@ echo "== single-process tests ($("$PY" -c 'import megatron.core as m; print("meg
 "$PY" -m pytest -q -p no:cacheprovider "$@" tests
 check "single-process tests" $?
 
+# The copy-race check: SCO's and OffloadStreamAdamW's tests again with delayed copies (a
+# side-stream copy lands only when a wait makes it due; its destination is poison until
+# then), so a missing wait fails bitwise instead of passing because CPU copies are instant.
+echo "== delayed-copies tests (SCO, OffloadStreamAdamW)"
+FLAT_DELAYED_COPIES=1 FLAT_JUNIT_TAG=delayed-copies \
+  "$PY" -m pytest -q -p no:cacheprovider "$@" tests/checkpoint tests/optim
+rc=$?
+# Only a selection given on the command line (-k ...) may leave them nothing to run.
+[ $rc -eq 5 ] && [ $# -gt 0 ] && rc=0
+check "delayed-copies tests" $rc
+
 # One torchrun per multi-rank test file (files end in _world2.py / _world4.py): every
 # Megatron layout creates fresh gloo process groups, whose transport threads live as long
 # as the process, so one process per file keeps their number (and the CPU they steal) small.

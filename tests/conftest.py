@@ -20,12 +20,15 @@ def launched_world():
 
 def pytest_configure(config):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    config.addinivalue_line(
+        "markers", "inline_copies(reason): measures memory (or behaviour) with copies done as "
+        "they are issued; FLAT_DELAYED_COPIES=1 runs it without delaying them")
     junit_dir = os.environ.get("FLAT_JUNIT_DIR")
     if junit_dir:
         world = launched_world()
         tag = os.environ.get("FLAT_JUNIT_TAG")  # one torchrun per test file: keep each report
-        name = "single" if world is None else "-".join(
-            [f"world{world}"] + ([tag] if tag else []) + [f"rank{os.environ['RANK']}"])
+        name = ("-".join(["single"] + ([tag] if tag else [])) if world is None else "-".join(
+            [f"world{world}"] + ([tag] if tag else []) + [f"rank{os.environ['RANK']}"]))
         config.option.xmlpath = os.path.join(junit_dir, f"junit-{name}.xml")
 
 
@@ -62,3 +65,19 @@ def dist_world():
     from megatron_flat.testing.distributed import init_distributed
 
     return init_distributed()
+
+
+@pytest.fixture(autouse=True)
+def _delayed_copies_when_asked(request):
+    """``FLAT_DELAYED_COPIES=1``: every test runs with delayed copies (runtime.streams): a
+    side-stream copy lands only when a wait makes it due and its destination reads as poison
+    until then, so a missing wait fails the test instead of passing by luck. Tests marked
+    ``inline_copies`` (memory measured when copies finish as they are issued) run as usual."""
+    if (os.environ.get("FLAT_DELAYED_COPIES") != "1"
+            or request.node.get_closest_marker("inline_copies") is not None):
+        yield
+        return
+    from megatron_flat.runtime.streams import delayed_copies
+
+    with delayed_copies():
+        yield

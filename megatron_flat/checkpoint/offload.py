@@ -204,14 +204,18 @@ class _Region:
 class _Packed:
     """What the autograd graph holds for one saved boundary tensor."""
 
-    __slots__ = ("region", "span", "meta", "tensor", "version")
+    __slots__ = ("region", "span", "meta", "tensor", "version", "source")
 
-    def __init__(self, region: _Region, span: int, meta: Optional[ViewMeta], tensor) -> None:
+    def __init__(self, region: _Region, span: int, meta: Optional[ViewMeta], tensor,
+                 source: Optional[weakref.ref] = None, version: int = 0) -> None:
         self.region = region
         self.span = span
         self.meta = meta
         self.tensor = tensor  # the device tensor itself when kept, else None
-        self.version = tensor._version if tensor is not None else 0
+        self.version = tensor._version if tensor is not None else version
+        # Offloaded: the caller's tensor (weakly), to refuse in-place changes made after the
+        # save as plain checkpoint does; on a GPU the offload may still be reading it then.
+        self.source = source
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -471,7 +475,7 @@ class SelectiveCheckpointOffload:
         kept_tensors = 0
         for t, (i, meta) in zip(tensors, metas):
             if host[i] is not None:
-                region.plan[_view_key(t)] = (i, meta)
+                region.plan[_view_key(t)] = (i, meta, weakref.ref(t))
             else:
                 kept_tensors += 1
         off_bytes = sum(s.nbytes for s, h in zip(spans, host) if h is not None)
@@ -500,7 +504,7 @@ class SelectiveCheckpointOffload:
         region.n_packed += 1
         if entry is None:
             return _Packed(region, -1, None, t)
-        return _Packed(region, entry[0], entry[1], None)
+        return _Packed(region, entry[0], entry[1], None, source=entry[2], version=t._version)
 
     # -- backward -------------------------------------------------------------
 
@@ -559,8 +563,7 @@ class SelectiveCheckpointOffload:
         if packed.tensor is not None:
             tensor = packed.tensor
             if tensor._version != packed.version:
-                # What plain checkpoint reports; an offloaded boundary is a
-                # snapshot instead, so in-place changes after saving cannot reach it.
+                # What plain checkpoint reports.
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been "
                     f"modified by an inplace operation: [{tensor.type()} {list(tensor.shape)}] "
@@ -568,6 +571,16 @@ class SelectiveCheckpointOffload:
                     f"{tensor._version}; expected version {packed.version} instead"
                 )
             return tensor
+        source = packed.source() if packed.source is not None else None
+        if source is not None and source._version != packed.version:
+            # The same refusal for an offloaded boundary: its offload copy reads the device
+            # tensor on a side stream, possibly after the change (a race on a GPU).
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: [{source.type()} {list(source.shape)}] "
+                f"(a checkpoint input offloaded by SCO) is at version {source._version}; "
+                f"expected version {packed.version} instead"
+            )
         assert item is not None and packed.meta is not None
         buffer, event = item
         event.wait()

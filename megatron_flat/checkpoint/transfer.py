@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from megatron_flat.runtime import Event, HostPool, Stream, current_stream, record_stream, use_stream
+from megatron_flat.runtime.streams import copy
 
 __all__ = ["HostSpan", "SpanMover"]
 
@@ -105,7 +106,7 @@ class SpanMover:
         d2h, _ = self._side_streams(src.device)
         d2h.wait_stream(current_stream(src.device))
         with use_stream(d2h), torch.no_grad():
-            host.copy_(src, non_blocking=True)
+            copy(host, src, non_blocking=True)
         event = d2h.record_event()
         record_stream(src, d2h)
         return HostSpan(host, src.device, event)
@@ -120,7 +121,7 @@ class SpanMover:
         h2d.wait_stream(current_stream(span.device))
         h2d.wait_event(span.offloaded)
         with use_stream(h2d), torch.no_grad():
-            buffer.copy_(span.host, non_blocking=True)
+            copy(buffer, span.host, non_blocking=True)
         event = h2d.record_event()
         record_stream(buffer, h2d)
         with self._lock:

@@ -96,6 +96,7 @@ from megatron_flat.optim.buckets import (
     plan_buckets,
 )
 from megatron_flat.optim.host_state import HostState
+from megatron_flat.runtime.streams import copy
 from megatron_flat.optim.pipeline import Slot, StagingPipeline
 from megatron_flat.runtime import HostPool
 
@@ -588,24 +589,27 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         host = self._host
         for a, b in work.state_runs:
             nb = self._nb_host["exp_avg"]
-            slot.exp_avg[a - base : b - base].copy_(host.exp_avg[a:b], non_blocking=nb)
+            copy(slot.exp_avg[a - base : b - base], host.exp_avg[a:b], non_blocking=nb)
             nb = self._nb_host["exp_avg_sq"]
-            slot.exp_avg_sq[a - base : b - base].copy_(host.exp_avg_sq[a:b], non_blocking=nb)
+            copy(slot.exp_avg_sq[a - base : b - base], host.exp_avg_sq[a:b], non_blocking=nb)
         mb = self._master_base
         for a, b in work.master_runs:
-            slot.master[a - base : b - base].copy_(
+            copy(
+                slot.master[a - base : b - base],
                 host.master[a - mb : b - mb], non_blocking=self._nb_host["master"]
             )
         for s in work.self_master:
             o = s.flat_offset - base
-            slot.master[o : o + s.numel].copy_(
+            copy(
+                slot.master[o : o + s.numel],
                 self._flat_param(s.param_index)[s.param_offset : s.param_offset + s.numel],
                 non_blocking=self._nb_param[s.param_index],
             )
         for s in work.segments:
             o = s.flat_offset - base
             grad, nb = self._grads[s.param_index]
-            slot.grad[o : o + s.numel].copy_(
+            copy(
+                slot.grad[o : o + s.numel],
                 grad[s.param_offset : s.param_offset + s.numel], non_blocking=nb
             )
 
@@ -662,19 +666,23 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         base = work.bucket.flat_start
         host = self._host
         for a, b in work.state_runs:
-            host.exp_avg[a:b].copy_(
+            copy(
+                host.exp_avg[a:b],
                 slot.exp_avg[a - base : b - base], non_blocking=self._nb_host["exp_avg"]
             )
-            host.exp_avg_sq[a:b].copy_(
+            copy(
+                host.exp_avg_sq[a:b],
                 slot.exp_avg_sq[a - base : b - base], non_blocking=self._nb_host["exp_avg_sq"]
             )
         mb = self._master_base
         for a, b in work.master_runs:
-            host.master[a - mb : b - mb].copy_(
+            copy(
+                host.master[a - mb : b - mb],
                 slot.master[a - base : b - base], non_blocking=self._nb_host["master"]
             )
         for s in work.segments:
             o = s.flat_offset - base
-            self._flat_param(s.param_index)[s.param_offset : s.param_offset + s.numel].copy_(
+            copy(
+                self._flat_param(s.param_index)[s.param_offset : s.param_offset + s.numel],
                 slot.master[o : o + s.numel], non_blocking=self._nb_param[s.param_index]
             )

@@ -4,18 +4,31 @@ On CPU every op has completed when it returns, so a CPU stream is the single
 inline stream: waits are no-ops, events are complete as soon as they exist,
 and synchronisation returns at once. Code written against this module runs
 unchanged on both.
+
+**Delayed copies** (:func:`delayed_copies`, CPU only, for tests): a copy issued with
+:func:`copy` on a side stream (inside ``use_stream(s)``) does not happen when issued. Its
+destination reads as poison (NaN; 0xFF bytes for integers) and the copy is done as late as
+the ordering allows: when a wait makes it due (``Event.wait``/``synchronize`` on an event
+recorded after it, ``wait_stream``/``synchronize`` of its stream), in issue order per stream,
+reading its source then. Compute runs when issued. So code that reads a copy's destination
+without waiting for it, or overwrites a copy's source before it is done, computes with poison
+or wrong data and fails a bitwise test, deterministically — what a late copy engine would do
+on a GPU, only every time.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from megatron_flat.runtime import ledger
 
-__all__ = ["Event", "Stream", "current_stream", "record_stream", "use_stream"]
+__all__ = ["Event", "Stream", "copy", "current_stream", "delayed_copies", "record_stream",
+           "use_stream"]
 
 DeviceLike = Union[str, int, torch.device, None]
 
@@ -35,6 +48,82 @@ def _resolve_device(device: DeviceLike) -> torch.device:
     return resolved
 
 
+# ---------------------------------------------------------------------------- delayed copies
+class _CopyQueue:
+    """One CPU side stream's copies not yet done (delayed-copies mode)."""
+
+    def __init__(self) -> None:
+        self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.issued = 0
+        self.done = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.issued += 1
+        self.pending.append((self.issued, dst, src))
+        _BUSY.add(self)  # queued work outlives its Stream object, as on a GPU
+        with torch.no_grad():
+            if dst.is_floating_point() or dst.is_complex():
+                dst.fill_(float("nan"))
+            else:  # uint8 spans of any dtype's bytes: 0xFF reads as NaN in every float
+                dst.fill_(255 if dst.dtype == torch.uint8 else -1)
+
+    def complete(self, upto: Optional[int] = None) -> None:
+        upto = self.issued if upto is None else upto
+        while self.pending and self.pending[0][0] <= upto:
+            seq, dst, src = self.pending.pop(0)
+            with torch.no_grad():
+                dst.copy_(src)
+            self.done = seq
+        if not self.pending:
+            _BUSY.discard(self)
+
+
+class _Delayed(threading.local):
+    current: Optional[_CopyQueue] = None
+
+
+_DELAYED = _Delayed()
+_MODE = {"on": 0}
+_BUSY: set = set()  # queues with copies pending
+
+
+@contextmanager
+def delayed_copies() -> Iterator[None]:
+    """Turn on delayed copies (see the module doc) for the block; CPU only. Copies still
+    pending at the end are done then."""
+    _MODE["on"] += 1
+    try:
+        yield
+    finally:
+        _MODE["on"] -= 1
+        if not _MODE["on"]:
+            for queue in list(_BUSY):
+                queue.complete()
+
+
+def delayed_copies_on() -> bool:
+    return _MODE["on"] > 0
+
+
+# On CUDA, FLAT_CUDA_COPY_SLEEP_CYCLES=N queues a sleep kernel of N cycles before every copy
+# on a side stream, so each copy lands late and a missing wait shows (benchmarks/gpu_check.sh).
+_CUDA_SLEEP_CYCLES = int(os.environ.get("FLAT_CUDA_COPY_SLEEP_CYCLES", "0") or 0)
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``dst.copy_(src, non_blocking=...)`` on the current stream; in delayed-copies mode a
+    copy on a CPU side stream is queued there (see the module doc). Returns ``dst``."""
+    if _CUDA_SLEEP_CYCLES and (dst.is_cuda or src.is_cuda):
+        device = dst.device if dst.is_cuda else src.device
+        if torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
+            torch.cuda._sleep(_CUDA_SLEEP_CYCLES)
+    queue = _DELAYED.current if _MODE["on"] else None
+    if queue is None or dst.device.type != "cpu" or src.device.type != "cpu":
+        return dst.copy_(src, non_blocking=non_blocking)
+    queue.add(dst, src)
+    return dst
+
+
 class Event:
     """A point in a stream's work; wraps ``torch.cuda.Event`` on CUDA."""
 
@@ -45,6 +134,13 @@ class Event:
             if self.device.type == "cuda"
             else None
         )
+        # Delayed copies: (queue, copies issued there when recorded).
+        self._mark: Optional[Tuple[_CopyQueue, int]] = None
+
+    def _complete(self) -> None:
+        if self._mark is not None:
+            queue, upto = self._mark
+            queue.complete(upto)
 
     @property
     def cuda_event(self) -> Optional[torch.cuda.Event]:
@@ -54,6 +150,8 @@ class Event:
     def record(self, stream: Optional["Stream"] = None) -> None:
         """Mark the point reached by ``stream`` (default: current stream of the device)."""
         if self._event is None:
+            queue = stream._copies() if stream is not None else None
+            self._mark = (queue, queue.issued) if queue is not None else None
             return
         target = stream if stream is not None else current_stream(self.device)
         _check_same_device(self.device, target.device)
@@ -62,6 +160,7 @@ class Event:
     def wait(self, stream: Optional["Stream"] = None) -> None:
         """Make ``stream``'s later work wait for this event; the host does not block."""
         if self._event is None:
+            self._complete()  # delayed copies: due before the waiting stream's later work
             return
         target = stream if stream is not None else current_stream(self.device)
         # A stream may wait on an event recorded on another CUDA device.
@@ -74,10 +173,15 @@ class Event:
         ledger.record_sync("event_synchronize")
         if self._event is not None:
             self._event.synchronize()
+        else:
+            self._complete()
 
     def query(self) -> bool:
-        """True when the recorded work has completed (always on CPU)."""
-        return True if self._event is None else bool(self._event.query())
+        """True when the recorded work has completed (on CPU: unless delayed copies before
+        it are pending)."""
+        if self._event is None:
+            return self._mark is None or self._mark[0].done >= self._mark[1]
+        return bool(self._event.query())
 
     def __repr__(self) -> str:
         return f"Event(device={self.device})"
@@ -99,6 +203,8 @@ class Stream:
     ) -> None:
         self.device = _resolve_device(device)
         self._stream: Optional[torch.cuda.Stream] = None
+        self._queue: Optional[_CopyQueue] = None  # delayed copies (CPU side streams)
+        self._side = True  # current_stream() marks the default stream
         if self.device.type == "cuda":
             self._stream = (
                 cuda_stream
@@ -113,17 +219,27 @@ class Stream:
         """The wrapped CUDA stream, or None on CPU."""
         return self._stream
 
+    def _copies(self) -> Optional[_CopyQueue]:
+        """This CPU side stream's delayed-copy queue (made on first use in that mode)."""
+        if self._queue is None and self._side and self._stream is None and _MODE["on"]:
+            self._queue = _CopyQueue()
+        return self._queue
+
     def wait_stream(self, other: "Stream") -> None:
         """Make later work on this stream wait for work already queued on ``other``."""
         _check_same_type(self.device, other.device)
         if self._stream is not None:
             self._stream.wait_stream(other._stream)
+        elif other._queue is not None:
+            other._queue.complete()
 
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``."""
         _check_same_type(self.device, event.device)
         if self._stream is not None:
             self._stream.wait_event(event.cuda_event)
+        else:
+            event._complete()
 
     def record_event(self, event: Optional[Event] = None) -> Event:
         """Record ``event`` (a new one by default) on this stream and return it."""
@@ -138,14 +254,20 @@ class Stream:
         ledger.record_sync("stream_synchronize")
         if self._stream is not None:
             self._stream.synchronize()
+        elif self._queue is not None:
+            self._queue.complete()
 
     def query(self) -> bool:
-        """True when all queued work has completed (always on CPU)."""
-        return True if self._stream is None else bool(self._stream.query())
+        """True when all queued work has completed (on CPU: no delayed copy pending)."""
+        if self._stream is None:
+            return self._queue is None or not self._queue.pending
+        return bool(self._stream.query())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Stream):
             return NotImplemented
+        if self._queue is not None or other._queue is not None:
+            return self._queue is other._queue
         return self.device == other.device and self._stream == other._stream
 
     def __hash__(self) -> int:
@@ -170,15 +292,23 @@ def current_stream(device: DeviceLike = None) -> Stream:
     """The stream that work on ``device`` is queued to right now."""
     resolved = _resolve_device(device)
     if resolved.type == "cpu":
-        return Stream(resolved)
+        stream = Stream(resolved)
+        stream._side = False  # the inline stream: its copies are never delayed
+        return stream
     return Stream(resolved, cuda_stream=torch.cuda.current_stream(resolved))
 
 
 @contextmanager
 def use_stream(stream: Optional[Stream]) -> Iterator[Optional[Stream]]:
-    """Queue work issued in the block to ``stream`` (no-op on CPU or for None)."""
+    """Queue work issued in the block to ``stream`` (no-op on CPU or for None; with delayed
+    copies on, :func:`copy` calls in the block are queued on the CPU side stream)."""
     if stream is None or stream.cuda_stream is None:
-        yield stream
+        queue = stream._copies() if stream is not None and _MODE["on"] else None
+        previous, _DELAYED.current = _DELAYED.current, queue
+        try:
+            yield stream
+        finally:
+            _DELAYED.current = previous
         return
     with torch.cuda.stream(stream.cuda_stream):
         yield stream

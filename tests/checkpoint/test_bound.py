@@ -62,6 +62,7 @@ def test_restored_boundaries_at_most_prefetch_plus_one(stack, prefetch):
         assert bwd <= bwd0 + prefetch + 0.01
 
 
+@pytest.mark.inline_copies(reason="device bytes freed when offloads finish at issue")
 def test_device_boundary_bytes_flat_in_depth(stack):
     keep: list = []
     plain = {d: _measure(stack, d, lambda: stack.plain) for d in (4, 16)}
@@ -78,6 +79,7 @@ def test_device_boundary_bytes_flat_in_depth(stack):
 
 
 @pytest.mark.filterwarnings("ignore:SCO. host pool full")
+@pytest.mark.inline_copies(reason="device bytes freed when offloads finish at issue")
 def test_partial_budget_holds_only_the_overflow(stack):
     """Boundaries past the budget are what stays on the device between forward and backward."""
     depth = 8

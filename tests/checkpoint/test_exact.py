@@ -125,6 +125,7 @@ def test_reload_reads_the_host_copy(stack):
     xg = x.clone().requires_grad_()
     torch.manual_seed(7)
     loss = stack.forward(blocks, xg, sco.checkpoint)
+    sco.synchronize()  # the offloads are done: what is poisoned now is what backward reads
     _poison(sco.pool)
     loss.backward()
     got = (loss.detach(), xg.grad, [p.grad.clone() for p in blocks.parameters()])
@@ -132,6 +133,7 @@ def test_reload_reads_the_host_copy(stack):
     assert stack.differs(ref, got)
 
 
+@pytest.mark.inline_copies(reason="device storage freed when offloads finish at issue")
 def test_device_copies_released_after_offload(stack):
     """Intermediate boundaries' device storage is freed in forward; backward uses the host."""
 
@@ -165,8 +167,9 @@ def test_device_copies_released_after_offload(stack):
 def test_inputs_overwritten_after_forward(stack):
     """The caller keeps every boundary and overwrites it after the forward.
 
-    Offloaded boundaries are snapshots, so backward is unaffected; plain checkpoint
-    (and SCO with nothing offloaded) refuses, as torch does for modified saved inputs.
+    Plain checkpoint refuses, as torch does for modified saved inputs; so does SCO, for
+    boundaries kept on the device and for offloaded ones alike (on a GPU the offload copy
+    may still be reading the tensor when it is overwritten: never a silent wrong answer).
     """
     blocks, x = stack.make_stack(DEPTH), stack.make_input()
     ref = stack.step(blocks, x, stack.plain)
@@ -189,7 +192,8 @@ def test_inputs_overwritten_after_forward(stack):
         loss.backward()
         return loss.detach(), xg.grad, [p.grad.clone() for p in blocks.parameters()]
 
-    stack.assert_bitwise(ref, run(SelectiveCheckpointOffload(1 << 24, device="cpu").checkpoint))
+    with pytest.raises(RuntimeError, match=r"offloaded by SCO\) is at version"):
+        run(SelectiveCheckpointOffload(1 << 24, device="cpu").checkpoint)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run(stack.plain)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
