@@ -218,6 +218,13 @@ class _Packed:
         self.source = source
 
 
+def _reload_at_output_grad(sco_ref, region_ref, grad):
+    sco, region = sco_ref(), region_ref()
+    if sco is not None and region is not None:
+        sco._reload_early(region)
+    return None
+
+
 def _view_key(t: torch.Tensor) -> tuple:
     """Identifies what ``t`` addresses, whichever Python object torch hands to ``pack``."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
@@ -308,6 +315,7 @@ class SelectiveCheckpointOffload:
         )
         self._warned_full = False
         self._warned_hooks = False
+        self._last: Optional[weakref.ref] = None  # the region checkpointed last (forward)
 
     # -- public ---------------------------------------------------------------
 
@@ -428,9 +436,18 @@ class SelectiveCheckpointOffload:
                 inner = functools.partial(_call_unflattened, function, spec)
                 out = torch_checkpoint(inner, *leaves, **options)
         region.plan = {}
+        hooked = False
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
                 self._producers[leaf.untyped_storage()] = weakref.ref(region)
+                if not hooked and leaf.requires_grad and self.prefetch and region.has_host():
+                    # Backward reaches this region once its output's gradient exists: start
+                    # the reload then, if no prefetch did (the first region of a backward:
+                    # its reload overlaps whatever backward runs after the region's output).
+                    leaf.register_hook(functools.partial(_reload_at_output_grad,
+                                                         weakref.ref(self), weakref.ref(region)))
+                    hooked = True
+        self._last = weakref.ref(region)
         return out
 
     # -- forward --------------------------------------------------------------
@@ -465,6 +482,12 @@ class SelectiveCheckpointOffload:
                 if cand is not None:
                     pred = cand
                     break
+        if pred is None:
+            # No dataflow link (a residual add, norm or dropout between two regions): the
+            # region checkpointed just before, whose backward comes just after this one's.
+            last = self._last() if self._last is not None else None
+            if last is not None and last.restored is None and last.n_unpacked == 0:
+                pred = last
         spans, metas = plan_spans(tensors)
         host: list[Optional[HostSpan]] = []
         for span in spans:
@@ -523,6 +546,13 @@ class SelectiveCheckpointOffload:
             weakref.finalize(storage, _buffer_freed, self._counters, region.live).atexit = False
             restored.append((buffer, event))
         region.restored = restored
+
+    def _reload_early(self, region: _Region) -> None:
+        """Start ``region``'s reload before its first unpack (its output's gradient exists)."""
+        with self._lock:
+            if region.restored is None and region.n_unpacked == 0 and region.has_host():
+                self._reload(region)
+                self._counters.add(prefetched=1)
 
     def _prefetch_from(self, region: _Region) -> None:
         pred = region.predecessor()

@@ -360,3 +360,36 @@ def test_input_without_grad(stack):
     for u, v in zip(ref, run(sco.checkpoint)):
         assert torch.equal(u, v)
     assert x.grad is None and sco.stats.boundaries_offloaded == 3
+
+
+@pytest.mark.parametrize("between", ["residual", "norm", "dropout"])
+def test_prefetch_whatever_sits_between_regions(stack, between):
+    """``h = h + checkpoint(f, h)`` (or a norm / dropout between regions): no region's input
+    is the previous region's output, yet every boundary is prefetched (none on demand)."""
+    blocks, x = stack.make_stack(8), stack.make_input()
+    norm = torch.nn.LayerNorm(x.shape[-1])
+
+    def forward(ck):
+        for p in list(blocks.parameters()) + list(norm.parameters()):
+            p.grad = None
+        h = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        inp = h
+        for block in blocks:
+            out = ck(block, h)
+            if between == "residual":
+                h = h + out
+            elif between == "norm":
+                h = norm(out)
+            else:
+                h = torch.nn.functional.dropout(out, p=0.1, training=True)
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach(), inp.grad, [p.grad.clone() for p in blocks.parameters()]
+
+    ref = forward(stack.plain)
+    sco = SelectiveCheckpointOffload(1 << 24, prefetch=1, device="cpu")
+    stack.assert_bitwise(ref, forward(sco.checkpoint))
+    s = sco.stats
+    assert s.boundaries_offloaded == 8 and s.reloads_on_demand == 0
+    assert s.prefetch_hits == 8 and s.max_restored_on_device <= 2

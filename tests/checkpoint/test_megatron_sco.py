@@ -103,6 +103,10 @@ def test_sco_bitwise_equal_to_full_recompute(built, tiny, budget):
         assert stats.boundaries_offloaded == stats.checkpoints and stats.boundaries_kept == 0
         assert stats.bytes_offloaded == stats.checkpoints * BOUNDARY
     assert stats.host_bytes_in_use == 0  # every host buffer went back to the pool
+    # Every offloaded boundary was reloaded ahead of its recompute (prefetch, or for the first
+    # of each backward, when the loss's gradient reached its region's output).
+    assert stats.reloads_on_demand == 0
+    assert stats.prefetch_hits == stats.boundaries_offloaded
 
     # Disabled again: Megatron's own checkpoint, same result.
     _assert_same(_step(tiny, model, init), reference)
