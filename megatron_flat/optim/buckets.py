@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 
 __all__ = [
     "SPLIT_ALIGN",
+    "GRAD_STAGING_BYTES_PER_ELEMENT",
     "STAGING_BYTES_PER_ELEMENT",
     "Bucket",
     "BucketPlan",
@@ -40,8 +41,12 @@ __all__ = [
 SPLIT_ALIGN = 64
 """Elements: parameter starts and split points are multiples of this (when it fits)."""
 
-STAGING_BYTES_PER_ELEMENT = 16
-"""fp32 master, exp_avg, exp_avg_sq and grad: 4 x 4 bytes per staged element."""
+STAGING_BYTES_PER_ELEMENT = 12
+"""fp32 master, exp_avg and exp_avg_sq: 3 x 4 bytes per staged element (an fp32 gradient on
+the update's device is read where it is)."""
+
+GRAD_STAGING_BYTES_PER_ELEMENT = 4
+"""A gradient that cannot be read in place (another dtype or device) is staged as fp32."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,11 @@ class BucketPlan:
         """Elements of the largest bucket: what one staging slot must hold."""
         return max((b.numel for b in self.buckets), default=0)
 
-    def staging_bytes(self, num_slots: int) -> int:
-        """Device staging bytes: ``num_slots x largest bucket x 16``."""
-        return num_slots * self.largest_numel * STAGING_BYTES_PER_ELEMENT
+    def staging_bytes(self, num_slots: int, staged_grads: bool = False) -> int:
+        """Device staging bytes: ``num_slots x largest bucket x 12`` (x 16 with
+        ``staged_grads``: gradients that cannot be read in place)."""
+        per = STAGING_BYTES_PER_ELEMENT + (GRAD_STAGING_BYTES_PER_ELEMENT if staged_grads else 0)
+        return num_slots * self.largest_numel * per
 
     def segments_of(self, param_index: int) -> list[tuple[Bucket, Segment]]:
         """Every (bucket, segment) holding part of parameter ``param_index``, in order."""

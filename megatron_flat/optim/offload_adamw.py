@@ -6,14 +6,16 @@ where they are, in their own dtype. A step streams buckets (``bucket_numel`` ele
 planned by :mod:`megatron_flat.optim.buckets`) through ``num_slots`` device staging slots
 (:mod:`megatron_flat.optim.pipeline`):
 
-    upload   master, exp_avg, exp_avg_sq (host → device) and the grad (cast to fp32)
-    update   torch's own AdamW kernel on the slot's views
+    upload   master, exp_avg, exp_avg_sq (host → device); a grad only when it is not fp32
+             on the update's device (then cast to fp32 into the slot)
+    update   torch's own AdamW kernel on the slot's views (fp32 grads where they are)
     write-back  master, exp_avg, exp_avg_sq (device → host), and the new master into the
              model parameter (cast to its dtype)
 
 Memory
-    Device: exactly ``num_slots x largest bucket x 16`` bytes of staging (allocated by
-    :meth:`prepare`), plus the update kernel's scratch while it runs: none for
+    Device: exactly ``num_slots x largest bucket x 12`` bytes of staging (allocated by
+    :meth:`prepare`; fp32 gradients on the update's device are read in place, others are
+    staged as fp32 from the first step that has them: ``x 16``), plus the update kernel's scratch while it runs: none for
     ``fused=True``, 4 bytes per element of the bucket for ``foreach`` (torch's
     ``sqrt(exp_avg_sq)`` temporary), 8 bytes per element of the largest piece for the
     single-tensor kernel (``sqrt`` and the division, live together). Host: 8 bytes per element (exp_avg, exp_avg_sq) plus 4 bytes per
@@ -182,7 +184,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             contiguous, floating point (not complex), any dtype and device.
         lr, betas, eps, weight_decay: AdamW hyperparameters (per group overridable).
         bucket_numel: elements per bucket (>= 1). Staging is ``num_slots x largest
-            bucket x 16`` bytes on the device.
+            bucket x 12`` bytes on the device (fp32 master and moments; fp32 gradients on
+            the device are read in place), ``x 16`` once a gradient of another dtype or
+            device must be staged.
         num_slots: device staging slots (>= 1); 2 overlaps upload and write-back on CUDA.
         device: where updates run; None = the first CUDA parameter's device, else CUDA
             when available, else CPU.
@@ -300,7 +304,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
 
     @property
     def staging_bytes(self) -> int:
-        """Device staging bytes: ``num_slots x largest bucket x 16`` (plans on first use)."""
+        """Device staging bytes: ``num_slots x largest bucket x 12``, 16 once gradients are
+        staged (plans on first use)."""
         self.prepare()
         assert self._pipeline is not None
         return self._pipeline.nbytes
@@ -546,6 +551,8 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             return loss
         self._reconcile(init=active)
         self._grads = grads
+        if not all(in_place for _, _, in_place in grads.values()):
+            self._pipeline.stage_grads()  # once: these gradients go through a staging slot
         works = []
         for bucket in self._plan.buckets:
             work = _Work(bucket, active, self._low, self._group_of)
@@ -561,8 +568,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 self.state[p]["step"] += 1
         return loss
 
-    def _collect_grads(self) -> tuple[list[bool], dict[int, tuple[torch.Tensor, bool]]]:
-        """Which parameters have a gradient, and each one flat (with its copy mode)."""
+    def _collect_grads(self) -> tuple[list[bool], dict[int, tuple[torch.Tensor, bool, bool]]]:
+        """Which parameters have a gradient, and each one flat with its copy mode and whether
+        the update reads it in place (fp32 on the update's device: no staging, no copy)."""
         active = [False] * len(self._params)
         grads: dict[int, tuple[torch.Tensor, bool]] = {}
         cuda = self.device.type == "cuda"
@@ -578,7 +586,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                     f"parameter of shape {tuple(p.shape)}"
                 )
             active[i] = True
-            grads[i] = (g.detach().reshape(-1), cuda and (g.is_cuda or g.is_pinned()))
+            flat = g.detach().reshape(-1)
+            in_place = flat.dtype == torch.float32 and flat.device == self.device
+            grads[i] = (flat, cuda and (g.is_cuda or g.is_pinned()), in_place)
         return active, grads
 
     def _flat_param(self, i: int) -> torch.Tensor:
@@ -607,7 +617,9 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             )
         for s in work.segments:
             o = s.flat_offset - base
-            grad, nb = self._grads[s.param_index]
+            grad, nb, in_place = self._grads[s.param_index]
+            if in_place:
+                continue  # the update reads it where it is
             copy(
                 slot.grad[o : o + s.numel],
                 grad[s.param_offset : s.param_offset + s.numel], non_blocking=nb
@@ -643,10 +655,18 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             def views(buf: torch.Tensor) -> list[torch.Tensor]:
                 return [buf[s.flat_offset - base : s.flat_end - base] for s in segs]
 
+            def grads() -> list[torch.Tensor]:
+                out = []
+                for s in segs:
+                    grad, _, in_place = self._grads[s.param_index]
+                    out.append(grad[s.param_offset : s.param_offset + s.numel] if in_place
+                               else slot.grad[s.flat_offset - base : s.flat_end - base])
+                return out
+
             beta1, beta2 = group["betas"]
             _adamw_kernel(
                 views(slot.master),
-                views(slot.grad),
+                grads(),
                 views(slot.exp_avg),
                 views(slot.exp_avg_sq),
                 [],

@@ -1,10 +1,12 @@
 """The staging pipeline: upload → update → write-back over ``num_slots`` device buffers.
 
 Contract
-    Each slot is one fp32 device tensor of shape ``(4, slot_numel)`` viewed as
-    ``master``, ``exp_avg``, ``exp_avg_sq`` and ``grad``; the slots are all the device
-    memory the pipeline owns: ``num_slots x slot_numel x 16`` bytes, allocated once.
-    Item ``g`` runs in slot ``g % num_slots``.
+    Each slot is one fp32 device tensor of shape ``(3, slot_numel)`` viewed as
+    ``master``, ``exp_avg`` and ``exp_avg_sq``: fp32 gradients already on the device are
+    read where they are. A slot gets a ``grad`` buffer too only once gradients that cannot
+    be (another dtype or device) must be staged (:meth:`StagingPipeline.stage_grads`). The
+    slots are all the device memory the pipeline owns: ``num_slots x slot_numel x 12``
+    bytes (16 with staged gradients). Item ``g`` runs in slot ``g % num_slots``.
 
 CUDA
     Three streams: uploads on ``upload``, updates on ``compute``, write-backs on
@@ -32,12 +34,12 @@ CPU
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from megatron_flat.runtime import Event, Stream, current_stream, use_stream
-from megatron_flat.optim.buckets import STAGING_BYTES_PER_ELEMENT
+from megatron_flat.optim.buckets import GRAD_STAGING_BYTES_PER_ELEMENT, STAGING_BYTES_PER_ELEMENT
 
 __all__ = ["Slot", "StagingPipeline"]
 
@@ -47,12 +49,13 @@ T = TypeVar("T")
 class Slot:
     """One staging buffer and the events that guard it."""
 
-    FIELDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+    FIELDS = ("master", "exp_avg", "exp_avg_sq")
 
     def __init__(self, index: int, numel: int, device: torch.device) -> None:
         self.index = index
         self.buffer = torch.empty((len(self.FIELDS), numel), dtype=torch.float32, device=device)
-        self.master, self.exp_avg, self.exp_avg_sq, self.grad = self.buffer.unbind(0)
+        self.master, self.exp_avg, self.exp_avg_sq = self.buffer.unbind(0)
+        self.grad: Optional[torch.Tensor] = None  # staged gradients (stage_grads)
         self.free = Event(device)
         self.uploaded = Event(device)
         self.updated = Event(device)
@@ -70,9 +73,22 @@ class StagingPipeline:
         self.writeback = Stream(self.device)
 
     @property
+    def staged_grads(self) -> bool:
+        return self.slots[0].grad is not None if self.slots else False
+
+    def stage_grads(self) -> None:
+        """Give every slot an fp32 ``grad`` buffer (once; call between runs)."""
+        for slot in self.slots:
+            if slot.grad is None:
+                slot.grad = torch.empty(self.slot_numel, dtype=torch.float32, device=self.device)
+
+    @property
     def nbytes(self) -> int:
-        """Device bytes of all slots: ``num_slots x slot_numel x 16``."""
-        return len(self.slots) * self.slot_numel * STAGING_BYTES_PER_ELEMENT
+        """Device bytes of all slots: ``num_slots x slot_numel x 12`` (16 with staged
+        gradients)."""
+        per = STAGING_BYTES_PER_ELEMENT + (GRAD_STAGING_BYTES_PER_ELEMENT
+                                           if self.staged_grads else 0)
+        return len(self.slots) * self.slot_numel * per
 
     def run(
         self,

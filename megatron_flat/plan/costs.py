@@ -62,9 +62,9 @@ OPS_ADAM_PER_BUCKET = 20
 # Bytes AdamW reads and writes per parameter: bf16 param (2) + fp32 grad (4) + master,
 # m, v (12) read; master, m, v (12) + bf16 param (2) written.
 ADAM_MEM_BYTES_PER_PARAM = 32
-# OffloadStreamAdamW moves per parameter: up master, m, v and the fp32 grad (16 B; the
-# grad already sits on the device, see the host-tier issue), back master, m, v (12 B).
-OFFLOAD_H2D_BYTES_PER_PARAM = 16
+# OffloadStreamAdamW moves per parameter: up master, m, v (12 B; the fp32 gradient is read
+# where it is, on the device), back master, m, v (12 B).
+OFFLOAD_H2D_BYTES_PER_PARAM = 12
 OFFLOAD_D2H_BYTES_PER_PARAM = 12
 PROB_BYTES = 4
 
@@ -304,7 +304,7 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
 def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
                flat: Optional[FlatConfig]) -> Tuple[dict, Overlap]:
     """One optimizer step of this GPU's shard: AdamW reads and writes 32 B per parameter
-    in HBM either way; OffloadStreamAdamW adds 16 B up and 12 B down per parameter over
+    in HBM either way; OffloadStreamAdamW adds 12 B up and 12 B down per parameter over
     PCIe, pipelined over its buckets."""
     first, count = stage_layers(model, layout)[report.stage]
     p = stage_params(model, layout, first, count, report.stage == 0,

@@ -77,7 +77,8 @@ MASTER_BYTES_PER_PARAM = 4
 # own master (uploaded from where it lives and written back in place) and its gradient is
 # read from the device grad buffer (counted in ``grads``), so neither has a host copy.
 HOST_BYTES_PER_PARAM_FP32 = 8
-STAGING_BYTES_PER_PARAM = 16       # one staged parameter: master, m, v, grad (fp32)
+STAGING_BYTES_PER_PARAM = 12       # one staged parameter: master, m, v (fp32; the fp32
+                                   # gradient Megatron hands over is read in place)
 # AdamW kernel scratch per element updated at once: torch's single-tensor kernel keeps
 # sqrt(v) and the step's quotient (8 B/element of the largest parameter or bucket piece),
 # its foreach kernel (what OffloadStreamAdamW resolves to on CUDA) sqrt(v) for the whole
@@ -664,7 +665,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
     # -- optimizer / model state. Weights b per param; grads 4 (fp32 buffer) or b; Adam
     # state 12 B/param (8 when the params are fp32) sharded over DP·CP for dense params and
     # over expert-DP = TP·CP·DP/EP for experts (distributed optimizer; unsharded without).
-    # OffloadStreamAdamW: device keeps slots × min(bucket, shard) × 16 B of staging; the
+    # OffloadStreamAdamW: device keeps slots × min(bucket, shard) × 12 B of staging; the
     # host holds 12 B per sharded low-precision parameter (master, m, v) with the
     # distributed optimizer, 8 (m, v) without it, where the fp32 master (4 B) stays on the
     # device; fp32 parameters: 8 (each is its own master).

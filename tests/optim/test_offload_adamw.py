@@ -237,7 +237,10 @@ def test_closure_is_evaluated_and_its_loss_returned() -> None:
 @pytest.mark.parametrize("num_slots", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", ["fused", "single", "foreach"])
-def test_staging_is_exactly_slots_times_largest_bucket_times_16(num_slots, dtype, kernel) -> None:
+def test_staging_is_exactly_slots_times_largest_bucket_times_12_or_16(num_slots, dtype,
+                                                                       kernel) -> None:
+    """12 B per staged element (master, exp_avg, exp_avg_sq); fp32 gradients on the device are
+    read in place, bf16 ones are staged as fp32 (16 B) from the first step on."""
     params = make_params(dtype)
     for s in range(1):
         set_grads(params, s)
@@ -250,7 +253,7 @@ def test_staging_is_exactly_slots_times_largest_bucket_times_16(num_slots, dtype
         opt.prepare()
         largest = opt.plan.largest_numel
         assert 0 < largest <= bucket_numel
-        staging = num_slots * largest * 16
+        staging = num_slots * largest * 12
         assert opt.staging_bytes == staging
         assert meter.current_device_bytes() == staging
         # Host state: 8 B/element, + 4 B/element of master for low-precision params.
@@ -260,6 +263,9 @@ def test_staging_is_exactly_slots_times_largest_bucket_times_16(num_slots, dtype
         assert meter.peak_host_bytes == host_bytes_needed(numels)
         for s in range(3):
             opt.step()
+        if dtype != torch.float32:
+            staging = num_slots * largest * 16
+        assert opt.staging_bytes == staging
         # Per step only the update kernel's scratch and step counters come on top.
         largest_piece = max(s.numel for b in opt.plan.buckets for s in b.segments)
         scratch = {"fused": 0, "single": 8 * largest_piece, "foreach": 4 * largest}[kernel]
@@ -458,8 +464,10 @@ def test_load_state_dict_validates_everything_before_writing() -> None:
 
 def test_pipeline_runs_items_in_order_through_rotating_slots() -> None:
     pipe = StagingPipeline(torch.device("cpu"), num_slots=3, slot_numel=10)
-    assert pipe.nbytes == 3 * 10 * 16
-    assert all(s.buffer.shape == (4, 10) for s in pipe.slots)
+    assert pipe.nbytes == 3 * 10 * 12
+    assert all(s.buffer.shape == (3, 10) and s.grad is None for s in pipe.slots)
+    pipe.stage_grads()
+    assert pipe.nbytes == 3 * 10 * 16 and all(s.grad.shape == (10,) for s in pipe.slots)
     log = []
     pipe.run(
         list(range(5)),
@@ -489,7 +497,7 @@ def test_cuda_streams_bitwise_equal_to_adamw(num_slots, kernel, dtype) -> None:
     with MemoryMeter("cuda") as meter:
         opt = OffloadStreamAdamW(params, lr=1e-2, bucket_numel=65_536, num_slots=num_slots, **kw)
         opt.prepare()
-        assert meter.current_device_bytes() == opt.staging_bytes == num_slots * 65_536 * 16
+        assert meter.current_device_bytes() == opt.staging_bytes == num_slots * 65_536 * 12
     assert opt.host_pinned
     for s in range(20):
         for p, r in zip(params, refs):
