@@ -10,6 +10,8 @@
 #             OffloadStreamAdamW on streams, the ledger against set_sync_debug_mode)
 #  1b. races  the optim and checkpoint suites again with a sleep kernel before every
 #             side-stream copy (FLAT_CUDA_COPY_SLEEP_CYCLES): late copies, missing waits fail
+#  1c. tier   benchmarks/gpu_host_tier.py: the host tier pins exactly the bytes asked for
+#             (cudaHostRegister) where torch's caching host allocator rounds up
 #  2. meter   benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations
 #  3. ledger  benchmarks/gpu_ledger.py: per technique, the ledger's counts with the CUDA
 #             sync-debug count beside them, measured time, the step-time model's predicted
@@ -68,6 +70,7 @@ run_stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/o
 # copy (each copy lands ~20 ms late), so a missing wait fails bitwise (CPU: delayed copies).
 run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q -p no:cacheprovider \
   tests/optim tests/checkpoint --junitxml="$OUT/cuda-races.xml"
+run_stage tier 30 "$PY" benchmarks/gpu_host_tier.py --json "$OUT/host-tier-cuda.json"
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
 run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --json "$OUT/ledger-gpu.json"
 run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"
