@@ -31,6 +31,15 @@ non-reentrant checkpoint the forward builds the layers' autograd graph, and Mega
 modules keep references into it (attention and MoE intermediates stayed alive after
 backward and the step peak rose). ``distribute_saved_activations=True`` is refused: SCO
 offloads boundaries whole instead of sharding them over TP ranks.
+
+One more reference into a region's graph matters for SCO: Megatron's MoE token dispatcher
+keeps the router probabilities of the layer's latest forward on itself (``self.probs``, with
+their autograd graph), which reaches back to the layer's recompute input — the boundary SCO
+restored — and keeps it on the device until that layer's next forward: one restored
+boundary per MoE layer piled up in backward (6 on the device at once in the 4-layer test, the
+bound is prefetch + 1). While SCO is enabled, tensors a dispatcher keeps after
+``MoELayer.forward`` returns are detached (same values; the autograd graph, which is all
+backward uses, is untouched), so a restored boundary is freed when its region's backward ends.
 """
 
 from __future__ import annotations
@@ -128,11 +137,46 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
         _patch = dict(
             caller=caller, tp_global=caller.__dict__["tensor_parallel"],
             owner=owner, name=name, had_own=name in vars(owner), original=getattr(owner, name),
-            sco=sco,
+            sco=sco, moe=_patch_moe_forward(),
         )
         caller.tensor_parallel = _TensorParallelView(_patch["tp_global"])
         setattr(owner, name, _delimit(_patch["original"], route))
     return sco
+
+
+def _detach_dispatcher_state(layer: Any) -> None:
+    """Detach the tensors ``layer``'s token dispatcher keeps after its forward (values kept;
+    only their autograd graph goes, which backward reaches through the layer's output)."""
+    import torch
+
+    dispatcher = getattr(layer, "token_dispatcher", None)
+    state = getattr(dispatcher, "__dict__", None)
+    if not state:
+        return
+    for name, value in list(state.items()):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            state[name] = value.detach()
+
+
+def _patch_moe_forward() -> Optional[tuple]:
+    """Wrap ``MoELayer.forward`` so the dispatcher's kept tensors are detached afterwards;
+    returns what to restore."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    stock = MoELayer.__dict__.get("forward")
+    if stock is None or getattr(stock, "__flat_sco__", False):
+        return None
+
+    @functools.wraps(stock)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return stock(self, *args, **kwargs)
+        finally:
+            _detach_dispatcher_state(self)
+
+    forward.__flat_sco__ = True
+    MoELayer.forward = forward
+    return (MoELayer, stock)
 
 
 def _disable_locked() -> None:
@@ -140,6 +184,9 @@ def _disable_locked() -> None:
     if _patch is None:
         return
     p, _patch = _patch, None
+    if p.get("moe") is not None:
+        owner, stock = p["moe"]
+        owner.forward = stock
     p["caller"].tensor_parallel = p["tp_global"]
     if p["had_own"]:
         setattr(p["owner"], p["name"], p["original"])

@@ -107,6 +107,10 @@ def test_sco_bitwise_equal_to_full_recompute(built, tiny, budget):
     # of each backward, when the loss's gradient reached its region's output).
     assert stats.reloads_on_demand == 0
     assert stats.prefetch_hits == stats.boundaries_offloaded
+    # Restored boundaries are freed when their region's backward ends: at most the one in use
+    # and the one prefetched are on the device at once.
+    assert stats.max_restored_on_device <= 2
+    assert stats.restored_on_device == 0  # none outlives the step
 
     # Disabled again: Megatron's own checkpoint, same result.
     _assert_same(_step(tiny, model, init), reference)
