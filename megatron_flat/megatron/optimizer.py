@@ -109,7 +109,8 @@ import copy
 import functools
 import types
 import warnings
-from typing import Any, Dict, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -463,47 +464,51 @@ def _reloading_masters(wrapper: Any) -> None:
     wrapper.reload_model_params = types.MethodType(reload_model_params, wrapper)
 
 
-def _distributed_loads(wrapper: Any) -> None:
-    """Distributed optimizer: host-resident placeholders before a load, and the step after.
+def _inner_of(wrapper: Any) -> Optional["MegatronOffloadStreamAdamW"]:
+    inner = getattr(wrapper, "optimizer", None)
+    return inner if isinstance(inner, MegatronOffloadStreamAdamW) else None
 
-    * Before loading, Megatron's distributed optimizer reads a step count from every
-      parameter's state (``sharded_state_dict(is_loading=True)`` calls ``state_dict``) and,
-      when the inner optimizer has no state yet, allocates placeholder moments on the
-      device. The Float16/FP32 wrappers call ``init_state_fn`` there instead; this does the
-      same for the distributed optimizer, so the placeholders are the host state itself.
-    * The distributed optimizer saves the step count once, in its param groups. Its
-      per-parameter state loaders were written for transformer-engine's FusedAdam, which
-      has no per-parameter ``step``; with torch's AdamW layout (ours) the ``dp_reshardable``
-      format writes back the *template's* per-parameter step (a local, non-persistent
-      object) after ``load_state_dict`` has set the saved one, and the legacy
-      ``load_parameter_state`` (dp_zero) fails on the ``step`` key its files do not carry
-      (``_set_main_param_and_optimizer_states`` copies every state key). A missing ``step``
-      keeps the current one, and the saved step is re-applied after every load.
-    """
-    stock_sharded, stock_load = wrapper.sharded_state_dict, wrapper.load_state_dict
-    stock_set = wrapper._set_main_param_and_optimizer_states
 
-    def inner_of(self: Any) -> Optional["MegatronOffloadStreamAdamW"]:
-        inner = getattr(self, "optimizer", None)
-        return inner if isinstance(inner, MegatronOffloadStreamAdamW) else None
+# Distributed optimizer: host-resident placeholders before a load, and the step after.
+# * Before loading, Megatron's distributed optimizer reads a step count from every parameter's
+#   state (``sharded_state_dict(is_loading=True)`` calls ``state_dict``) and, when the inner
+#   optimizer has no state yet, allocates placeholder moments on the device. The Float16/FP32
+#   wrappers call ``init_state_fn`` there instead; the patches below do the same for the
+#   distributed optimizer, so the placeholders are the host state itself.
+# * The distributed optimizer saves the step count once, in its param groups. Its
+#   per-parameter state loaders were written for transformer-engine's FusedAdam, which has no
+#   per-parameter ``step``; with torch's AdamW layout (ours) the ``dp_reshardable`` format
+#   writes back the *template's* per-parameter step (a local, non-persistent object) after
+#   ``load_state_dict`` has set the saved one, and the legacy ``load_parameter_state``
+#   (dp_zero) fails on the ``step`` key its files do not carry
+#   (``_set_main_param_and_optimizer_states`` copies every state key). A missing ``step``
+#   keeps the current one, and the saved step is re-applied after every load.
+def _placeholders_on_host(wrapper: Any) -> None:
+    stock = wrapper.sharded_state_dict
 
-    @functools.wraps(stock_sharded)
+    @functools.wraps(stock)
     def sharded_state_dict(self, model_sharded_state_dict: Any = None, is_loading: bool = False,
                            *args: Any, **kwargs: Any) -> Any:
-        inner = inner_of(self)
+        inner = _inner_of(self)
         if is_loading and inner is not None and not inner.state:
             inner.init_state()
-        return stock_sharded(model_sharded_state_dict, is_loading, *args, **kwargs)
+        return stock(model_sharded_state_dict, is_loading, *args, **kwargs)
 
-    @functools.wraps(stock_load)
+    wrapper.sharded_state_dict = types.MethodType(sharded_state_dict, wrapper)
+
+
+def _saved_step_after_load(wrapper: Any) -> None:
+    stock = wrapper.load_state_dict
+
+    @functools.wraps(stock)
     def load_state_dict(self, state_dict: Any) -> Any:
-        inner = inner_of(self)
+        inner = _inner_of(self)
         if inner is not None and not inner.state:
             inner.init_state()
         groups = (state_dict.get("optimizer") or {}).get("param_groups", []) \
             if isinstance(state_dict, dict) else []
         steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-        result = stock_load(state_dict)
+        result = stock(state_dict)
         if inner is not None and len(steps) == 1:
             step = steps.pop()
             for st in inner.state.values():
@@ -511,21 +516,72 @@ def _distributed_loads(wrapper: Any) -> None:
                     st["step"] = torch.tensor(step)
         return result
 
-    @functools.wraps(stock_set)
+    wrapper.load_state_dict = types.MethodType(load_state_dict, wrapper)
+
+
+def _step_kept_by_state_loads(wrapper: Any) -> None:
+    stock = wrapper._set_main_param_and_optimizer_states
+
+    @functools.wraps(stock)
     def _set_main_param_and_optimizer_states(self, model_param: Any, tensors: Any) -> Any:
-        inner = inner_of(self)
+        inner = _inner_of(self)
         if inner is not None and "step" not in tensors:
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = inner.param_groups[group_index]["params"][group_order]
             step = inner.state.get(main_param, {}).get("step")
             if step is not None:
                 tensors = {**tensors, "step": step.clone()}
-        return stock_set(model_param, tensors)
+        return stock(model_param, tensors)
 
-    wrapper.sharded_state_dict = types.MethodType(sharded_state_dict, wrapper)
-    wrapper.load_state_dict = types.MethodType(load_state_dict, wrapper)
     wrapper._set_main_param_and_optimizer_states = types.MethodType(
         _set_main_param_and_optimizer_states, wrapper)
+
+
+@dataclass(frozen=True)
+class WrapperPatch:
+    """One method of a Megatron optimizer wrapper replaced on the instance.
+
+    ``params``: the parameters of Megatron's method (after ``self``) the replacement calls it
+    with, by position and name (checked against the installed release by the tests);
+    ``when``: which wrappers get it — ``always``, ``offloaded`` (the inner optimizer was
+    swapped), ``distributed`` (offloaded, a DistributedOptimizer) or ``precision_aware``
+    (offloaded, bf16/fp16 shards with the master on the host).
+    """
+
+    method: str
+    params: Tuple[str, ...]
+    when: str
+    apply: Callable[[Any], None]
+    why: str
+
+
+# Every patch of a Megatron optimizer instance, in the order they are applied (a later one
+# wraps an earlier one on the same method).
+WRAPPER_PATCHES: Tuple[WrapperPatch, ...] = (
+    WrapperPatch("reload_model_params", ("state_dict",), "offloaded", _reloading_masters,
+                 "the offloaded host masters follow reloaded model params"),
+    WrapperPatch("sharded_state_dict", ("model_sharded_state_dict", "is_loading"), "distributed",
+                 _placeholders_on_host,
+                 "placeholders for a load are the host state, not device moments"),
+    WrapperPatch("load_state_dict", ("state_dict",), "distributed",
+                 _saved_step_after_load, "the saved step survives the load"),
+    WrapperPatch("_set_main_param_and_optimizer_states", ("model_param", "tensors"),
+                 "distributed", _step_kept_by_state_loads,
+                 "per-parameter state loads without a step keep the current one"),
+    WrapperPatch("_copy_model_grads_to_main_grads", (), "precision_aware",
+                 _fp32_decoupled_grads, "decoupled grads are fp32, as stock"),
+    WrapperPatch("reload_model_params", ("state_dict",), "precision_aware",
+                 _no_main_params_from_checkpoint,
+                 "no fp32 main params to load from a checkpoint: refused"),
+    WrapperPatch("prepare_grads", (), "always", _with_non_finite_check,
+                 "an inf/nan check when Megatron has no grad scaler"),
+)
+
+
+def _apply_wrapper_patches(wrapper: Any, applies: Dict[str, bool]) -> None:
+    for patch in WRAPPER_PATCHES:
+        if applies[patch.when]:
+            patch.apply(wrapper)
 
 
 def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
@@ -569,13 +625,13 @@ def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
             **kernel, **extra,
         )
         wrapper.init_state_fn = _init_state_fn
-        _reloading_masters(wrapper)
-        if isinstance(wrapper, DistributedOptimizer):
-            _distributed_loads(wrapper)
-        if precision_aware:
-            _fp32_decoupled_grads(wrapper)
-            _no_main_params_from_checkpoint(wrapper)
-    _with_non_finite_check(wrapper)
+        offloaded = True
+    else:
+        offloaded, precision_aware = False, False
+    distributed = offloaded and isinstance(wrapper, DistributedOptimizer)
+    _apply_wrapper_patches(wrapper, {"always": True, "offloaded": offloaded,
+                                     "distributed": distributed,
+                                     "precision_aware": precision_aware})
     wrapper._megatron_flat_offload = True
     return wrapper
 
