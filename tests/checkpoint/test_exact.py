@@ -172,7 +172,6 @@ def test_inputs_overwritten_after_forward(stack):
     may still be reading the tensor when it is overwritten: never a silent wrong answer).
     """
     blocks, x = stack.make_stack(DEPTH), stack.make_input()
-    ref = stack.step(blocks, x, stack.plain)
 
     def run(ck):
         for p in blocks.parameters():
