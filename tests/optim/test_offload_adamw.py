@@ -509,3 +509,23 @@ def test_cuda_streams_bitwise_equal_to_adamw(num_slots, kernel, dtype) -> None:
             assert torch.equal(p, r.detach().to(dtype))
     for p, r in zip(params, refs):
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"].cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pcie_bytes_per_step(dtype) -> None:
+    """Per staged element and step, the host state goes up and comes back: exp_avg and
+    exp_avg_sq, plus the fp32 master of low-precision params (fp32 params are their own
+    master): 8 or 12 B each way. The gradient never crosses: it is on the device already
+    (read in place when fp32; a bf16 one is cast into the slot on the device)."""
+    from megatron_flat.runtime import CostLedger
+
+    params = make_params(dtype)
+    opt = OffloadStreamAdamW(params, bucket_numel=1000, num_slots=2)
+    set_grads(params, 0)
+    opt.step()  # allocations and planning out of the way
+    set_grads(params, 1)
+    with CostLedger() as ledger:
+        opt.step()
+    staged = sum(b.numel for b in opt.plan.buckets)  # padding between segments included
+    per = 8 if dtype == torch.float32 else 12
+    assert ledger.h2d_bytes == ledger.d2h_bytes == per * staged
