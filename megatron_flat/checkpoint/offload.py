@@ -63,10 +63,10 @@ Limits
     checkpoint (counted in ``stats.plain_fallbacks``). Tensors offloaded by
     default: dense strided tensors on the device (CUDA when available, else the
     CPU stand-in), not ``nn.Parameter``; pass ``offload=`` to choose.
-    In-place changes to an input after the forward: a boundary kept on the
-    device fails at backward with torch's "modified by an inplace operation"
-    error, as in plain checkpoint; an offloaded boundary is a snapshot taken
-    when it was saved, so backward uses the saved values.
+    In-place changes to an input after the forward: backward fails with torch's
+    "modified by an inplace operation" error, as in plain checkpoint, for a
+    boundary kept on the device and for an offloaded one alike (on a GPU its
+    offload copy may still be reading the tensor when it is changed).
 """
 
 from __future__ import annotations
