@@ -619,13 +619,20 @@ def enable_cpu_backend() -> List[str]:
     if cuda_present():
         return []
     compat.check_supported()
-    for patch in PATCHES:
+    apply_patches(PATCHES)
+    return list(_APPLIED)
+
+
+def apply_patches(patches: List[Patch]) -> List[str]:
+    """Apply each of ``patches`` the installed code needs, once per process (recorded for
+    ``applied_patches()``); returns the names of ``patches`` applied now or before."""
+    for patch in patches:
         if patch.name in _APPLIED or not patch.needed():
             continue
         patch.apply()
         _APPLIED.append(patch.name)
         log.debug("megatron-flat CPU patch applied: %s (%s)", patch.name, patch.reason)
-    return list(_APPLIED)
+    return [p.name for p in patches if p.name in _APPLIED]
 
 
 def applied_patches() -> List[str]:

@@ -6,8 +6,8 @@ which assume a GPU in a few more places. ``enable_cpu_training()`` covers those,
 rehearsal (``python -m megatron_flat rehearse``) only: it changes process-wide state
 (``Tensor.cuda`` becomes the identity) and is meant for a process that exists to rehearse.
 
-Each workaround is a :class:`Patch` that names what it changes and why, and applies when
-the installed code has what it patches (feature detection, not version numbers: a
+Each workaround is a ``megatron.cpu.Patch`` that names what it changes and why, and applies
+when the installed code has what it patches (feature detection, not version numbers: a
 Megatron-LM checkout without ``megatron.legacy.fused_kernels`` simply has nothing to stub).
 Applied patches are listed by ``megatron.cpu.applied_patches()`` with the Megatron-Core ones.
 
@@ -21,30 +21,17 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import logging
 import os
 import subprocess
 import sys
 import sysconfig
 import typing
-from dataclasses import dataclass
-from typing import Callable, List
+from typing import List
 
 import torch
 
 from megatron_flat.megatron import cpu
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One workaround: what it changes, why, and whether the installed code needs it."""
-
-    name: str
-    reason: str
-    apply: Callable[[], None]
-    needed: Callable[[], bool]
+from megatron_flat.megatron.cpu import Patch
 
 
 def _has_module(name: str) -> bool:
@@ -195,10 +182,10 @@ PATCHES: List[Patch] = [
           "timers and batch code call torch.cuda unconditionally; initialisation sees one "
           "available device, so it builds the model-parallel groups and seeds the RNG tracker "
           "(it skips both when no GPU is visible).",
-          _cpu_view_everywhere, lambda: True),
+          _cpu_view_everywhere),
     Patch(".cuda() is the identity", "get_model() moves the model with .cuda(); batches, "
           "timers and loss reductions move tensors with .cuda().",
-          _cuda_identity, lambda: True),
+          _cuda_identity),
     Patch("dataset helper for this interpreter", "Megatron's Makefile builds helpers_cpp for "
           "python3 on PATH, which need not be the interpreter running the launch.",
           _compile_helpers_here, _builds_dataset_helper),
@@ -209,7 +196,7 @@ PATCHES: List[Patch] = [
 
 def shim_python() -> List[str]:
     """The Python-level shims, needed before Megatron-LM is imported; returns those applied."""
-    return _apply([p for p in PATCHES if p.name == "typing.override"])
+    return cpu.apply_patches([p for p in PATCHES if p.name == "typing.override"])
 
 
 def enable_cpu_training() -> List[str]:
@@ -218,17 +205,7 @@ def enable_cpu_training() -> List[str]:
     A no-op on a machine with CUDA: the rehearsal hides GPUs, and a GPU run needs none."""
     if cpu.cuda_present():
         return []
-    return _apply(PATCHES)
+    return cpu.apply_patches(PATCHES)
 
 
-def _apply(patches: List[Patch]) -> List[str]:
-    for patch in patches:
-        if patch.name in cpu._APPLIED or not patch.needed():
-            continue
-        patch.apply()
-        cpu._APPLIED.append(patch.name)
-        log.debug("megatron-flat CPU training patch applied: %s (%s)", patch.name, patch.reason)
-    return [p.name for p in patches if p.name in cpu._APPLIED]
-
-
-__all__ = ["PATCHES", "Patch", "enable_cpu_training", "shim_python"]
+__all__ = ["PATCHES", "enable_cpu_training", "shim_python"]
