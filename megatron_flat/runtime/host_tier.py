@@ -116,12 +116,12 @@ class HostTier:
     # -- accounting --
     @property
     def allocated_bytes(self) -> Dict[str, int]:
-        """Host bytes allocated so far, by technique."""
+        """Host bytes held now, by technique (a buffer stops counting when it dies)."""
         return dict(self._allocated)
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes page-locked so far (exact: what the tier asked the driver for)."""
+        """Bytes page-locked now (exact: what the tier asked the driver for)."""
         return sum(self._pinned.values())
 
     def _node_budget(self) -> int:
@@ -149,11 +149,13 @@ class HostTier:
         """Announce ``technique``'s host budget (nothing is allocated) and check the node now,
         so a budget that cannot fit fails before any model or collective exists."""
         with self._lock:
-            self._declared[technique] = int(nbytes)
-            self._check(self._planned())
+            declared = {**self._declared, technique: int(nbytes)}
+            self._check(self._planned(declared=declared))
+            self._declared = declared  # only a budget that fits is recorded
 
-    def _planned(self, extra: Optional[Dict[str, int]] = None) -> Dict[str, int]:
-        planned = dict(self._declared)
+    def _planned(self, extra: Optional[Dict[str, int]] = None,
+                 declared: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+        planned = dict(self._declared if declared is None else declared)
         for name, n in self._allocated.items():
             planned[name] = max(planned.get(name, 0), n)
         for name, n in (extra or {}).items():
@@ -181,10 +183,27 @@ class HostTier:
                 with memory.host_allocation():
                     buffer = torch.empty(nbytes, dtype=torch.uint8)
                 pinned = False
-            self._allocated[technique] = self._allocated.get(technique, 0) + nbytes
+            self._count(self._allocated, technique, nbytes)
             if pinned:
-                self._pinned[technique] = self._pinned.get(technique, 0) + nbytes
+                self._count(self._pinned, technique, nbytes)
+            # A buffer that dies (an optimizer re-planned, a pool dropped) stops counting, so
+            # the node check sees what is held now, not everything ever allocated.
+            weakref.finalize(buffer.untyped_storage(), self._freed, technique, nbytes, pinned)
             return buffer
+
+    @staticmethod
+    def _count(counts: Dict[str, int], technique: str, nbytes: int) -> None:
+        left = counts.get(technique, 0) + nbytes
+        if left:
+            counts[technique] = left
+        else:
+            counts.pop(technique, None)
+
+    def _freed(self, technique: str, nbytes: int, pinned: bool) -> None:
+        with self._lock:
+            self._count(self._allocated, technique, -nbytes)
+            if pinned:
+                self._count(self._pinned, technique, -nbytes)
 
     def pool(self, technique: str, nbytes: int, alignment: int = 512) -> HostPool:
         """A :class:`HostPool` of exactly ``nbytes`` for ``technique``, allocated now."""

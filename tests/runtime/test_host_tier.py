@@ -63,8 +63,9 @@ def test_tier_counts_pinned_bytes_by_technique(gpu_node):
     pool = tier.pool("optimizer", 5 * MIB)
     assert tier.allocated_bytes == {"optimizer": 5 * MIB} and tier.pinned_bytes == 5 * MIB
     assert pool.capacity_bytes == 5 * MIB
-    tier.pool("optimizer", 1 * MIB)  # a second sub-optimizer: same technique, summed
+    second = tier.pool("optimizer", 1 * MIB)  # a second sub-optimizer: same technique, summed
     assert tier.allocated_bytes == {"optimizer": 6 * MIB}
+    assert second.capacity_bytes == MIB
 
 
 def test_node_check_before_anything_is_allocated():
@@ -75,6 +76,7 @@ def test_node_check_before_anything_is_allocated():
     text = str(err.value)
     assert "4 rank(s) per node" in text and "sco 0.29 GiB" in text
     assert "--flat-host-mem-per-node-gib" in text
+    assert tier._declared == {"sco": 200 * MIB}  # the refused budget was not recorded
     tier.declare("sco", 200 * MIB)
     with pytest.raises(HostTierError, match="optimizer 0.10 GiB, sco 0.20 GiB"):
         tier.pool("optimizer", 100 * MIB)  # 4 x 300 MiB: the declared SCO budget counts
@@ -116,3 +118,15 @@ def test_tier_buffers_are_host_bytes_for_an_open_meter():
         assert meter.current_host_bytes() == MIB
     assert meter.peak_device_bytes < 64 * 1024  # the 4 MiB buffer never counted as device
     pool.release(block)
+
+
+def test_a_dead_buffer_stops_counting(gpu_node):
+    """Re-planning drops a pool and takes a new one: the node check must not count both."""
+    tier = HostTier(node_budget_bytes=10 * MIB, local_ranks=1)
+    pool = tier.pool("optimizer", 6 * MIB)
+    assert tier.allocated_bytes == {"optimizer": 6 * MIB} and tier.pinned_bytes == 6 * MIB
+    del pool
+    gc.collect()
+    assert tier.allocated_bytes == {} and tier.pinned_bytes == 0
+    again = tier.pool("optimizer", 6 * MIB)  # 12 MiB ever allocated, 6 MiB held: fits 10
+    assert tier.allocated_bytes == {"optimizer": 6 * MIB} and again.capacity_bytes == 6 * MIB
