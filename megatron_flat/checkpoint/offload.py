@@ -218,6 +218,16 @@ class _Packed:
         self.source = source
 
 
+def _refuse_if_modified(tensor: torch.Tensor, version: int, where: str) -> None:
+    """What plain checkpoint reports when a saved input changed in place after the save."""
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] (a checkpoint input "
+            f"{where} by SCO) is at version {tensor._version}; expected version {version} "
+            "instead")
+
+
 def _reload_at_output_grad(sco_ref, region_ref, grad):
     sco, region = sco_ref(), region_ref()
     if sco is not None and region is not None:
@@ -548,7 +558,8 @@ class SelectiveCheckpointOffload:
         region.restored = restored
 
     def _reload_early(self, region: _Region) -> None:
-        """Start ``region``'s reload before its first unpack (its output's gradient exists)."""
+        """Start ``region``'s reload before its first unpack, if it has host spans and no
+        reload started yet (a prefetch, or its output's gradient exists)."""
         with self._lock:
             if region.restored is None and region.n_unpacked == 0 and region.has_host():
                 self._reload(region)
@@ -559,9 +570,7 @@ class SelectiveCheckpointOffload:
         for _ in range(self.prefetch):
             if pred is None:
                 return
-            if pred.restored is None and pred.n_unpacked == 0 and pred.has_host():
-                self._reload(pred)
-                self._counters.add(prefetched=1)
+            self._reload_early(pred)
             pred = pred.predecessor()
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
@@ -591,26 +600,13 @@ class SelectiveCheckpointOffload:
                     host, region.host = region.host, [None] * len(region.host)
                     _release_spans(self._mover, host)
         if packed.tensor is not None:
-            tensor = packed.tensor
-            if tensor._version != packed.version:
-                # What plain checkpoint reports.
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been "
-                    f"modified by an inplace operation: [{tensor.type()} {list(tensor.shape)}] "
-                    f"(a checkpoint input kept on the device by SCO) is at version "
-                    f"{tensor._version}; expected version {packed.version} instead"
-                )
-            return tensor
+            _refuse_if_modified(packed.tensor, packed.version, "kept on the device")
+            return packed.tensor
         source = packed.source() if packed.source is not None else None
-        if source is not None and source._version != packed.version:
-            # The same refusal for an offloaded boundary: its offload copy reads the device
-            # tensor on a side stream, possibly after the change (a race on a GPU).
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been "
-                f"modified by an inplace operation: [{source.type()} {list(source.shape)}] "
-                f"(a checkpoint input offloaded by SCO) is at version {source._version}; "
-                f"expected version {packed.version} instead"
-            )
+        if source is not None:
+            # Offloaded boundaries too: the offload copy reads the device tensor on a side
+            # stream, possibly after the change (a race on a GPU).
+            _refuse_if_modified(source, packed.version, "offloaded")
         assert item is not None and packed.meta is not None
         buffer, event = item
         event.wait()
