@@ -101,10 +101,6 @@ def delayed_copies() -> Iterator[None]:
                 queue.complete()
 
 
-def delayed_copies_on() -> bool:
-    return _MODE["on"] > 0
-
-
 # On CUDA, FLAT_CUDA_COPY_SLEEP_CYCLES=N queues a sleep kernel of N cycles before every copy
 # on a side stream, so each copy lands late and a missing wait shows (benchmarks/gpu_check.sh).
 _CUDA_SLEEP_CYCLES = int(os.environ.get("FLAT_CUDA_COPY_SLEEP_CYCLES", "0") or 0)
