@@ -276,16 +276,21 @@ def peak_table(stock: Run, flat: Run) -> List[str]:
     return rows
 
 
+def _modules(run: Run) -> Dict[str, int]:
+    """Flat and Megatron module counts of a run (the largest any rank reported)."""
+    modules: Dict[str, int] = {}
+    for r in run.ranks:
+        for k, v in r.get("modules", {}).items():
+            modules[k] = max(modules.get(k, 0), v)
+    return modules
+
+
 def what_ran(flat: Run) -> List[str]:
     """One line per technique the flat run asked for: what was really in the model."""
     if not flat.ranks:
         return []
-    first = flat.ranks[0]
-    config = first.get("flat") or {}
-    modules: Dict[str, int] = {}
-    for r in flat.ranks:
-        for k, v in r.get("modules", {}).items():
-            modules[k] = max(modules.get(k, 0), v)
+    config = flat.ranks[0].get("flat") or {}
+    modules = _modules(flat)
     lines = []
     if config.get("dispatch", "off") != "off":
         lines.append(f"PipelinedLLEP ({config['dispatch']}): FlatMoELayer in "
@@ -309,7 +314,7 @@ def missing_techniques(flat: Run) -> List[str]:
     if not flat.ranks:
         return []
     config = flat.ranks[0].get("flat") or {}
-    modules = flat.ranks[0].get("modules", {})
+    modules = _modules(flat)
     missing = []
     if (config.get("dispatch", "off") != "off" and modules.get("MoELayer", 0)
             and not modules.get("FlatMoELayer", 0)):
@@ -335,7 +340,7 @@ def verdict(stock: Run, flat: Run, rtol: float) -> Tuple[int, str]:
         if not rel <= rtol:
             return EXIT_DIFFER, (f"rehearsal: flat loss differs from stock at iteration {it}: "
                                  f"{_fmt(b)} vs {_fmt(a)} (relative {rel:.1e} > rtol {rtol:g})")
-    stock_flat = max((r.get("modules", {}).get("FlatMoELayer", 0) for r in stock.ranks), default=0)
+    stock_flat = _modules(stock).get("FlatMoELayer", 0)
     if stock_flat:
         return EXIT_DIFFER, (f"rehearsal: the stock run built {stock_flat} FlatMoELayer(s) "
                              "without --flat-* flags: the comparison would not be against stock")
