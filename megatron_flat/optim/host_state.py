@@ -40,8 +40,9 @@ class HostState:
     """The flat host buffers; ``fallbacks`` names those that are not from the pool.
 
     ``pool=None`` takes a pool sized exactly for the buffers from the host tier (pinned
-    when CUDA is available; a failed pinning raises unless the tier allows pageable memory). Blocks taken from a shared pool
-    go back to it when this object is garbage collected.
+    when CUDA is available; a failed pinning raises unless the tier allows pageable
+    memory). Blocks taken from a shared pool go back to it when this object is garbage
+    collected.
     """
 
     def __init__(

@@ -15,8 +15,8 @@ planned by :mod:`megatron_flat.optim.buckets`) through ``num_slots`` device stag
 Memory
     Device: exactly ``num_slots x largest bucket x 12`` bytes of staging (allocated by
     :meth:`prepare`; fp32 gradients on the update's device are read in place, others are
-    staged as fp32 from the first step that has them: ``x 16``), plus the update kernel's scratch while it runs: none for
-    ``fused=True``, 4 bytes per element of the bucket for ``foreach`` (torch's
+    staged as fp32 from the first step that has them: ``x 16``), plus the update kernel's
+    scratch while it runs: none for ``fused=True``, 4 bytes per element of the bucket for ``foreach`` (torch's
     ``sqrt(exp_avg_sq)`` temporary), 8 bytes per element of the largest piece for the
     single-tensor kernel (``sqrt`` and the division, live together). Host: 8 bytes per element (exp_avg, exp_avg_sq) plus 4 bytes per
     element of low-precision parameters (their fp32 master). An fp32 parameter is its own
@@ -572,7 +572,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         """Which parameters have a gradient, and each one flat with its copy mode and whether
         the update reads it in place (fp32 on the update's device: no staging, no copy)."""
         active = [False] * len(self._params)
-        grads: dict[int, tuple[torch.Tensor, bool]] = {}
+        grads: dict[int, tuple[torch.Tensor, bool, bool]] = {}
         cuda = self.device.type == "cuda"
         for i, p in enumerate(self._params):
             g = getattr(p, self.grad_attr, None)
