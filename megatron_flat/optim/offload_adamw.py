@@ -16,12 +16,12 @@ Memory
     Device: exactly ``num_slots x largest bucket x 12`` bytes of staging (allocated by
     :meth:`prepare`; fp32 gradients on the update's device are read in place, others are
     staged as fp32 from the first step that has them: ``x 16``), plus the update kernel's
-    scratch while it runs: none for ``fused=True``, 4 bytes per element of the bucket for ``foreach`` (torch's
-    ``sqrt(exp_avg_sq)`` temporary), 8 bytes per element of the largest piece for the
-    single-tensor kernel (``sqrt`` and the division, live together). Host: 8 bytes per element (exp_avg, exp_avg_sq) plus 4 bytes per
-    element of low-precision parameters (their fp32 master). An fp32 parameter is its own
-    master: it is uploaded from where it lives and written back in place, and no host
-    copy of it is kept.
+    scratch while it runs: none for ``fused=True``, 4 bytes per element of the bucket for
+    ``foreach`` (torch's ``sqrt(exp_avg_sq)`` temporary), 8 bytes per element of the largest
+    piece for the single-tensor kernel (``sqrt`` and the division, live together). Host: 8
+    bytes per element (exp_avg, exp_avg_sq) plus 4 bytes per element of low-precision
+    parameters (their fp32 master). An fp32 parameter is its own master: it is uploaded from
+    where it lives and written back in place, and no host copy of it is kept.
 
 Exactness
     The update calls ``torch.optim.adamw.adamw`` — the functional kernel behind
