@@ -10,11 +10,12 @@ import megatron-core; ``version()`` does, lazily.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
 import warnings
-from typing import Tuple
+from typing import Any, Tuple
 
 OLDEST = (0, 16)  # older releases lack the process-group collections and MoE layouts used here
 NEWEST_TESTED = (0, 20)  # Megatron-LM main as of the README's supported-versions table
@@ -377,3 +378,66 @@ def full_recompute_site():
     raise RuntimeError("neither megatron.core.transformer.transformer_block.checkpointed_forward "
                        "nor TransformerBlock._checkpointed_forward exists in megatron-core "
                        f"{version_text()}: SCO cannot find the full-recompute site")
+
+
+# ---------------------------------------------------------------------------- module-recompute sites
+# Under ``recompute_granularity='selective'`` the module recomputes that checkpoint a whole
+# submodule call ``tensor_parallel.checkpoint(fn, False, *inputs)`` from three Megatron modules
+# (both releases), each reading ``tensor_parallel`` from its own globals at call time:
+# * ``core_attn``: ``Attention._checkpointed_attention_forward`` (module attention), inputs
+#   ``(query, key, value, attention_mask, rotary_pos_emb, attn_mask_type, ...)``;
+# * ``moe``: ``MoELayer.forward`` (module moe.moe_layer), inputs ``(hidden_states,
+#   intermediate_tensors, padding_mask)`` — and, in the same module,
+#   ``MoELayer.shared_experts_compute`` for ``shared_experts``;
+# * ``mlp``: ``TransformerLayer._forward_mlp`` (module transformer_layer), input the pre-MLP
+#   norm's output; 0.19's partial-CUDA-graph MoE recompute calls from the same module.
+# The per-layer boundary is the leading inputs (q, k, v; the MLP/MoE input); masks and rotary
+# tables are shared by every layer. Detected by the methods each module has.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRecomputeSite:
+    """One module whose ``tensor_parallel.checkpoint`` calls are module recomputes."""
+
+    modules: Tuple[str, ...]  # the recompute_modules names whose checkpoints come from here
+    caller: Any  # the Python module whose global ``tensor_parallel`` the call reads
+    offload_args: Tuple[int, ...]  # positions of the per-layer boundary among the inputs
+
+
+def module_recompute_sites() -> Tuple[ModuleRecomputeSite, ...]:
+    """The Megatron modules whose checkpoint calls are ``core_attn``, ``moe`` and ``mlp``
+    recomputes (plus megatron-flat's own FlatMoELayer, which recomputes like ``moe``)."""
+    from megatron.core.transformer import attention, transformer_layer
+    from megatron.core.transformer.moe import moe_layer
+
+    from megatron_flat.megatron import moe as flat_moe
+
+    needed = (
+        (attention, attention.Attention, "_checkpointed_attention_forward"),
+        (moe_layer, moe_layer.MoELayer, "forward"),
+        (transformer_layer, transformer_layer.TransformerLayer, "_forward_mlp"),
+    )
+    for module, owner, name in needed:
+        if "tensor_parallel" not in vars(module) or not callable(getattr(owner, name, None)):
+            raise RuntimeError(f"{module.__name__} has no {owner.__name__}.{name} reading "
+                               f"tensor_parallel in megatron-core {version_text()}: SCO cannot "
+                               "find the module-recompute sites")
+    return (
+        ModuleRecomputeSite(("core_attn",), attention, (0, 1, 2)),
+        ModuleRecomputeSite(("moe",), moe_layer, (0,)),
+        ModuleRecomputeSite(("moe",), flat_moe, (0,)),
+        ModuleRecomputeSite(("mlp",), transformer_layer, (0,)),
+    )
+
+
+def shared_experts_site():
+    """``(owner, name)``: the method that makes the ``shared_experts`` recompute's checkpoint
+    call (same module as the ``moe`` one; its input is the MoE layer's input, which the router
+    keeps on the device anyway, so SCO leaves it to Megatron)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return MoELayer, "shared_experts_compute"
+
+
+# The modules whose checkpoints SCO offloads under selective recompute.
+SCO_MODULES = ("core_attn", "moe", "mlp")

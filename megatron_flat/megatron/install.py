@@ -48,10 +48,9 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
             problems.append(f"--num-experts {experts} does not split over "
                             f"--expert-model-parallel-size {ep}")
     if flat.sco:
-        granularity = _get(megatron, "recompute_granularity")
-        if granularity != "full":
-            problems.append("--flat-sco offloads the boundaries of full recompute: it needs "
-                            f"--recompute-granularity full (got {granularity!r})")
+        from megatron_flat.megatron.sco import recompute_problems
+
+        problems += recompute_problems(megatron)
     if flat.vocab:
         from megatron_flat.megatron.vocab import unsupported_settings
 
@@ -72,7 +71,7 @@ WIRING: Dict[str, Callable[[FlatConfig, Any], None]] = {}
 
 
 def _wire_sco(flat: FlatConfig, megatron: Any) -> None:
-    """--flat-sco: the transformer block's full-recompute boundaries go through SCO."""
+    """--flat-sco: the boundaries of full and module recompute go through SCO."""
     from megatron_flat.megatron.sco import wire_sco
 
     wire_sco(flat, megatron)

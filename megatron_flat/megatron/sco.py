@@ -1,31 +1,43 @@
-"""SCO in Megatron-Core: the boundaries of ``recompute_granularity='full'`` in host memory.
+"""SCO in Megatron-Core: the boundaries of full and of module recompute in host memory.
 
-``enable(host_budget_bytes, prefetch)`` makes the transformer block's full-recompute
-checkpoints (methods ``uniform`` and ``block``, any ``recompute_num_layers``) run through a
+``enable(host_budget_bytes, prefetch)`` makes Megatron's recompute checkpoints run through a
 :class:`~megatron_flat.checkpoint.SelectiveCheckpointOffload`; ``disable()`` puts Megatron
 back exactly as it was. ``wire_sco(flat, megatron)`` is the ``install()`` entry for
-``--flat-sco``.
+``--flat-sco``. Two kinds of checkpoint are routed:
 
-How it plugs in (release differences in ``compat.full_recompute_site``): the block's
-checkpoint call reads ``tensor_parallel.checkpoint`` from its own module's globals at call
-time (0.16: ``transformer_block`` in ``TransformerBlock._checkpointed_forward``; 0.19:
-``megatron.core.recompute`` in ``checkpointed_forward``). That one module global
-``tensor_parallel`` is replaced by a view of the real package whose ``checkpoint`` goes to
-SCO *only while the transformer block's checkpointed forward runs* (a thread-local set by a
-wrapper around ``TransformerBlock._checkpointed_forward`` in 0.16, around the name
-``transformer_block.checkpointed_forward`` in 0.19); everything else in the view is the
-real package. Nothing else changes: MLP/MoE/attention recompute, ``CheckpointWithoutOutput``
-and other users of ``tensor_parallel.checkpoint`` read the real package and never see SCO
-(in 0.19 the hybrid/Mamba block, which shares ``checkpointed_forward``, is not wrapped, so
-its calls go to Megatron's checkpoint too). The fp8/fp4 path (``te_checkpoint``) is not
-touched.
+- **full recompute** (``recompute_granularity='full'``, methods ``uniform`` and ``block``, any
+  ``recompute_num_layers``): one boundary per checkpointed layer (group), its
+  ``hidden_states``;
+- **module recompute** (``recompute_granularity='selective'`` with ``core_attn``, ``moe`` or
+  ``mlp`` in ``recompute_modules``; 0.16's ``moe_layer_recompute``): one boundary per
+  recomputed module, so two per layer for the usual MoE setting ``core_attn moe`` (the
+  attention's query, key and value; the MoE layer's input). ``shared_experts`` is left to
+  Megatron: its input is the MoE layer's input, which the router keeps on the device anyway.
+  ``moe_act`` and ``layernorm`` are output-discarding checkpoints with no boundary of their
+  own.
 
-What SCO changes: only ``hidden_states`` (argument 0, the per-layer boundary) is offloaded;
-masks and rotary tables are shared by every layer and stay where they are. Each layer (or
-group of layers) still runs as Megatron's own reentrant ``CheckpointFunction`` — forward
+How it plugs in (release differences in ``compat.full_recompute_site`` and
+``compat.module_recompute_sites``): each checkpoint call reads ``tensor_parallel.checkpoint``
+from its own module's globals at call time (the block's full recompute: 0.16
+``transformer_block`` in ``TransformerBlock._checkpointed_forward``, 0.19
+``megatron.core.recompute`` in ``checkpointed_forward``; module recompute: ``attention``,
+``moe.moe_layer``, ``transformer_layer`` and megatron-flat's ``megatron.moe``). Those module
+globals are replaced by views of the real package whose ``checkpoint`` goes to SCO: in the
+block's module *only while the transformer block's checkpointed forward runs* (a thread-local
+set by a wrapper around ``TransformerBlock._checkpointed_forward`` in 0.16, around the name
+``transformer_block.checkpointed_forward`` in 0.19); in the module-recompute modules always,
+except inside ``MoELayer.shared_experts_compute``. Everything else in a view is the real
+package, and every other user of ``tensor_parallel.checkpoint`` (MTP, the hybrid/Mamba block,
+``CheckpointWithoutOutput``) reads the real package and never sees SCO. The fp8/fp4 path
+(``te_checkpoint``) is not touched. A checkpoint nested in an SCO region (module recompute
+inside a fully recomputed layer) runs as Megatron's own, in the forward and the recompute.
+
+What SCO changes: only the per-layer boundary is offloaded (``hidden_states``; q, k and v
+for ``core_attn``); masks and rotary tables are shared by every layer and stay where they
+are. Each region still runs as Megatron's own reentrant ``CheckpointFunction`` — forward
 without grad, recompute and RNG-tracker replay in backward — inside SCO's saved-tensor
 hooks, so the boundary it saves waits in the host pool and comes back (prefetched) when its
-backward starts; loss and gradients are bitwise those of plain full recompute
+backward starts; loss and gradients are bitwise those of plain recompute
 (tests/checkpoint/test_megatron_sco*.py). Megatron's reentrant region matters: under torch's
 non-reentrant checkpoint the forward builds the layers' autograd graph, and Megatron's
 modules keep references into it (attention and MoE intermediates stayed alive after
@@ -38,7 +50,8 @@ their autograd graph), which reaches back to the layer's recompute input — the
 restored — and keeps it on the device until that layer's next forward: one restored
 boundary per MoE layer piled up in backward (6 on the device at once in the 4-layer test, the
 bound is prefetch + 1). While SCO is enabled, tensors a dispatcher keeps after
-``MoELayer.forward`` returns are detached (same values; the autograd graph, which is all
+``MoELayer.forward`` returns, and after each run of a ``moe`` module recompute's body
+(forward and recompute), are detached (same values; the autograd graph, which is all
 backward uses, is untouched), so a restored boundary is freed when its region's backward ends.
 """
 
@@ -46,28 +59,32 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from megatron_flat.checkpoint import SelectiveCheckpointOffload, tensor_parallel_checkpoint
 from megatron_flat.megatron import compat
 
-__all__ = ["disable", "enable", "enabled", "wire_sco"]
+__all__ = ["disable", "enable", "enabled", "recompute_problems", "wire_sco"]
 
 _DSA_MESSAGE = (
     "SCO (--flat-sco) offloads checkpoint boundaries whole to host memory; it cannot be "
     "combined with --distribute-saved-activations (distribute_saved_activations=True)"
 )
 
-_state = threading.local()  # .route: SCO's checkpoint while the block's checkpointed forward runs
+_state = threading.local()  # .route: SCO's checkpoint while the block's checkpointed forward runs;
+# .suppressed: inside a method whose checkpoint stays Megatron's (shared experts);
+# .moe_layer: the MoELayer whose forward is running (its dispatcher state is detached)
 _lock = threading.Lock()
 _patch: Optional[dict] = None  # what enable() changed, for disable()
 
 
 class _TensorParallelView:
-    """``megatron.core.tensor_parallel`` as the block's checkpoint call sees it."""
+    """``megatron.core.tensor_parallel`` as one calling module sees it: ``checkpoint`` goes to
+    ``route_of()`` when that gives a route, else to the real package's."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, real: Any, route_of: Callable[[], Optional[Callable]]) -> None:
         object.__setattr__(self, "_real", real)
+        object.__setattr__(self, "_route_of", route_of)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -76,31 +93,59 @@ class _TensorParallelView:
         setattr(self._real, name, value)
 
     def checkpoint(self, function: Callable, distribute_saved_activations: bool, *args: Any):
-        route = getattr(_state, "route", None)
-        if route is None:  # not inside the transformer block's checkpointed forward
+        route = self._route_of()
+        if route is None:
             return self._real.checkpoint(function, distribute_saved_activations, *args)
         return route(function, distribute_saved_activations, *args)
 
 
-def _delimit(original: Callable, route: Callable) -> Callable:
-    """``original`` with ``route`` active in this thread for the duration of a call."""
+def _block_route() -> Optional[Callable]:
+    """SCO's checkpoint while the transformer block's checkpointed forward runs."""
+    return getattr(_state, "route", None)
+
+
+def _delimit(original: Callable, route: Optional[Callable], attr: str = "route") -> Callable:
+    """``original`` with ``_state.<attr> = route`` in this thread for the duration of a call."""
 
     @functools.wraps(original)
-    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_state, "route", None)
-        _state.route = route
+    def delimited(*args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_state, attr, None)
+        setattr(_state, attr, route)
         try:
             return original(*args, **kwargs)
         finally:
-            _state.route = previous
+            setattr(_state, attr, previous)
 
-    checkpointed_forward.__flat_sco_original__ = original
-    return checkpointed_forward
+    delimited.__flat_sco_original__ = original
+    return delimited
+
+
+def _module_route_of(route: Callable) -> Callable[[], Optional[Callable]]:
+    def route_of() -> Optional[Callable]:
+        if getattr(_state, "suppressed", None) is not None:
+            return None
+        return route
+    return route_of
+
+
+def _detaching(function: Callable, layer: Any) -> Callable:
+    """``function`` (an MoE layer's recomputed body) that detaches what ``layer``'s dispatcher
+    keeps once it returns, in the forward and in the recompute alike (see the module doc)."""
+
+    @functools.wraps(function)
+    def run(*args: Any) -> Any:
+        try:
+            return function(*args)
+        finally:
+            _detach_dispatcher_state(layer)
+
+    return run
 
 
 def enable(host_budget_bytes: int, prefetch: int = 1, *,
            sco: Optional[SelectiveCheckpointOffload] = None) -> SelectiveCheckpointOffload:
-    """Route the transformer block's full-recompute checkpoints through SCO.
+    """Route the transformer block's full-recompute checkpoints, and the module recomputes
+    ``core_attn``, ``moe`` and ``mlp`` of selective recompute, through SCO.
 
     ``host_budget_bytes``/``prefetch`` build the :class:`SelectiveCheckpointOffload`, whose
     host pool comes from the process's host tier (``runtime.host_tier``): declared and checked
@@ -117,31 +162,54 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
 
         pool = host_tier.tier().lazy_pool("sco", int(host_budget_bytes))
         sco = SelectiveCheckpointOffload(None, prefetch=prefetch, pool=pool)
-    adapter = tensor_parallel_checkpoint(
-        sco,
-        offload_args=(0,),
-        # Megatron's own checkpoint, looked up at call time (other patches compose).
-        fallback=lambda *a: real_tp.checkpoint(*a),
-        reentrant=True,
-    )
 
-    def route(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
-        if distribute_saved_activations:
-            raise ValueError(_DSA_MESSAGE)
-        return adapter(function, distribute_saved_activations, *args)
+    def adapter_for(offload_args: tuple) -> Callable:
+        adapter = tensor_parallel_checkpoint(
+            sco,
+            offload_args=offload_args,
+            # Megatron's own checkpoint, looked up at call time (other patches compose).
+            fallback=lambda *a: real_tp.checkpoint(*a),
+            reentrant=True,
+        )
+
+        def route(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
+            if distribute_saved_activations:
+                raise ValueError(_DSA_MESSAGE)
+            layer = getattr(_state, "moe_layer", None)
+            if layer is not None:
+                function = _detaching(function, layer)
+            return adapter(function, distribute_saved_activations, *args)
+
+        return route
 
     with _lock:
         _disable_locked()
         caller, owner, name = compat.full_recompute_site()
+        views = [(caller, _TensorParallelView(caller.__dict__["tensor_parallel"], _block_route))]
+        for site in compat.module_recompute_sites():
+            real = site.caller.__dict__["tensor_parallel"]
+            views.append((site.caller, _TensorParallelView(
+                real, _module_route_of(adapter_for(site.offload_args)))))
+        shared_owner, shared_name = compat.shared_experts_site()
         global _patch
         _patch = dict(
-            caller=caller, tp_global=caller.__dict__["tensor_parallel"],
-            owner=owner, name=name, had_own=name in vars(owner), original=getattr(owner, name),
+            globals=[(module, module.__dict__["tensor_parallel"]) for module, _ in views],
+            methods=[_wrap(owner, name, lambda f: _delimit(f, adapter_for((0,)))),
+                     _wrap(shared_owner, shared_name,
+                           lambda f: _delimit(f, True, attr="suppressed"))],
             sco=sco, moe=_patch_moe_forward(),
         )
-        caller.tensor_parallel = _TensorParallelView(_patch["tp_global"])
-        setattr(owner, name, _delimit(_patch["original"], route))
+        for module, view in views:
+            module.tensor_parallel = view
     return sco
+
+
+def _wrap(owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> tuple:
+    """Replace ``owner.name`` by ``wrapper(original)``; returns what to restore."""
+    had_own = name in vars(owner)
+    original = getattr(owner, name)
+    setattr(owner, name, wrapper(original))
+    return owner, name, had_own, original
 
 
 def _detach_dispatcher_state(layer: Any) -> None:
@@ -159,8 +227,8 @@ def _detach_dispatcher_state(layer: Any) -> None:
 
 
 def _patch_moe_forward() -> Optional[tuple]:
-    """Wrap ``MoELayer.forward`` so the dispatcher's kept tensors are detached afterwards;
-    returns what to restore."""
+    """Wrap ``MoELayer.forward`` so the dispatcher's kept tensors are detached afterwards (and
+    the layer is known to a module recompute made inside); returns what to restore."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     stock = MoELayer.__dict__.get("forward")
@@ -169,9 +237,12 @@ def _patch_moe_forward() -> Optional[tuple]:
 
     @functools.wraps(stock)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_state, "moe_layer", None)
+        _state.moe_layer = self
         try:
             return stock(self, *args, **kwargs)
         finally:
+            _state.moe_layer = previous
             _detach_dispatcher_state(self)
 
     forward.__flat_sco__ = True
@@ -187,11 +258,13 @@ def _disable_locked() -> None:
     if p.get("moe") is not None:
         owner, stock = p["moe"]
         owner.forward = stock
-    p["caller"].tensor_parallel = p["tp_global"]
-    if p["had_own"]:
-        setattr(p["owner"], p["name"], p["original"])
-    else:
-        delattr(p["owner"], p["name"])
+    for module, real in p["globals"]:
+        module.tensor_parallel = real
+    for owner, name, had_own, original in reversed(p["methods"]):
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 def disable() -> None:
@@ -205,13 +278,38 @@ def enabled() -> Optional[SelectiveCheckpointOffload]:
     return None if _patch is None else _patch["sco"]
 
 
+def recompute_problems(megatron: Any) -> List[str]:
+    """Why ``megatron``'s recompute settings (Megatron-LM args or a TransformerConfig) leave
+    SCO no boundary to offload; empty when they have some.
+
+    SCO offloads the boundaries of full recompute and of the module recomputes ``core_attn``,
+    ``moe`` and ``mlp`` (``recompute_modules`` unset means Megatron's default,
+    ``core_attn``; 0.16's deprecated ``moe_layer_recompute`` means ``moe``).
+    """
+    granularity = getattr(megatron, "recompute_granularity", None)
+    if granularity == "full" or getattr(megatron, "moe_layer_recompute", False):
+        return []
+    wanted = " ".join(compat.SCO_MODULES)
+    if granularity == "selective":
+        modules = getattr(megatron, "recompute_modules", None)
+        modules = ["core_attn"] if modules is None else list(modules)
+        if set(modules) & set(compat.SCO_MODULES):
+            return []
+        return [f"--flat-sco offloads the boundaries of full recompute or of the module "
+                f"recomputes {wanted}; --recompute-modules {' '.join(modules) or '(none)'} "
+                "checkpoints none of them"]
+    return ["--flat-sco offloads checkpoint boundaries: it needs --recompute-granularity full, "
+            f"or selective with --recompute-modules naming one of {wanted} "
+            f"(got {granularity!r})"]
+
+
 def wire_sco(flat: Any, megatron: Any = None) -> None:
     """``install()`` wiring for ``--flat-sco``: enable SCO with the FlatConfig's host budget
     (``sco_host_budget_bytes``) and prefetch distance (``sco_prefetch``).
 
     ``megatron`` (Megatron-LM args or a TransformerConfig), when given, is checked: SCO
-    refuses ``distribute_saved_activations``. (``recompute_granularity='full'`` is checked by
-    ``install.check_against_megatron``.)
+    refuses ``distribute_saved_activations``. (The recompute settings are checked by
+    ``install.check_against_megatron`` through :func:`recompute_problems`.)
     """
     if megatron is not None and getattr(megatron, "distribute_saved_activations", False):
         from megatron_flat.megatron.install import FlatConfigError

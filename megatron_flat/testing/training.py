@@ -79,8 +79,8 @@ class Trainer:
 
     ``flat`` (a ``FlatConfig``, optional) turns on, for this trainer only, every technique
     it enables: the flat MoE layer (``dispatch``), Ring-DTP's output module (``vocab``),
-    SCO for the full-recompute boundaries while this trainer's steps run (``sco``; needs
-    ``layout.recompute == "full"``) and OffloadStreamAdamW as Megatron's inner optimizer
+    SCO for the recompute boundaries while this trainer's steps run (``sco``; needs
+    full recompute, or selective recompute of ``core_attn``, ``moe`` or ``mlp``) and OffloadStreamAdamW as Megatron's inner optimizer
     (``optimizer_offload``). ``Trainer(flat=None)`` and ``Trainer(flat=FlatConfig())`` are
     stock Megatron.
     """
@@ -110,9 +110,12 @@ class Trainer:
         self.flat = flat
         if getattr(self.config, "mtp_num_layers", None):
             reset_mtp_tracker()
-        if flat is not None and flat.sco and layout.recompute != "full":
-            raise ValueError("FlatConfig.sco offloads full-recompute boundaries: the layout "
-                             f"needs recompute='full' (got {layout.recompute!r})")
+        if flat is not None and flat.sco:
+            from megatron_flat.megatron.sco import recompute_problems
+
+            problems = recompute_problems(self.config)
+            if problems:
+                raise ValueError(f"layout {layout.name}: " + "; ".join(problems))
         with _flat_specs(flat):
             model = build_tiny_gpt(tiny, self.config)
         if flat is not None and flat.vocab:

@@ -123,7 +123,14 @@ def test_disable_restores_megatron(megatron_cpu):
 
     caller, owner, name = compat.full_recompute_site()
     before = (caller.tensor_parallel, getattr(owner, name), tp.checkpoint)
+    sites = compat.module_recompute_sites()
+    shared = compat.shared_experts_site()
+    modules_before = [site.caller.tensor_parallel for site in sites]
+    shared_before = getattr(*shared)
     engine = sco.enable(BOUNDARY, prefetch=1)
+    # The module-recompute callers see views too; the shared experts' method is wrapped.
+    assert all(site.caller.tensor_parallel is not b for site, b in zip(sites, modules_before))
+    assert getattr(*shared) is not shared_before
     assert sco.enabled() is engine
     assert caller.tensor_parallel is not before[0] and getattr(owner, name) is not before[1]
     # Everyone else (MLP/MoE/attention recompute) still sees Megatron's checkpoint.
@@ -133,6 +140,8 @@ def test_disable_restores_megatron(megatron_cpu):
     sco.enable(2 * BOUNDARY, prefetch=0)  # enabling again replaces, never stacks
     sco.disable()
     assert (caller.tensor_parallel, getattr(owner, name), tp.checkpoint) == before
+    assert [site.caller.tensor_parallel for site in sites] == modules_before
+    assert getattr(*shared) is shared_before
     assert sco.enabled() is None
     sco.disable()  # no-op
 
@@ -203,3 +212,80 @@ def test_step_peak_and_leftovers_not_above_plain_recompute(megatron_cpu):
     # Every layer input but the first (alive before the decoder) went to the host pool.
     boundary = tiny.seq_length * tiny.micro_batch_size * tiny.hidden_size * 4
     assert sco_held <= held - (LAYERS - 1) * boundary, figures
+
+
+# ---------------------------------------------------------------------------- module recompute
+# Selective recompute of whole modules: one boundary per recomputed module (q, k, v for
+# core_attn; the MoE or MLP input), two per layer for the usual MoE setting core_attn + moe.
+HEADS_DIM = 3 * 16 * 2 * 64 * 4  # q, k and v of one layer: each [s, b, heads, head_dim] fp32
+MODULE_SETS = {
+    "core_attn+moe": (("core_attn", "moe"), True, 2),
+    "moe": (("moe",), True, 1),
+    "core_attn": (("core_attn",), True, 1),
+    "core_attn+mlp": (("core_attn", "mlp"), False, 2),  # a dense GPT: the MLP recompute
+}
+
+
+@pytest.fixture(scope="module", params=list(MODULE_SETS))
+def built_selective(request, megatron_cpu, tiny):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import build_tiny_gpt, transformer_config
+
+    modules, moe, per_layer = MODULE_SETS[request.param]
+    with megatron_layout(1, 1, 1, seed=tiny.seed):
+        torch.manual_seed(tiny.seed)
+        overrides = {} if moe else dict(num_moe_experts=None, moe_ffn_hidden_size=None)
+        config = transformer_config(tiny, recompute="selective", recompute_modules=modules,
+                                    **overrides)
+        spec = None if moe else get_gpt_layer_local_spec(normalization="RMSNorm")
+        model = build_tiny_gpt(tiny, config, layer_spec=spec)
+        model.train()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        reference = _step(tiny, model, init)
+        yield request.param, per_layer, model, init, reference
+
+
+@pytest.mark.parametrize("budget", ["unlimited", "partial"])
+def test_sco_bitwise_equal_to_module_recompute(built_selective, tiny, budget):
+    from megatron_flat.megatron import sco
+
+    name, per_layer, model, init, reference = built_selective
+    engine = sco.enable(BUDGETS[budget], prefetch=1)
+    run = _step(tiny, model, init)
+    sco.disable()
+    _assert_same(run, reference)
+
+    stats = engine.stats
+    assert stats.checkpoints == 2 * LAYERS * per_layer  # two microbatches
+    assert stats.plain_fallbacks == 0
+    if budget == "unlimited":
+        assert stats.boundaries_offloaded == stats.checkpoints and stats.boundaries_kept == 0
+    else:  # some spans fit, the rest stay on the device
+        assert stats.bytes_offloaded > 0 and stats.boundaries_kept > 0
+    assert stats.host_bytes_in_use == 0
+    assert stats.reloads_on_demand == 0
+    # Every boundary with a span in the pool was reloaded ahead of its recompute (a partly
+    # kept one too: core_attn's q, k, v are three spans).
+    assert stats.prefetch_hits >= max(stats.boundaries_offloaded, 1)
+    assert stats.max_restored_on_device <= 2
+    assert stats.restored_on_device == 0
+    _assert_same(_step(tiny, model, init), reference)  # disabled: Megatron's own again
+
+
+def test_module_recompute_offloads_the_per_layer_inputs_only(built_selective, tiny):
+    """core_attn: q, k and v go to the host, the mask, rotary table and mask type stay; moe
+    and mlp: the module input only."""
+    from megatron_flat.megatron import sco
+
+    name, per_layer, model, init, _ = built_selective
+    engine = sco.enable(BUDGETS["unlimited"], prefetch=1)
+    _step(tiny, model, init)
+    sco.disable()
+    stats = engine.stats
+    per_mb = {"core_attn": HEADS_DIM, "moe": BOUNDARY, "mlp": BOUNDARY}
+    modules = MODULE_SETS[name][0]
+    expected_tensors = 2 * LAYERS * sum(3 if m == "core_attn" else 1 for m in modules)
+    assert stats.tensors_offloaded == expected_tensors
+    assert stats.bytes_offloaded >= 2 * LAYERS * sum(per_mb[m] for m in modules)

@@ -1,4 +1,5 @@
-"""SCO inside Megatron-Core's full recompute at 2 ranks: bitwise equal to plain recompute.
+"""SCO inside Megatron-Core's full and module recompute at 2 ranks: bitwise equal to plain
+recompute.
 
 EP=2 (MoE alltoall), TP=2 with sequence parallelism, PP=2 with the 1F1B schedule (several
 microbatches' boundaries alive at once); 4 layers, dropout on. Each layout trains one step
@@ -20,6 +21,14 @@ LAYOUTS = {
                              BOUNDARY // 2),
     # 1F1B: the first stage holds 2 microbatches x 2 layers of boundaries, the last one 2.
     "pp2-1f1b-uniform-partial": (dict(pp=2, recompute="full"), 1, BOUNDARY),
+    # Module recompute, two boundaries per layer (attention's q, k, v; the MoE input).
+    "ep2-selective-attn-moe-unlimited": (
+        dict(ep=2, recompute="selective", recompute_modules=("core_attn", "moe")), 1, UNLIMITED),
+    "tp2-sp-selective-attn-moe-partial": (
+        dict(tp=2, recompute="selective", recompute_modules=("core_attn", "moe")), 1,
+        4 * BOUNDARY),
+    "pp2-1f1b-selective-moe-unlimited": (
+        dict(pp=2, recompute="selective", recompute_modules=("moe",)), 1, UNLIMITED),
 }
 
 

@@ -35,7 +35,7 @@ def test_all_off_changes_nothing_and_is_idempotent():
 
 def test_every_problem_is_reported_at_once():
     args = megatron_args("--flat-sco", "--flat-optimizer-offload", "--flat-dispatch", "llep",
-                         num_experts=None, recompute_granularity="selective", optimizer="sgd")
+                         num_experts=None, recompute_granularity=None, optimizer="sgd")
     with pytest.raises(inst.FlatConfigError) as err:
         megatron_flat.install(args)
     text = str(err.value)
@@ -43,6 +43,24 @@ def test_every_problem_is_reported_at_once():
     assert "--recompute-granularity full" in text
     assert "--optimizer adam" in text
     assert inst.installed() is None  # nothing was installed
+
+
+@pytest.mark.parametrize("settings, ok", [
+    (dict(recompute_granularity="full"), True),
+    (dict(recompute_granularity="selective"), True),  # Megatron's default module: core_attn
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]), True),
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"]), True),
+    (dict(recompute_granularity=None, moe_layer_recompute=True), True),  # 0.16's old flag
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act", "layernorm"]), False),
+    (dict(recompute_granularity="selective", recompute_modules=[]), False),
+    (dict(recompute_granularity=None), False),
+])
+def test_sco_needs_a_recompute_with_boundaries(settings, ok):
+    problems = inst.check_against_megatron(FlatConfig(sco=True), argparse.Namespace(**settings))
+    if ok:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and "core_attn moe mlp" in problems[0], problems
 
 
 def test_experts_must_split_over_ep():
