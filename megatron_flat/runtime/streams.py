@@ -27,8 +27,8 @@ import torch
 
 from megatron_flat.runtime import ledger
 
-__all__ = ["Event", "Stream", "copy", "current_stream", "delayed_copies", "record_stream",
-           "use_stream"]
+__all__ = ["Event", "Stream", "copy", "current_stream", "delayed_copies", "delayed_copy_count",
+           "record_stream", "use_stream"]
 
 DeviceLike = Union[str, int, torch.device, None]
 
@@ -58,6 +58,7 @@ class _CopyQueue:
         self.done = 0
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        _MODE["delayed"] += 1
         self.issued += 1
         self.pending.append((self.issued, dst, src))
         _BUSY.add(self)  # queued work outlives its Stream object, as on a GPU
@@ -83,7 +84,7 @@ class _Delayed(threading.local):
 
 
 _DELAYED = _Delayed()
-_MODE = {"on": 0}
+_MODE = {"on": 0, "delayed": 0}  # nesting depth; copies delayed since the process started
 _BUSY: set = set()  # queues with copies pending
 
 
@@ -99,6 +100,12 @@ def delayed_copies() -> Iterator[None]:
         if not _MODE["on"]:
             for queue in list(_BUSY):
                 queue.complete()
+
+
+def delayed_copy_count() -> int:
+    """Copies delayed since the process started (so a test can show its copies really were
+    queued late, not done at issue)."""
+    return _MODE["delayed"]
 
 
 # On CUDA, FLAT_CUDA_COPY_SLEEP_CYCLES=N queues a sleep kernel of N cycles before every copy
