@@ -44,7 +44,9 @@ Which parameters the inner optimizer holds, and where the fp32 master lives
 
 Exactness
     The update is torch's AdamW kernel (``torch.optim.adamw.adamw``) with the stock inner
-    optimizer's hyperparameters, per group, and its ``foreach``/``fused`` choice. Where
+    optimizer's hyperparameters, per group, and, for a stock ``torch.optim.AdamW``, its
+    ``foreach``/``fused`` choice as torch resolves it (``_stock_kernel``); in place of
+    transformer-engine's or apex's FusedAdam it runs torch's fused kernel on CUDA. Where
     Megatron's stock inner optimizer is ``torch.optim.AdamW`` (no transformer-engine or apex,
     as on CPU machines), training is bitwise equal to stock Megatron. With transformer-engine
     or apex installed Megatron uses their FusedAdam, whose arithmetic differs from torch's
@@ -98,8 +100,9 @@ Loading a checkpoint without optimizer state (``--no-load-optim``, ``--finetune`
 
 Memory
     One OffloadStreamAdamW per Megatron sub-optimizer (dense, and expert when the model has
-    experts), each with its own ``num_slots x largest bucket x 16`` bytes of device staging,
-    allocated when it first plans (its first step, or a checkpoint load).
+    experts), each with its own ``num_slots x largest bucket x 12`` bytes of device staging
+    (fp32 gradients are read where they are), allocated when it first plans (its first step,
+    or a checkpoint load).
 """
 
 from __future__ import annotations
@@ -497,6 +500,27 @@ def _placeholders_on_host(wrapper: Any) -> None:
     wrapper.sharded_state_dict = types.MethodType(sharded_state_dict, wrapper)
 
 
+def _state_dict_without_copies(wrapper: Any) -> None:
+    """``state_dict`` whose inner state dict holds views of the host state, not copies.
+
+    Megatron's distributed optimizer keeps only the param groups (and reads each step) of its
+    inner optimizer's state dict; the per-parameter state it saves separately, from the live
+    state (``sharded_state_dict``, ``get_parameter_state_*``). The inner optimizer's compact
+    copies were 12 B per parameter of host memory made and dropped on every save (and on every
+    load, which calls ``state_dict`` first)."""
+    stock = wrapper.state_dict
+
+    @functools.wraps(stock)
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        inner = _inner_of(self)
+        if inner is None:
+            return stock(*args, **kwargs)
+        with inner.state_dict_views():
+            return stock(*args, **kwargs)
+
+    wrapper.state_dict = types.MethodType(state_dict, wrapper)
+
+
 def _saved_step_after_load(wrapper: Any) -> None:
     stock = wrapper.load_state_dict
 
@@ -563,6 +587,8 @@ WRAPPER_PATCHES: Tuple[WrapperPatch, ...] = (
     WrapperPatch("sharded_state_dict", ("model_sharded_state_dict", "is_loading"), "distributed",
                  _placeholders_on_host,
                  "placeholders for a load are the host state, not device moments"),
+    WrapperPatch("state_dict", (), "distributed", _state_dict_without_copies,
+                 "no host copy of the optimizer state on a save (Megatron drops it)"),
     WrapperPatch("load_state_dict", ("state_dict",), "distributed",
                  _saved_step_after_load, "the saved step survives the load"),
     WrapperPatch("_set_main_param_and_optimizer_states", ("model_param", "tensors"),
@@ -610,8 +636,7 @@ def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
         if inner.state:
             raise ValueError("the inner optimizer already has state; swap it before training")
         defaults = inner.defaults
-        kernel = ({"foreach": defaults.get("foreach"), "fused": defaults.get("fused")}
-                  if isinstance(inner, torch.optim.AdamW) else {})
+        kernel = _stock_kernel(inner)
         precision_aware = isinstance(wrapper, DistributedOptimizer) and \
             bool(getattr(wrapper.config, _PRECISION_AWARE, False))
         cls, extra = MegatronOffloadStreamAdamW, {}
@@ -634,6 +659,21 @@ def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
                                      "precision_aware": precision_aware})
     wrapper._megatron_flat_offload = True
     return wrapper
+
+
+def _stock_kernel(inner: Any) -> Dict[str, Optional[bool]]:
+    """The AdamW kernel arguments that keep the offloaded step bitwise equal to the stock
+    inner optimizer: a ``torch.optim.AdamW``'s own choice, resolved as torch resolves it
+    (unset means foreach on CUDA), so the offloaded step runs the same kernel; none for
+    transformer-engine's or apex's FusedAdam (their arithmetic is not torch's anyway), so
+    OffloadStreamAdamW's default applies: torch's fused kernel on CUDA."""
+    if not isinstance(inner, torch.optim.AdamW):
+        return {}
+    foreach, fused = inner.defaults.get("foreach"), inner.defaults.get("fused")
+    if foreach is None and fused is None:
+        on_cuda = any(p.is_cuda for g in inner.param_groups for p in g["params"])
+        foreach = True if on_cuda else None
+    return {"foreach": foreach, "fused": fused}
 
 
 # ------------------------------------------------------------------------------- wiring

@@ -529,3 +529,60 @@ def test_pcie_bytes_per_step(dtype) -> None:
     staged = sum(b.numel for b in opt.plan.buckets)  # padding between segments included
     per = 8 if dtype == torch.float32 else 12
     assert ledger.h2d_bytes == ledger.d2h_bytes == per * staged
+
+
+def test_default_kernel_is_fused_on_cuda_and_torchs_elsewhere() -> None:
+    from megatron_flat.optim.offload_adamw import kernel_name, resolve_kernel
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_kernel({"foreach": None, "fused": None}, cuda) == {"foreach": None,
+                                                                     "fused": True}
+    assert resolve_kernel({"foreach": None, "fused": None}, cpu) == {"foreach": None,
+                                                                    "fused": None}
+    # An explicit choice is torch's to resolve, as given.
+    assert resolve_kernel({"foreach": True, "fused": None}, cuda) == {"foreach": True,
+                                                                     "fused": None}
+    assert resolve_kernel({"foreach": None, "fused": False}, cuda)["fused"] is False
+    names = {(f, fu, d.type): kernel_name(resolve_kernel({"foreach": f, "fused": fu}, d), d)
+             for f in (None, True, False) for fu in (None, True) for d in (cuda, cpu)
+             if not (f and fu)}
+    assert names[(None, None, "cuda")] == "fused" and names[(None, None, "cpu")] == "single"
+    assert names[(True, None, "cpu")] == "foreach" and names[(False, None, "cuda")] == "single"
+    assert names[(None, True, "cpu")] == "fused"
+    params = make_params(torch.float32)
+    assert OffloadStreamAdamW(params).kernels == ["single"]
+    assert OffloadStreamAdamW(params, fused=True).kernels == ["fused"]
+
+
+def test_megatron_keeps_a_stock_torch_adamws_kernel() -> None:
+    """In Megatron the offloaded step runs the stock torch AdamW's kernel (bitwise equal to
+    it); in place of another optimizer (TE's or apex's FusedAdam) OffloadStreamAdamW's
+    default: fused on CUDA."""
+    from megatron_flat.megatron.optimizer import _stock_kernel
+
+    params = make_params(torch.float32)
+    assert _stock_kernel(torch.optim.AdamW(params)) == {"foreach": None, "fused": None}
+    assert _stock_kernel(torch.optim.AdamW(params, foreach=False)) == {"foreach": False,
+                                                                      "fused": None}
+    assert _stock_kernel(torch.optim.SGD(params, lr=0.1)) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_default_is_fused_and_bitwise_equal_to_unbucketed_fused_adamw(dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(1000, 257), (4097,), (3,), (77, 1031)]
+    params = [torch.randn(s, generator=gen).to("cuda", dtype).requires_grad_() for s in shapes]
+    refs = [p.detach().float().clone().requires_grad_() for p in params]
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2, fused=True)
+    opt = OffloadStreamAdamW(params, lr=1e-2, bucket_numel=40_000, num_slots=2)
+    assert opt.kernels == ["fused"]
+    for _ in range(10):
+        for p, r in zip(params, refs):
+            g = torch.randn(p.shape, generator=gen).to("cuda", dtype)
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(params, refs):
+        assert torch.equal(p, r.detach().to(dtype))
+        assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[r]["exp_avg"].cpu())
