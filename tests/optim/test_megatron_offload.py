@@ -311,3 +311,48 @@ def test_main_params_from_a_checkpoint_are_refused_on_the_precision_aware_path()
     with pytest.raises(NotImplementedError):
         wrapper.reload_model_params({"model": {}})
     assert calls == [None]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_distributed_save_adds_at_most_one_bucket_of_host_bytes(megatron_cpu, bf16):
+    """Under the distributed optimizer, a checkpoint save (Megatron's ``state_dict`` and
+    ``sharded_state_dict`` in the dp_reshardable format, Megatron-LM's default) reads
+    the host state where it is: the save's transient CPU bytes stay within one bucket of host
+    state (bucket_numel x 12 B). A compact copy of the state — what the inner state dict made
+    before — is 8-12 B per parameter, many buckets here. (On CPU every new tensor is a CPU
+    tensor; on a GPU machine these are the host-side bytes of the save.)"""
+    import sys
+
+    from megatron_flat.runtime.memory import MemoryMeter
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+    from megatron_flat.testing.training import Layout
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _megatron_runs import make_trainer, train
+
+    tiny = TinyMoE()
+    with megatron_layout(seed=tiny.seed):
+        trainer = make_trainer(tiny, Layout(distributed_optimizer=True), offload=True,
+                               bf16=bf16)
+        train(trainer, [0])
+        inners = mopt.inner_optimizers(trainer.optimizer)
+        bucket = max(o.bucket_numel for o in inners) * 12
+        held = sum(o.host_bytes for o in inners)
+        assert held > 4 * bucket  # the state spans several buckets
+        model_sd = trainer.model.sharded_state_dict()
+        figures = {}
+        with MemoryMeter() as meter:
+            trainer.optimizer.state_dict()
+        figures["state_dict"] = meter.peak_device_bytes
+        for fmt in ("dp_reshardable",):
+            with MemoryMeter() as meter:
+                trainer.optimizer.sharded_state_dict(
+                    model_sd, metadata={"distrib_optim_sharding_type": fmt})
+            figures[fmt] = meter.peak_device_bytes
+        with MemoryMeter() as meter:  # what a compact copy of the state costs
+            compact = [o.state_dict() for o in inners]
+        copied = meter.peak_device_bytes
+        del compact
+    assert all(v <= bucket for v in figures.values()), (figures, bucket)
+    assert copied >= held * 8 // 12 > bucket, (copied, held)
