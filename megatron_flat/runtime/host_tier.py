@@ -32,8 +32,8 @@ import torch
 from megatron_flat.runtime import memory
 from megatron_flat.runtime.host_pool import HostPool
 
-__all__ = ["HostTier", "HostTierError", "LazyHostPool", "configure", "node_memory_bytes",
-           "pin_exact", "ranks_per_node", "tier"]
+__all__ = ["HostTier", "HostTierError", "LazyHostPool", "caching_allocator_bytes", "configure",
+           "node_memory_bytes", "pin_exact", "ranks_per_node", "tier"]
 
 GIB = 1 << 30
 
@@ -62,6 +62,15 @@ def ranks_per_node() -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 1
+
+
+def caching_allocator_bytes(nbytes: int) -> int:
+    """What ``torch.empty(nbytes, pin_memory=True)`` takes from torch's caching host allocator:
+    the request rounded up to a power of two. Read from torch 2.13's
+    ``ATen/core/CachingHostAllocator.h`` (``PowerOf2Ceil`` for every size up to
+    ``pinned_max_round_threshold``, unlimited unless ``PYTORCH_CUDA_ALLOC_CONF`` sets it);
+    ``benchmarks/gpu_host_tier.py`` measures it on a GPU."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------- exact pinning
@@ -110,6 +119,8 @@ class HostTier:
         self._declared: Dict[str, int] = {}
         self._allocated: Dict[str, int] = {}
         self._pinned: Dict[str, int] = {}
+        self._buffers: Dict[int, tuple] = {}  # live buffers: key -> (technique, bytes)
+        self._next_key = 0
         self._lock = threading.Lock()
         self._warned = False
 
@@ -123,6 +134,24 @@ class HostTier:
     def pinned_bytes(self) -> int:
         """Bytes page-locked now (exact: what the tier asked the driver for)."""
         return sum(self._pinned.values())
+
+    def report(self) -> dict:
+        """What this rank holds and what the node holds, for benchmarks and logs:
+        ``allocated_bytes`` (by technique), ``allocated_total_bytes``, ``pinned_bytes``
+        (exact), ``buffers`` (live buffer count), ``ranks_per_node``, ``per_node_bytes``
+        (ranks per node x this rank's bytes), ``node_budget_bytes`` and
+        ``caching_allocator_bytes`` (what ``pin_memory=True`` would hold for the same
+        buffers, see :func:`caching_allocator_bytes`)."""
+        with self._lock:
+            allocated = dict(self._allocated)
+            sizes = [n for _, n in self._buffers.values()]
+            pinned = sum(self._pinned.values())
+        total = sum(allocated.values())
+        ranks = self._ranks()
+        return {"allocated_bytes": allocated, "allocated_total_bytes": total,
+                "pinned_bytes": pinned, "buffers": len(sizes), "ranks_per_node": ranks,
+                "per_node_bytes": ranks * total, "node_budget_bytes": self._node_budget(),
+                "caching_allocator_bytes": sum(caching_allocator_bytes(n) for n in sizes)}
 
     def _node_budget(self) -> int:
         return self.node_budget_bytes if self.node_budget_bytes else node_memory_bytes()
@@ -186,9 +215,12 @@ class HostTier:
             self._count(self._allocated, technique, nbytes)
             if pinned:
                 self._count(self._pinned, technique, nbytes)
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._buffers[key] = (technique, nbytes)
             # A buffer that dies (an optimizer re-planned, a pool dropped) stops counting, so
             # the node check sees what is held now, not everything ever allocated.
-            weakref.finalize(buffer.untyped_storage(), self._freed, technique, nbytes, pinned)
+            weakref.finalize(buffer.untyped_storage(), self._freed, technique, nbytes, pinned,
+                             key)
             return buffer
 
     @staticmethod
@@ -199,8 +231,9 @@ class HostTier:
         else:
             counts.pop(technique, None)
 
-    def _freed(self, technique: str, nbytes: int, pinned: bool) -> None:
+    def _freed(self, technique: str, nbytes: int, pinned: bool, key: int = -1) -> None:
         with self._lock:
+            self._buffers.pop(key, None)
             self._count(self._allocated, technique, -nbytes)
             if pinned:
                 self._count(self._pinned, technique, -nbytes)

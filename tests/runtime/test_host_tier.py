@@ -130,3 +130,29 @@ def test_a_dead_buffer_stops_counting(gpu_node):
     assert tier.allocated_bytes == {} and tier.pinned_bytes == 0
     again = tier.pool("optimizer", 6 * MIB)  # 12 MiB ever allocated, 6 MiB held: fits 10
     assert tier.allocated_bytes == {"optimizer": 6 * MIB} and again.capacity_bytes == 6 * MIB
+
+
+def test_report_what_the_rank_and_the_node_hold(gpu_node):
+    tier = HostTier(node_budget_bytes=GIB, local_ranks=8)
+    sco = tier.pool("sco", 85 * MIB + 3)
+    opt = tier.pool("optimizer", 5 * MIB)
+    report = tier.report()
+    assert report["allocated_bytes"] == {"sco": 85 * MIB + 3, "optimizer": 5 * MIB}
+    assert report["allocated_total_bytes"] == report["pinned_bytes"] == 90 * MIB + 3
+    assert report["buffers"] == 2 and report["ranks_per_node"] == 8
+    assert report["per_node_bytes"] == 8 * (90 * MIB + 3)
+    assert report["node_budget_bytes"] == GIB
+    # pin_memory=True would round each buffer up to a power of two: 128 MiB + 8 MiB.
+    assert report["caching_allocator_bytes"] == 136 * MIB
+    del sco
+    gc.collect()
+    assert tier.report()["buffers"] == 1 and tier.report()["caching_allocator_bytes"] == 8 * MIB
+    del opt
+
+
+def test_caching_allocator_rounding_rule():
+    from megatron_flat.runtime.host_tier import caching_allocator_bytes
+
+    assert [caching_allocator_bytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096,
+                                                                            8192]
+    assert caching_allocator_bytes(85 * MIB + 3) == 128 * MIB
