@@ -1,0 +1,42 @@
+"""benchmarks/checkpoint.py runs end to end at tiny shapes and its JSON holds the host
+tier's figures (exact bytes, per-node total, the pin_memory comparison) and SCO's
+on-demand reloads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_checkpoint_benchmark_smoke(tmp_path, monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "checkpoint_benchmark", os.path.join(ROOT, "benchmarks", "checkpoint.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "checkpoint.json"
+    monkeypatch.setattr(sys, "argv", [
+        "checkpoint.py", "--depths", "2", "6", "--seq", "32", "--hidden", "16", "--reps", "1",
+        "--ranks-per-node", "4", "--device", "cpu", "--json", str(out)])
+    bench.main()
+    result = json.loads(out.read_text())
+    rows = {(r["depth"], r["variant"]): r for r in result["rows"]}
+    boundary = 32 * 2 * 16 * 4
+    for depth in (2, 6):
+        for variant, share in (("sco", 1), ("sco-half", 2)):
+            r = rows[(depth, variant)]
+            tier = r["host_tier"]
+            # Exactly the budget (one 512 B-aligned block per boundary), no power-of-two.
+            assert tier["allocated_total_bytes"] == depth // share * boundary
+            assert tier["per_node_bytes"] == 4 * tier["allocated_total_bytes"]
+            assert tier["caching_allocator_bytes"] >= tier["allocated_total_bytes"]
+            assert r["reloads_on_demand"] == 0
+            assert r["prefetch_hits"] == r["boundaries_offloaded"] == depth // share
+            assert r["ledger"]["h2d_bytes"] == r["ledger"]["d2h_bytes"] == \
+                r["boundaries_offloaded"] * boundary
+    # 6 boundaries of 4 KiB: 24 KiB exact, 32 KiB through pin_memory.
+    assert rows[(6, "sco")]["host_tier"]["caching_allocator_bytes"] == 32 * 1024
+    assert result["summary"]["targets"]["no_reload_on_demand"]
