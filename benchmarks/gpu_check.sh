@@ -17,7 +17,8 @@
 #             sync-debug count beside them, measured time, the step-time model's predicted
 #             time, and a torch.profiler summary of how much copy time ran under compute
 #  4. sco     benchmarks/checkpoint.py on CUDA (64 MiB boundaries, real copy streams)
-#  5. optim   benchmarks/optimizer.py at ~1B parameters (step time vs the transfer floor)
+#  5. optim   benchmarks/optimizer.py at ~1B parameters (step time vs the transfer floor,
+#             against Megatron's own --optimizer-cpu-offload HybridDeviceOptimizer)
 #  6. vocab   benchmarks/vocab.py at P = 1 on CUDA (dense vs Ring-DTP blocked)
 #  7. summary OUTDIR/summary.txt and summary.json: stage results, predicted vs measured
 # megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
@@ -74,7 +75,8 @@ run_stage tier 30 "$PY" benchmarks/gpu_host_tier.py --json "$OUT/host-tier-cuda.
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
 run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --json "$OUT/ledger-gpu.json"
 run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"
-run_stage optim 90 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --json "$OUT/optimizer-cuda.json"
+run_stage optim 150 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --repeats 1 \
+  --json "$OUT/optimizer-cuda.json"
 run_stage vocab 40 "$PY" benchmarks/vocab.py --device cuda --scale 4 --reps 2 --json "$OUT/vocab-cuda.json"
 
 "$PY" - "$OUT" "$DRY" <<'PY' | tee "$OUT/summary.txt"

@@ -1,7 +1,8 @@
-"""Optimizer step: serial CPU AdamW offload vs OffloadStreamAdamW vs on-device AdamW.
+"""Optimizer step: CPU AdamW offload (ours and Megatron's) vs OffloadStreamAdamW vs on-device.
 
 Variants, all on the same model (transformer-shaped matrices, ``--dtype`` params on
-``--device``) and the same gradients:
+``--device``) and the same fp32 gradients (``main_grad``, as Megatron's grad buffer holds
+them):
 
   (a) cpu-adamw      ZeRO-Offload style: fp32 master, exp_avg, exp_avg_sq and an fp32 grad
                      copy in host memory (the host pool); each step copies grads to the
@@ -10,9 +11,17 @@ Variants, all on the same model (transformer-shaped matrices, ``--dtype`` params
   (b) offload-sN     OffloadStreamAdamW with N staging slots (N = ``--slots``).
   (c) device-adamw   torch.optim.AdamW with all state on the device (for low-precision
                      params: on an fp32 master copy, then cast), the memory it costs.
+  (d) megatron-hdo   Megatron-Core's HybridDeviceOptimizer as ``--optimizer-cpu-offload
+                     --optimizer-offload-fraction 1.0`` builds it (megatron_flat.testing.
+                     hybrid_optimizer): fp32 masters, moments and grads on the host, the step
+                     on the CPU. On a CPU-only machine it runs on stand-in device params (its
+                     memory is exact, its time means nothing); leave out with --skip-hdo.
 
 Reported per variant: median step time, ratio to (a), device peak (MemoryMeter, above the
-model's params and grads), device staging bytes (b), host state bytes (host pool).
+model's params and grads), device staging bytes (b), host state bytes (host pool; for (d)
+the host tensors it holds, counted storage by storage). For (b) also the host tier's
+figures: bytes allocated (exact), pinned (CUDA), the per-node total for ``--ranks-per-node``
+ranks and what ``pin_memory=True`` would hold for the same buffers.
 (b) and (c) run the same AdamW kernel on the same device, so their weights must be
 bitwise equal; that is checked. On CUDA it also measures pinned host<->device bandwidth
 and reports (b) against the transfer floor (bytes each way / bandwidth, the two
@@ -38,7 +47,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_flat.optim import OffloadStreamAdamW
-from megatron_flat.runtime import HostPool, MemoryMeter
+from megatron_flat.runtime import HostPool, MemoryMeter, host_tier, memory
 from megatron_flat.runtime.ledger import CostLedger, count, counts_cells, counts_header
 from megatron_flat.runtime.memory import format_bytes
 
@@ -69,7 +78,7 @@ def fused_on(device: torch.device) -> bool:
 
 
 class Model:
-    """Params and grads, rebuilt identically for each variant."""
+    """Params and their fp32 gradients (``main_grad``), rebuilt identically per variant."""
 
     def __init__(self, shapes, dtype, device, seed=0):
         gen = torch.Generator(device).manual_seed(seed)  # on the device: fast for 1B params
@@ -77,7 +86,8 @@ class Model:
         for s in shapes:
             p = torch.randn(s, generator=gen, device=device).mul_(0.02).to(dtype)
             p.requires_grad_()
-            p.grad = torch.randn(s, generator=gen, device=device).mul_(1e-3).to(dtype)
+            # Megatron keeps gradients in an fp32 buffer whatever the param dtype.
+            p.main_grad = torch.randn(s, generator=gen, device=device).mul_(1e-3)
             self.params.append(p)
 
     @property
@@ -116,7 +126,7 @@ class CpuAdamW:
     @torch.no_grad()
     def step(self) -> None:
         for p, g in zip(self.params, self.host_grads):
-            g.copy_(p.grad, non_blocking=True)
+            g.copy_(p.main_grad, non_blocking=True)
         sync(self.params[0].device)
         self.opt.step()
         for p, m in zip(self.params, self.masters):
@@ -138,14 +148,49 @@ class DeviceAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        if self.low:
-            for p, m in zip(self.params, self.masters):
-                m.grad = p.grad.float()
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.main_grad
         self.opt.step()
-        if self.low:
-            for p, m in zip(self.params, self.masters):
+        for p, m in zip(self.params, self.masters):
+            if self.low:
                 p.copy_(m)
-                m.grad = None
+            m.grad = None
+
+
+class MegatronHDO:
+    """(d): Megatron's HybridDeviceOptimizer (all state offloaded). On CPU it runs over
+    stand-in device params, and whatever it allocates is host memory for the meter."""
+
+    def __init__(self, params, lr):
+        from megatron_flat.testing import hybrid_optimizer as hdo
+
+        self.cpu = not params[0].is_cuda
+        self.params = hdo.stand_in(params) if self.cpu else params
+        for p, given in zip(self.params, params):
+            p.decoupled_grad = given.main_grad  # HDO reads decoupled_grad, else .grad
+        with self._host():
+            self.opt = hdo.hybrid_device_adamw(self.params, lr)
+        self.kernel = "cpu fused"
+        self._host_bytes = hdo.host_bytes
+
+    def _host(self):
+        return memory.host_allocation() if self.cpu else _nothing()
+
+    def step(self) -> None:
+        with self._host():
+            self.opt.step()
+
+    @property
+    def host_bytes(self) -> int:
+        return self._host_bytes(self.opt)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def run_variant(name: str, build: Callable[[list], Any], args, shapes, dtype, device,
@@ -240,6 +285,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--skip-device-adamw", action="store_true",
                    help="leave out (c) when the device cannot hold the full state")
+    p.add_argument("--skip-hdo", action="store_true",
+                   help="leave out (d), Megatron's HybridDeviceOptimizer (needs megatron-core)")
+    p.add_argument("--ranks-per-node", type=int, default=8,
+                   help="ranks sharing a node's host memory, for the per-node total")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 keeps a shared machine's "
                         "OpenMP barriers out of the timings")
@@ -250,6 +299,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tier = host_tier.configure(local_ranks=args.ranks_per_node)  # (b)'s host memory
     dtype = DTYPES[args.dtype]
     shapes = layer_shapes(args.hidden, args.layers)
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -265,10 +315,10 @@ def main() -> None:
         return HostPool(16 * numel + 4 * 512 * len(shapes))
 
     def offload_info(o):
-        return {"kernel": f"{device.type} {kernel}", "staging_bytes": o.staging_bytes,
+        return {"kernel": f"{device.type} {o.kernels[0]}", "staging_bytes": o.staging_bytes,
                 "host_state_bytes": o.host_bytes, "buckets": len(o.plan.buckets),
                 "largest_bucket": o.plan.largest_numel,
-                "host_pinned": o.host_pinned}
+                "host_pinned": o.host_pinned, "host_tier": tier.report()}
 
     variants = [("(a) cpu-adamw", lambda ps: CpuAdamW(ps, args.lr, pool_for_a(), cpu_fused),
                  lambda o: {"kernel": f"cpu {o.kernel}"})]
@@ -277,12 +327,21 @@ def main() -> None:
             f"(b) offload-s{slots}",
             lambda ps, slots=slots: OffloadStreamAdamW(
                 ps, lr=args.lr, bucket_numel=args.bucket_numel, num_slots=slots,
-                device=device, **kernel_kw),
+                device=device, grad_attr="main_grad", **kernel_kw),
             offload_info,
         ))
     if not args.skip_device_adamw:
         variants.append(("(c) device-adamw", lambda ps: DeviceAdamW(ps, args.lr, kernel_kw),
                          lambda o: {"kernel": f"{device.type} {kernel}"}))
+    if not args.skip_hdo:
+        try:
+            import megatron.core.optimizer.cpu_offloading  # noqa: F401
+        except ImportError as exc:
+            print(f"(d) megatron-hdo left out: megatron-core not importable ({exc})")
+            args.skip_hdo = True
+    if not args.skip_hdo:
+        variants.append(("(d) megatron-hdo", lambda ps: MegatronHDO(ps, args.lr),
+                         lambda o: {"kernel": o.kernel, "host_state_bytes": o.host_bytes}))
 
     # Round-robin repeats: a machine whose load drifts slows every variant alike.
     rows: dict[str, dict] = {}
@@ -360,7 +419,17 @@ def main() -> None:
         print(f"{r['variant']:18s}{r['kernel']:>12s}{r['step_s'] * 1e3:>8.1f}ms"
               f"{r['time_ratio_vs_a']:>7.2f}x{r['min_step_s'] * 1e3:>8.1f}ms"
               f"{r['min_time_ratio_vs_a']:>7.2f}x{format_bytes(r['peak_device_bytes']):>13s}"
-              f"{staging:>12s}{format_bytes(r['peak_host_bytes']):>12s}")
+              f"{staging:>12s}{format_bytes(r.get('host_state_bytes', r['peak_host_bytes'])):>12s}")
+    tiers = [r for r in rows if "host_tier" in r]
+    if tiers:
+        print(f"host tier of (b) (per rank; per node: x{args.ranks_per_node} ranks): allocated "
+              "(exact), pinned (CUDA only), what pin_memory=True would hold")
+        for r in tiers:
+            t = r["host_tier"]
+            print(f"  {r['variant']:16s}{format_bytes(t['allocated_total_bytes']):>12s} allocated"
+                  f"{format_bytes(t['pinned_bytes']):>12s} pinned"
+                  f"{format_bytes(t['per_node_bytes']):>12s} per node"
+                  f"{format_bytes(t['caching_allocator_bytes']):>12s} with pin_memory")
     print("counts of one step (CostLedger; h2d/d2h: optimizer state streamed to and from the "
           "host pool)")
     print(f"{'variant':18s}" + counts_header())
