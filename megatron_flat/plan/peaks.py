@@ -80,11 +80,10 @@ HOST_BYTES_PER_PARAM_FP32 = 8
 STAGING_BYTES_PER_PARAM = 12       # one staged parameter: master, m, v (fp32; the fp32
                                    # gradient Megatron hands over is read in place)
 # AdamW kernel scratch per element updated at once: torch's single-tensor kernel keeps
-# sqrt(v) and the step's quotient (8 B/element of the largest parameter or bucket piece),
-# its foreach kernel (what OffloadStreamAdamW resolves to on CUDA) sqrt(v) for the whole
-# bucket (4 B/element); fused kernels none.
+# sqrt(v) and the step's quotient (8 B/element of the largest parameter or bucket piece);
+# fused kernels none (OffloadStreamAdamW runs torch's fused kernel on CUDA in place of
+# transformer-engine's or apex's FusedAdam).
 ADAM_SCRATCH_SINGLE_TENSOR = 8
-ADAM_SCRATCH_FOREACH = 4
 # Megatron's gradient clipping without apex/transformer-engine (local_multi_tensor_scale)
 # writes each scaled fp32 gradient to a temporary before copying it back.
 CLIP_SCRATCH_BYTES_PER_PARAM = 4
@@ -599,14 +598,13 @@ def optimizer_step_term(model: ModelSpec, layout: Layout, shard: int, biggest: i
     + kernel scratch (unfused: torch's single-tensor AdamW, 8 B × the largest parameter;
     fused: none). OffloadStreamAdamW: its staging slots + kernel scratch (unfused: 8 B × the
     largest piece of one bucket, ≤ min(bucket, largest parameter); fused kernels on CUDA:
-    torch's foreach kernel, 4 B × the bucket). Unfused clipping scales each gradient into
+    torch's fused kernel, none). Unfused clipping scales each gradient into
     an fp32 temporary (4 B × the largest parameter) before the update starts.
     """
     bucket = min(flat.optimizer_bucket_numel, shard) if flat and flat.optimizer_offload else 0
     if bucket:
         state = flat.optimizer_num_slots * bucket * STAGING_BYTES_PER_PARAM
-        scratch = ADAM_SCRATCH_FOREACH * bucket if layout.fused_kernels else \
-            ADAM_SCRATCH_SINGLE_TENSOR * min(bucket, biggest)
+        scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * min(bucket, biggest)
     else:
         state = shard * ADAM_BYTES_PER_PARAM_FP32
         scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * biggest
