@@ -5,6 +5,11 @@ Prints each peak per device without and with megatron-flat, the term that binds,
 next to each flattened peak, the predicted time cost of those knobs on ``--device`` (the
 step-time model of ``plan.time`` over the per-layer counts of ``plan.costs``, scaled to the
 model's layers on the worst stage); ``--json`` prints the same as one JSON object.
+
+"Without megatron-flat" is a baseline (``plan.baselines``): stock Megatron, Megatron's
+optimizer CPU offload, or FSDP2 with CPU offload. Every baseline the layout allows is
+evaluated (peak, host bytes, reach, predicted step); ``--baseline`` picks the one the table
+compares with, by default the strongest: the one reaching the longest context.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megatron_flat.config import FlatConfig
@@ -34,6 +39,7 @@ from megatron_flat.plan.model import (
     default_layout,
     load_model,
 )
+from megatron_flat.plan.baselines import BASELINES, DESCRIPTIONS, allowed
 from megatron_flat.plan.costs import UNITS, unit_costs
 from megatron_flat.plan.peaks import COMPONENTS, DEFAULT_SKEW, PeakReport, estimate, usable
 from megatron_flat.plan.time import DEVICES, Prediction, format_seconds, predict
@@ -92,18 +98,23 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
     p.add_argument("--microbatches", type=int, default=1,
                    help="microbatches per step on each GPU (global batch / (micro-batch "
                         "size x DP)), for the predicted step time (default 1)")
+    p.add_argument("--baseline", default="auto", choices=("auto",) + BASELINES,
+                   help="what the flat column is compared with: megatron (stock), "
+                        "megatron-cpu-offload (--optimizer-cpu-offload), fsdp2-offload; "
+                        "default auto: the strongest the layout allows (longest context)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
 # Which peak row each unit's time cost sits next to, and what one unit is.
 UNIT_ROWS = {"dispatch": "dispatch", "vocab": "vocab", "boundaries": "boundaries",
-             "optimizer": "optimizer"}
+             "optimizer": "optimizer", "parameters": "optimizer"}
 UNIT_LABELS = {
     "dispatch": "MoE layers (experts + all-to-all)",
     "vocab": "projection + loss",
     "boundaries": "attention + SCO copies",
     "optimizer": "optimizer step (per step)",
+    "parameters": "parameter gathers (FSDP2)",
 }
 
 
@@ -116,11 +127,13 @@ def step_seconds(times: Dict[str, Dict[str, Prediction]], variant: str,
     return microbatches * per_mb + times["optimizer"][variant].total_s
 
 
-def predict_units(res: "PlanResult") -> Dict[str, Dict[str, Prediction]]:
+def predict_units(res: "PlanResult", baseline: Optional[PeakReport] = None
+                  ) -> Dict[str, Dict[str, Prediction]]:
     """Predicted time of each unit, baseline and flat, on ``res.device`` (per microbatch on
-    the worst stage; the optimizer per step)."""
+    the worst stage; the optimizer per step). ``baseline``: another baseline's report in
+    place of the table's."""
     out: Dict[str, Dict[str, Prediction]] = {}
-    for variant, report, flat in (("baseline", res.baseline, None),
+    for variant, report, flat in (("baseline", baseline or res.baseline, None),
                                   ("flat", res.flat_report, res.flat)):
         for unit, (counts, overlap) in unit_costs(res.model, res.layout, report, flat).items():
             out.setdefault(unit, {})[variant] = predict(counts, overlap, res.device)
@@ -201,7 +214,7 @@ class PlanResult:
     device_bytes: int
     budget: int              # usable device bytes
     host_bytes: Optional[int]  # per node; None: not limited
-    baseline: PeakReport
+    baseline: PeakReport     # the baseline the table compares with (``baseline_name``)
     flat_report: PeakReport
     flat: FlatConfig
     reach: Reach
@@ -209,6 +222,19 @@ class PlanResult:
     all_on: bool = False     # flat = every technique at its smallest-memory setting
     device: str = "H200"     # what the step-time model predicts for
     microbatches: int = 1    # per step on each GPU, for the predicted step time
+    baseline_name: str = "megatron"
+    # every baseline: its report at seq_len (None when the layout cannot run it) and why not
+    baselines: Dict[str, Optional[PeakReport]] = field(default_factory=dict)
+    not_allowed: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def strongest(self) -> Optional[str]:
+        return self.reach.strongest()
+
+    def baseline_step_s(self, name: str) -> float:
+        """Predicted step seconds of baseline ``name`` (as ``step_seconds``)."""
+        times = predict_units(self, self.baselines[name])
+        return step_seconds(times, "baseline", self.microbatches)
 
     def fits(self, report: PeakReport) -> bool:
         """The criterion ``fit`` uses: total within the usable device bytes, pinned host
@@ -245,8 +271,22 @@ class PlanResult:
             "knobs": knobs,
             "host_bytes": {"baseline": self.baseline.host_per_node, "flat": r.host_per_node,
                            "flat_per_device": r.host_per_device, "available": self.host_bytes},
-            "max_context": {"baseline": self.reach.baseline, "flat": self.reach.flat},
+            "max_context": {"baseline": self.reach.baselines.get(self.baseline_name, 0),
+                            "flat": self.reach.flat},
             "max_context_granularity": self.reach.granularity,
+            "baseline_name": self.baseline_name,
+            "baselines": {
+                name: ({"total": rep.total, "fits": self.fits(rep),
+                        "max_context": self.reach.baselines.get(name, 0),
+                        "host_bytes": rep.host_per_device,
+                        "host_pinned_bytes": rep.host_pinned,
+                        "predicted_step_s": self.baseline_step_s(name),
+                        "describes": DESCRIPTIONS[name]}
+                       if rep is not None else {"allowed": False,
+                                                "why": self.not_allowed[name]})
+                for name, rep in self.baselines.items()},
+            "strongest_baseline": self.strongest,
+            "reach_ratio": self.reach.ratio(),
         }
         times = predict_units(self)
         out["predicted_time"] = {
@@ -297,11 +337,25 @@ def plan(args: argparse.Namespace) -> PlanResult:
             flat_report = err.best
             flat = flat_report.flat or FlatConfig()
     reach = max_context(model, layout, device, host, **kw)
+    reports: Dict[str, Optional[PeakReport]] = {}
+    not_allowed: Dict[str, str] = {}
+    for name in BASELINES:
+        why = allowed(name, layout)
+        if why:
+            reports[name], not_allowed[name] = None, why
+        else:
+            reports[name] = estimate(model, layout, seq, None, skew=args.skew, baseline=name)
+    name = args.baseline
+    if name == "auto":
+        name = reach.strongest() or "megatron"
+    elif reports.get(name) is None:
+        raise PlanError(f"--baseline {name}: {not_allowed[name]}")
     return PlanResult(model=model, layout=layout, chosen=chosen, seq_len=seq, skew=args.skew,
                       device_bytes=device, budget=usable(device, args.margin), host_bytes=host,
-                      baseline=baseline, flat_report=flat_report, flat=flat, reach=reach,
+                      baseline=reports[name], flat_report=flat_report, flat=flat, reach=reach,
                       error=error, all_on=args.all_on, device=device_model(args.device).name,
-                      microbatches=args.microbatches)
+                      microbatches=args.microbatches, baseline_name=name, baselines=reports,
+                      not_allowed=not_allowed)
 
 
 def _binds(p: Prediction) -> str:
@@ -324,12 +378,17 @@ def render_table(res: PlanResult) -> str:
         f"device: {format_bytes(res.device_bytes)}, usable {format_bytes(res.budget)}; host: "
         + (f"{format_bytes(host)} per node of {min(lay.gpus_per_node, lay.gpus)} GPUs"
            if host else "not limited"),
+        f"baseline: {res.baseline_name} ({DESCRIPTIONS[res.baseline_name]})",
         "",
         f"{'peak per GPU':34s}{'baseline':>14s}{'flat':>14s}",
     ]
     times = predict_units(res)
-    by_row = {UNIT_ROWS[u]: _cost(pair["baseline"].total_s, pair["flat"].total_s)
-              for u, pair in times.items()}
+    sums: Dict[str, List[float]] = {}
+    for u, pair in times.items():
+        row = sums.setdefault(UNIT_ROWS[u], [0.0, 0.0])
+        row[0] += pair["baseline"].total_s
+        row[1] += pair["flat"].total_s
+    by_row = {row: _cost(base_s, flat_s) for row, (base_s, flat_s) in sums.items()}
     lines[-1] += f"   predicted time cost ({res.device})"
     bc, fc = base.components(), r.components()
     for name in COMPONENTS + ("total",):
@@ -340,7 +399,7 @@ def render_table(res: PlanResult) -> str:
     flat_fits = res.error is None and res.fits(r)
     lines.append(f"  {'fits':32s}{yes[res.fits(base)]:>14s}{yes[flat_fits]:>14s}")
     lines.append(f"  {'binding term':32s}{base.binding:>14s}{r.binding:>14s}")
-    lines.append(f"  {'pinned host per node':32s}{format_bytes(base.host_per_node):>14s}"
+    lines.append(f"  {'host memory per node':32s}{format_bytes(base.host_per_node):>14s}"
                  f"{format_bytes(r.host_per_node):>14s}"
                  + (f"  (of {format_bytes(host)})" if host else ""))
     lines.append("")
@@ -355,11 +414,29 @@ def render_table(res: PlanResult) -> str:
     if flags:
         lines.append("  flags: " + flags)
     mc = res.reach
-    lines.append(f"max context: baseline {format_tokens(mc.baseline) if mc.baseline else 'none'}"
-                 f", flat {format_tokens(mc.flat) if mc.flat else 'none'} "
-                 f"(multiples of {mc.granularity:,} tokens)")
-    if not mc.baseline and base.optimizer > res.budget:
-        lines.append(f"  (baseline: the optimizer/model state alone, "
+
+    def tokens(n: int) -> str:
+        return format_tokens(n) if n else "none"
+
+    lines.append(f"max context: flat {tokens(mc.flat)} (multiples of {mc.granularity:,} "
+                 "tokens); baselines (what runs without megatron-flat):")
+    lines.append(f"  {'baseline':22s}{'step peak':>12s}{'fits':>6s}{'max context':>13s}"
+                 f"{'host/GPU':>12s}{'predicted step':>16s}")
+    for name, rep in res.baselines.items():
+        if rep is None:
+            lines.append(f"  {name:22s}not for this layout: {res.not_allowed[name]}")
+            continue
+        lines.append(f"  {name:22s}{format_bytes(rep.total):>12s}{yes[res.fits(rep)]:>6s}"
+                     f"{tokens(mc.baselines.get(name, 0)):>13s}"
+                     f"{format_bytes(rep.host_per_device):>12s}"
+                     f"{format_seconds(res.baseline_step_s(name)):>16s}")
+    best, ratio = res.strongest, mc.ratio()
+    if best is not None:
+        reach_text = (f"flat reaches {ratio:.2f}x its context" if ratio is not None
+                      else "no baseline fits at any length")
+        lines.append(f"  strongest: {best}; {reach_text}")
+    if not mc.baselines.get(res.baseline_name) and base.optimizer > res.budget:
+        lines.append(f"  ({res.baseline_name}: the optimizer/model state alone, "
                      f"{format_bytes(base.optimizer)}, exceeds the usable "
                      f"{format_bytes(res.budget)})")
     lines.append("step peak = optimizer/model state + boundaries + max(dispatch + other, vocab)")
@@ -369,6 +446,8 @@ def render_table(res: PlanResult) -> str:
               f"  {'unit':36s}{'baseline':>12s}{'flat':>12s}   cost, what binds (flat)"]
     for unit in UNITS:
         pair = times[unit]
+        if unit == "parameters" and not any(p.total_s for p in pair.values()):
+            continue  # only FSDP2 gathers parameters
         lines.append(f"  {UNIT_LABELS[unit]:36s}{format_seconds(pair['baseline'].total_s):>12s}"
                      f"{format_seconds(pair['flat'].total_s):>12s}   "
                      f"{_cost(pair['baseline'].total_s, pair['flat'].total_s)}, "

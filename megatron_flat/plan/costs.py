@@ -24,16 +24,18 @@ route (fc1 is 2u gated, u plain; fc2 is u).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
 from megatron_flat.config import FlatConfig
+from megatron_flat.plan import baselines
 from megatron_flat.plan.model import Layout, ModelSpec, stage_layers
 from megatron_flat.plan.peaks import PeakReport, _skew_baseline, _skew_llep, stage_params
 from megatron_flat.plan.time import Overlap, overlap_for
 
 __all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops"]
 
-UNITS = ("dispatch", "vocab", "boundaries", "optimizer")
+UNITS = ("dispatch", "vocab", "boundaries", "optimizer", "parameters")
 
 # Host syncs and aten ops (launches) per MoE layer, counted by the ledger on the landed code
 # at EP = 2, megatron-core 0.16.1 (benchmarks/ledger.py; tests/runtime/test_ledger_world2.py
@@ -62,6 +64,18 @@ OPS_ADAM_PER_BUCKET = 20
 # Bytes AdamW reads and writes per parameter: bf16 param (2) + fp32 grad (4) + master,
 # m, v (12) read; master, m, v (12) + bf16 param (2) written.
 ADAM_MEM_BYTES_PER_PARAM = 32
+# A CPU AdamW (the offloading baselines) reads fp32 master, grad, m, v (16 B) and writes
+# master, m, v (12 B) per parameter in host memory.
+HOST_ADAM_BYTES_PER_PARAM = 28
+# HybridDeviceOptimizer copies each fp32 gradient down and each fp32 master up (the cast to
+# the model dtype happens on the device).
+HDO_D2H_BYTES_PER_PARAM = 4
+HDO_H2D_BYTES_PER_PARAM = 4
+# FSDP2 with CPU offload, per microbatch: each fp32 parameter shard goes up before each of
+# its three all-gathers (forward, recompute, backward), each fp32 gradient shard comes down.
+FSDP_GATHERS = 3
+FSDP_H2D_BYTES_PER_PARAM = 4 * FSDP_GATHERS
+FSDP_D2H_BYTES_PER_PARAM = 4
 # OffloadStreamAdamW moves per parameter: up master, m, v (12 B; the fp32 gradient is read
 # where it is, on the device), back master, m, v (12 B).
 OFFLOAD_H2D_BYTES_PER_PARAM = 12
@@ -301,19 +315,42 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
             overlap_for("sco", "flat", max(1, count)))
 
 
+def _shard(model: ModelSpec, layout: Layout, report: PeakReport) -> Tuple[int, int]:
+    """(P_s, parameter tensors) of this GPU's stage: the optimizer shard (distributed
+    optimizer or FSDP: dense over DP·CP, experts over TP·CP·DP/EP) and how many tensors."""
+    first, count = stage_layers(model, layout)[report.stage]
+    first_stage, last_stage = report.stage == 0, report.stage == layout.pp - 1
+    p = stage_params(model, layout, first, count, first_stage, last_stage)
+    if layout.distributed_optimizer or report.baseline == "fsdp2-offload":
+        shard = math.ceil(p["dense"] / layout.dense_dp) + math.ceil(p["expert"] / layout.expert_dp)
+    else:
+        shard = p["dense"] + p["expert"]
+    tensors = sum(n for _, n, _ in baselines.param_tensors(model, layout, first, count,
+                                                          first_stage, last_stage))
+    return shard, tensors
+
+
 def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
                flat: Optional[FlatConfig]) -> Tuple[dict, Overlap]:
     """One optimizer step of this GPU's shard: AdamW reads and writes 32 B per parameter
     in HBM either way; OffloadStreamAdamW adds 12 B up and 12 B down per parameter over
-    PCIe, pipelined over its buckets."""
+    PCIe, pipelined over its buckets. The offloading baselines run torch's AdamW on the
+    CPU instead (28 B per parameter of host memory traffic); Megatron's
+    HybridDeviceOptimizer also copies each gradient down and each master up (4 B each) and
+    waits on the host for each parameter's gradient."""
     first, count = stage_layers(model, layout)[report.stage]
-    p = stage_params(model, layout, first, count, report.stage == 0,
-                     report.stage == layout.pp - 1)
-    if layout.distributed_optimizer:
-        shard = math.ceil(p["dense"] / layout.dense_dp) + math.ceil(p["expert"] / layout.expert_dp)
-    else:
-        shard = p["dense"] + p["expert"]
+    shard, tensors = _shard(model, layout, report)
     mem = ADAM_MEM_BYTES_PER_PARAM * shard
+    off = flat is None or not flat.any_enabled
+    if off and report.baseline == "megatron-cpu-offload":
+        return ({"host_mem_bytes": HOST_ADAM_BYTES_PER_PARAM * shard,
+                 "d2h_bytes": HDO_D2H_BYTES_PER_PARAM * shard,
+                 "h2d_bytes": HDO_H2D_BYTES_PER_PARAM * shard, "syncs": tensors,
+                 "ops": OPS_ADAM_PER_TENSOR * tensors},
+                overlap_for("optimizer", "megatron-cpu-offload", max(1, tensors)))
+    if off and report.baseline == "fsdp2-offload":
+        return ({"host_mem_bytes": HOST_ADAM_BYTES_PER_PARAM * shard},
+                overlap_for("optimizer", "fsdp2-offload"))
     if flat is None or not flat.optimizer_offload:
         tensors = 12 * max(count, 1)
         return ({"mem_bytes": mem, "ops": OPS_ADAM_PER_TENSOR * tensors},
@@ -325,16 +362,53 @@ def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
             overlap_for("optimizer", "flat", buckets))
 
 
+def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
+                beside_flops: float) -> Tuple[dict, Overlap]:
+    """FSDP2's parameter traffic of one microbatch (``fsdp2-offload`` only; empty otherwise).
+
+    With P_d, P_e this GPU's dense and expert parameters (its TP/EP share, gathered) and
+    s_d = DP·CP, s_e = TP·CP·DP/EP their shard groups::
+
+        h2d   = 3·4·P_s                     each fp32 shard up before each all-gather
+        d2h   = 4·P_s                       each fp32 gradient shard down
+        other = Σ (3·b + 4)·P·(s − 1)/s     three all-gathers of b-byte parameters and one
+                                            fp32 reduce-scatter of the gradient, per kind
+
+    They run beside every layer's compute (``beside_flops``: the other units' FLOPs of the
+    microbatch), one layer prefetched. The collectives are priced at the intra-node link's
+    bandwidth, which favours FSDP2 where its shard group spans nodes.
+    """
+    if report.baseline != "fsdp2-offload":
+        return {}, overlap_for("parameters", "stock")
+    first, count = stage_layers(model, layout)[report.stage]
+    p = stage_params(model, layout, first, count, report.stage == 0,
+                     report.stage == layout.pp - 1)
+    shard, _ = _shard(model, layout, report)
+    b = model.bytes_per_value
+    other = 0.0
+    for n, s in ((p["dense"], layout.dense_dp), (p["expert"], layout.expert_dp)):
+        other += (FSDP_GATHERS * b + 4) * n * (s - 1) / s
+    counts = {"h2d_bytes": FSDP_H2D_BYTES_PER_PARAM * shard,
+              "d2h_bytes": FSDP_D2H_BYTES_PER_PARAM * shard, "other_collective_bytes": other,
+              "collective_calls": {"all_gather_into_tensor": FSDP_GATHERS * max(count, 1),
+                                   "reduce_scatter_tensor": max(count, 1)}}
+    base = overlap_for("parameters", "fsdp2-offload", max(1, count))
+    return counts, replace(base, beside_flops=beside_flops)
+
+
 def unit_costs(model: ModelSpec, layout: Layout, report: PeakReport,
                flat: Optional[FlatConfig]) -> Dict[str, Tuple[dict, Overlap]]:
     """Counts and overlap of each unit (``UNITS``) for ``report``'s stage and knobs.
 
-    ``flat=None`` is the baseline; a technique that ``flat`` leaves off gets the baseline's
-    counts for its unit.
+    ``flat=None`` is the baseline ``report.baseline`` (``plan.baselines``); a technique that
+    ``flat`` leaves off gets stock Megatron's counts for its unit.
     """
-    return {
+    out = {
         "dispatch": _dispatch(model, layout, report, flat),
         "vocab": _vocab(model, layout, report, flat),
         "boundaries": _boundaries(model, layout, report, flat),
         "optimizer": _optimizer(model, layout, report, flat),
     }
+    beside = sum(float(out[u][0].get("flops", 0)) for u in ("dispatch", "vocab", "boundaries"))
+    out["parameters"] = _parameters(model, layout, report, beside)
+    return out

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 from megatron_flat.config import GIB, FlatConfig
+from megatron_flat.plan.baselines import BASELINES, allowed
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate, usable
 
@@ -79,11 +80,26 @@ class Fit:
 @dataclass(frozen=True)
 class Reach:
     """Longest sequence (tokens per sample) that fits, a multiple of ``granularity``; 0 when
-    not even ``granularity`` tokens fit."""
+    not even ``granularity`` tokens fit. ``baseline``: stock Megatron's; ``baselines``: every
+    baseline the layout allows (``plan.baselines``), by name."""
 
     baseline: int
     flat: int
     granularity: int
+    baselines: Dict[str, int] = field(default_factory=dict)
+
+    def strongest(self) -> Optional[str]:
+        """The baseline reaching furthest (first in ``BASELINES`` order on ties)."""
+        if not self.baselines:
+            return None
+        return max(self.baselines, key=lambda n: (self.baselines[n], -BASELINES.index(n)))
+
+    def ratio(self) -> Optional[float]:
+        """flat ÷ the strongest baseline's reach; None when no baseline fits at any length."""
+        best = self.strongest()
+        if best is None or not self.baselines[best]:
+            return None
+        return self.flat / self.baselines[best]
 
 
 def host_budget_per_device(layout: Layout, host_bytes: Optional[int],
@@ -115,8 +131,9 @@ class _Planner:
         self.allow = tuple(t for t in TECHNIQUES if t in allow)
 
     # -- predicates -----------------------------------------------------------------------
-    def estimate(self, seq: int, flat: Optional[FlatConfig]) -> PeakReport:
-        return estimate(self.model, self.layout, seq, flat, skew=self.skew)
+    def estimate(self, seq: int, flat: Optional[FlatConfig],
+                 baseline: str = "megatron") -> PeakReport:
+        return estimate(self.model, self.layout, seq, flat, skew=self.skew, baseline=baseline)
 
     def ok(self, report: PeakReport) -> bool:
         host_ok = self.host_budget is None or report.host_per_device <= self.host_budget
@@ -219,12 +236,14 @@ class _Planner:
 def _budget_gib(nbytes: int, boundary: int) -> float:
     """``sco_host_budget_gib`` admitting exactly ``nbytes // boundary`` boundaries.
 
-    Aims half a boundary above ``nbytes`` so float rounding can neither drop nor add one;
-    rounded down to whole MiB when a boundary is at least 2 MiB (readable values).
+    Aims a little above ``nbytes`` (half a boundary, at most 1 MiB) so float rounding can
+    neither drop nor add one, and the pool the host tier allocates (the whole budget) holds
+    less than 1 MiB it does not use; rounded down to whole MiB when a boundary is at least
+    2 MiB (readable values).
     """
     if nbytes <= 0 or boundary <= 0:
         return 0.0
-    target = nbytes + boundary // 2
+    target = nbytes + min(boundary // 2, MIB)
     if boundary >= 2 * MIB:
         return (target // MIB) / 1024
     return target / GIB
@@ -327,11 +346,13 @@ def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
                 host_margin: float = 0.1, skew: float = DEFAULT_SKEW,
                 min_chunk_tokens: int = MIN_CHUNK_TOKENS, allow: Sequence[str] = TECHNIQUES,
                 granularity: Optional[int] = None, limit: int = 1 << 30) -> Reach:
-    """Longest sequence that fits, baseline and flat (``fit`` succeeds), by bisection.
+    """Longest sequence that fits, for every baseline the layout allows and flat (``fit``
+    succeeds), by bisection.
 
     Every term grows with the sequence length, so "fits" is monotone and bisection over
     multiples of ``granularity`` (default ``seq_granularity(layout)``) finds the exact
-    boundary up to ``limit`` tokens.
+    boundary up to ``limit`` tokens. A baseline fits when its device total and its host
+    bytes (times the node's GPUs) fit, as megatron-flat must.
     """
     planner = _Planner(model, layout, device_bytes, host_bytes, margin, host_margin, skew,
                        min_chunk_tokens, allow)
@@ -340,11 +361,15 @@ def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
         raise PlanError(f"granularity {g} must be a multiple of {seq_granularity(layout)} "
                         f"for this layout")
 
-    def base_fits(seq: int) -> bool:
-        return planner.ok(planner.estimate(seq, None))
+    def fits_as(name: str):
+        return lambda seq: planner.ok(planner.estimate(seq, None, baseline=name))
+
+    base_fits = fits_as("megatron")
 
     def flat_fits(seq: int) -> bool:
         return base_fits(seq) or planner.first_fitting(seq) is not None
 
-    return Reach(baseline=_bisect(base_fits, g, limit), flat=_bisect(flat_fits, g, limit),
-                 granularity=g)
+    reach = {name: _bisect(fits_as(name), g, limit) for name in BASELINES
+             if allowed(name, layout) is None}
+    return Reach(baseline=reach["megatron"], flat=_bisect(flat_fits, g, limit),
+                 granularity=g, baselines=reach)

@@ -39,6 +39,8 @@ from typing import Dict, Optional
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.plan import num_chunks
+from megatron_flat.plan import baselines
+from megatron_flat.plan.baselines import ADAM_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM_FP32  # noqa
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError, check_layout, stage_layers
 
 # Routing skew assumed when none is given: the hottest EP rank receives 1.5x the mean.
@@ -64,8 +66,7 @@ CHUNK_INDEX_BYTES_PER_ROUTE = 24
 PROB_BYTES = 4
 
 # --- optimizer state
-ADAM_BYTES_PER_PARAM = 12          # fp32 master + m + v (mixed precision)
-ADAM_BYTES_PER_PARAM_FP32 = 8      # m + v only: fp32 parameters are their own master
+# Stock AdamW state per parameter (12 B mixed precision, 8 B fp32): ``plan.baselines``.
 # OffloadStreamAdamW on host for low-precision parameters: fp32 master, m, v. The fp32
 # gradient is read from Megatron's grad buffer on the device (counted in ``grads``). With the
 # distributed optimizer the master is in host memory (Megatron's precision-aware path); the
@@ -121,7 +122,7 @@ class PeakReport:
     dispatch_bound: int         # the same transient at the routing-independent worst case
     vocab: int                  # output projection + loss transient
     boundaries_device: int      # checkpoint boundaries held on device (incl. final norm's)
-    boundaries_host: int        # boundaries offloaded to pinned host (SCO)
+    boundaries_host: int        # SCO's pinned pool, as the host tier allocates it (the budget)
     boundary_bytes: int         # one layer input: N_sp·H·b
     boundaries_held: int        # layer inputs held (L_s·m)
     boundaries_offloaded: int   # of which on host
@@ -137,6 +138,8 @@ class PeakReport:
     vocab_mode: str = "none"    # Ring-DTP schedule used ("weights"/"activations"), or "none"
     sections: Dict[str, int] = field(default_factory=dict)
     params: int = 0             # parameters on this device
+    baseline: str = "megatron"  # what runs without megatron-flat (``plan.baselines``)
+    host_pinned: int = 0        # of host_per_device, pinned bytes as they are allocated
 
     @property
     def optimizer(self) -> int:
@@ -148,8 +151,16 @@ class PeakReport:
         return self.boundaries_device
 
     @property
+    def boundaries_host_in_use(self) -> int:
+        """Of SCO's pool (``boundaries_host``, allocated whole), the bytes the offloaded
+        boundaries fill."""
+        return self.boundaries_offloaded * self.boundary_bytes
+
+    @property
     def host_per_device(self) -> int:
-        """Pinned host memory this device needs: SCO boundaries + optimizer state."""
+        """Host memory this device's rank holds: SCO's pool + optimizer state, as allocated
+        (megatron-flat's host tier pins exactly what it asks for; a baseline's pinned
+        tensors are rounded up by torch's caching host allocator)."""
         return self.boundaries_host + self.optimizer_host
 
     @property
@@ -589,22 +600,29 @@ def largest_param(model: ModelSpec, layout: Layout, first: int, count: int,
     return max(sizes)
 
 
-def optimizer_step_term(model: ModelSpec, layout: Layout, shard: int, biggest: int,
+def optimizer_step_term(model: ModelSpec, layout: Layout, shards, biggest: int,
                         flat: Optional[FlatConfig]) -> int:
     """What the meter's "optimizer step" section sees on the device in the first step: the
     state allocated there plus the AdamW kernel's scratch; clipping comes first, alone.
 
     Baseline: m and v (8 B/param of the shard; a master copy exists before the first step)
     + kernel scratch (unfused: torch's single-tensor AdamW, 8 B × the largest parameter;
-    fused: none). OffloadStreamAdamW: its staging slots + kernel scratch (unfused: 8 B × the
+    fused: none). OffloadStreamAdamW: the staging slots of every sub-optimizer (``shards``:
+    the parameters of each, dense and expert) + kernel scratch (unfused: 8 B × the
     largest piece of one bucket, ≤ min(bucket, largest parameter); fused kernels on CUDA:
     torch's fused kernel, none). Unfused clipping scales each gradient into
     an fp32 temporary (4 B × the largest parameter) before the update starts.
     """
-    bucket = min(flat.optimizer_bucket_numel, shard) if flat and flat.optimizer_offload else 0
-    if bucket:
-        state = flat.optimizer_num_slots * bucket * STAGING_BYTES_PER_PARAM
-        scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * min(bucket, biggest)
+    shards = [shards] if isinstance(shards, int) else list(shards)
+    shard = sum(shards)
+    buckets = [min(flat.optimizer_bucket_numel, n) for n in shards] \
+        if flat and flat.optimizer_offload else []
+    if buckets:
+        # Each sub-optimizer's staging is allocated at its first step; they step one after
+        # the other, so one kernel's scratch is live at a time.
+        state = flat.optimizer_num_slots * sum(buckets) * STAGING_BYTES_PER_PARAM
+        scratch = 0 if layout.fused_kernels else \
+            ADAM_SCRATCH_SINGLE_TENSOR * min(max(buckets), biggest)
     else:
         state = shard * ADAM_BYTES_PER_PARAM_FP32
         scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * biggest
@@ -626,7 +644,8 @@ def _check_seq(model: ModelSpec, layout: Layout, seq_len: int) -> None:
                         f"rank to divide by TP {layout.tp}")
 
 
-def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
+def _stage_report(model, layout, seq_len, flat, skew, stage,
+                  baseline: str = "megatron") -> PeakReport:
     stages = stage_layers(model, layout)
     first, count = stages[stage]
     first_stage, last_stage = stage == 0, stage == layout.pp - 1
@@ -658,7 +677,9 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
         offloaded = min(held, flat.sco_host_budget_bytes // B)
     on_device = held - offloaded + (min(offloaded, flat.sco_prefetch + 1) if offloaded else 0)
     boundaries_device = on_device * B + fixed
-    boundaries_host = offloaded * B
+    # The host tier allocates SCO's whole budget, exactly, at the first offload.
+    boundaries_host = flat.sco_host_budget_bytes if flat is not None and flat.sco and held \
+        else 0
 
     # -- optimizer / model state. Weights b per param; grads 4 (fp32 buffer) or b; Adam
     # state 12 B/param (8 when the params are fp32) sharded over DP·CP for dense params and
@@ -667,29 +688,43 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
     # host holds 12 B per sharded low-precision parameter (master, m, v) with the
     # distributed optimizer, 8 (m, v) without it, where the fp32 master (4 B) stays on the
     # device; fp32 parameters: 8 (each is its own master).
+    # One inner optimizer per Megatron sub-optimizer (dense, expert), each with its own
+    # staging: slots × min(bucket, its shard) × 12 B. Without OffloadStreamAdamW the terms
+    # are the baseline's (``plan.baselines``; stock Megatron when flat is given).
     p = stage_params(model, layout, first, count, first_stage, last_stage)
     params = p["dense"] + p["expert"]
-    weights = params * b
-    grads = params * (4 if layout.grad_fp32 else b)
-    if layout.distributed_optimizer:
-        shard = math.ceil(p["dense"] / layout.dense_dp) + math.ceil(p["expert"] / layout.expert_dp)
-    else:
-        shard = params
+    shards = _sub_optimizer_shards(p, layout)
+    shard = sum(shards)
+    vocab_extra = 0
     if flat is not None and flat.optimizer_offload:
-        optimizer_device = flat.optimizer_num_slots * min(flat.optimizer_bucket_numel, shard) \
-            * STAGING_BYTES_PER_PARAM
+        weights = params * b
+        grads = params * (4 if layout.grad_fp32 else b)
+        optimizer_device = flat.optimizer_num_slots * STAGING_BYTES_PER_PARAM * sum(
+            min(flat.optimizer_bucket_numel, n) for n in shards)
         master_on_host = b < 4 and layout.distributed_optimizer
         optimizer_host = shard * (HOST_BYTES_PER_PARAM if master_on_host
                                   else HOST_BYTES_PER_PARAM_FP32)
         if b < 4 and not master_on_host:
             optimizer_device += shard * MASTER_BYTES_PER_PARAM
+        host_pinned = boundaries_host + optimizer_host  # the host tier pins exactly this
     else:
-        optimizer_device = shard * (ADAM_BYTES_PER_PARAM if b < 4 else ADAM_BYTES_PER_PARAM_FP32)
-        optimizer_host = 0
+        if baseline != "megatron" and flat is not None and flat.any_enabled:
+            raise PlanError(f"baseline {baseline!r} is what runs without megatron-flat: "
+                            "give it no FlatConfig")
+        state = baselines.model_state(
+            baseline, model, layout, params=p, shard=shard,
+            tensors=baselines.param_tensors(model, layout, first, count, first_stage,
+                                            last_stage),
+            last_stage=last_stage,
+            layer_params=baselines.largest_layer_params(model, layout, first, count))
+        weights, grads = state.weights, state.grads
+        optimizer_device, optimizer_host = state.optimizer_device, state.optimizer_host
+        vocab_extra = state.vocab_extra
+        host_pinned = boundaries_host + state.host_pinned
 
     other = other_term(model, layout, n, n_sp, has_dense) if count else 0
 
-    dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"]))
+    dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"])) + vocab_extra
     resident = weights + grads + optimizer_device
     total = resident + boundaries_device + max(dispatch + other, vocab)
     if dispatch + other >= vocab:
@@ -704,7 +739,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
         METER_DISPATCH: dispatch,
         METER_VOCAB: int(math.ceil(v["section"])),
         METER_BOUNDARIES: _held_at_exit(count, offloaded, B, fixed),
-        METER_OPTIMIZER: optimizer_step_term(model, layout, shard, biggest, flat),
+        METER_OPTIMIZER: optimizer_step_term(model, layout, shards, biggest, flat),
     }
     return PeakReport(
         model=model.name, layout=layout, seq_len=seq_len, flat=flat, stage=stage, tokens=n,
@@ -715,7 +750,22 @@ def _stage_report(model, layout, seq_len, flat, skew, stage) -> PeakReport:
         grads=grads, optimizer_device=optimizer_device, optimizer_host=optimizer_host,
         other=other, total=total, binding=binding, num_chunks=int(d["chunks"]),
         chunk_tokens=int(d["c_eff"]), vocab_mode=v["mode"], sections=sections, params=params,
+        baseline=baseline, host_pinned=host_pinned,
     )
+
+
+def _sub_optimizer_shards(p: Dict[str, int], layout: Layout) -> list:
+    """Parameters of each Megatron sub-optimizer on this device (the distributed optimizer's
+    shard of each, else all of them): dense, and expert when the stage has experts and
+    EP > 1 (Megatron marks expert weights ``allreduce=False``, which puts them in their own
+    sub-optimizer, only under expert parallelism; at EP = 1 one optimizer holds both)."""
+    dense, expert = p["dense"], p["expert"]
+    if layout.distributed_optimizer:
+        dense = math.ceil(dense / layout.dense_dp)
+        expert = math.ceil(expert / layout.expert_dp)
+    if expert and layout.ep > 1:
+        return [dense, expert]
+    return [dense + expert]
 
 
 def _held_at_exit(count: int, offloaded: int, B: int, fixed: int) -> int:
@@ -734,7 +784,8 @@ def _held_at_exit(count: int, offloaded: int, B: int, fixed: int) -> int:
 
 
 def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[FlatConfig] = None,
-             *, skew: float = DEFAULT_SKEW, stage: Optional[int] = None) -> PeakReport:
+             *, skew: float = DEFAULT_SKEW, stage: Optional[int] = None,
+             baseline: str = "megatron") -> PeakReport:
     """Every peak term in bytes per device for ``seq_len`` tokens per sample.
 
     ``flat=None`` (or a FlatConfig with everything off) is the Megatron baseline; each
@@ -743,7 +794,13 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[Flat
     pipeline stage with the largest step peak (first and last stages are evaluated: the
     first holds the most microbatches in flight and the embedding, the last the vocabulary
     transient; middle stages are dominated by the first). ``stage`` asks for one stage.
+    ``baseline`` (with no technique on): which run without megatron-flat the terms describe
+    (``plan.baselines``: ``megatron``, ``megatron-cpu-offload``, ``fsdp2-offload``).
     """
+    baselines.check_name(baseline)
+    why = baselines.allowed(baseline, layout)
+    if why:
+        raise PlanError(f"baseline {baseline}: {why}")
     check_layout(model, layout)
     _check_seq(model, layout, seq_len)
     if skew < 1:
@@ -751,7 +808,7 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[Flat
     if stage is not None:
         if not 0 <= stage < layout.pp:
             raise PlanError(f"stage {stage} is not in 0..{layout.pp - 1}")
-        return _stage_report(model, layout, seq_len, flat, skew, stage)
+        return _stage_report(model, layout, seq_len, flat, skew, stage, baseline)
     stages = sorted({0, layout.pp - 1})
-    reports = [_stage_report(model, layout, seq_len, flat, skew, s) for s in stages]
+    reports = [_stage_report(model, layout, seq_len, flat, skew, s, baseline) for s in stages]
     return max(reports, key=lambda r: r.total)

@@ -10,8 +10,10 @@ step, ...) is predicted from its counts ``c`` on device ``D`` as::
 
     gpu      = c.flops / (D.flops · D.matmul_efficiency)        matmuls
              + c.mem_bytes / (D.hbm_bytes_per_s · D.hbm_efficiency)   everything else
+    cpu      = c.host_mem_bytes / D.host_bytes_per_s             work on the host CPU (a CPU
+                                                                 AdamW: memory-bound)
     host     = c.ops · D.launch_s                                launching the kernels
-    compute  = max(gpu, host)            the GPU starves when launching is slower than running
+    compute  = max(gpu + cpu, host)      the GPU starves when launching is slower than running
     comm     = (all-to-all + other collective bytes) / D.link_bytes_per_s
                + collective calls · D.collective_latency_s
     copy     = max(h2d, d2h) / D.pcie_bytes_per_s     (the two directions run concurrently)
@@ -26,6 +28,11 @@ and copies use different engines) and compute ``C``, a two-stage pipeline takes
 the rest adds serially::
 
     time = pipeline(X, C, S) + (1 − h_c)·comm + (1 − h_p)·copy + stalls
+
+A unit whose transfers run beside *other* units' compute (FSDP2 gathers each layer's
+parameters while the previous layer computes) names those FLOPs in its overlap
+(``beside_flops``, time ``B``): ``pipeline(X, C + B, S) − B`` (only what ``B`` cannot hide
+is this unit's).
 
 A whole step is the sum of its units' predictions plus the rest of the step (its counts
 less the units' counts) run serially.
@@ -51,7 +58,7 @@ __all__ = [
 ]
 
 COUNT_KEYS = ("flops", "all_to_all_bytes", "other_collective_bytes", "h2d_bytes", "d2h_bytes",
-              "syncs", "ops", "mem_bytes")
+              "syncs", "ops", "mem_bytes", "host_mem_bytes")
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,8 @@ class DeviceModel:
     achieved with pinned memory; ``launch_s``: host time to launch one kernel;
     ``sync_stall_s``: the device's idle time after one host sync (queue drained, host
     round-trip, first kernels relaunched); ``collective_latency_s``: fixed cost of one
-    collective call.
+    collective call; ``host_bytes_per_s``: host memory bandwidth one GPU's rank gets for work
+    on the CPU (an optimizer step run there).
     """
 
     name: str
@@ -79,6 +87,8 @@ class DeviceModel:
     launch_s: float = 5e-6
     sync_stall_s: float = 30e-6
     collective_latency_s: float = 15e-6
+    # A 2-socket node's ~320 GB/s of achievable host memory bandwidth shared by its 8 ranks.
+    host_bytes_per_s: float = 40e9
 
 
 # H200 SXM (DESIGN.md §6). The efficiencies and fixed costs are stated assumptions, the
@@ -107,13 +117,15 @@ class Overlap:
 
     ``stages``: pipeline depth (chunks, ring hops, layers, buckets; 1 = nothing pipelines);
     ``comm_hidden`` / ``copy_hidden``: fractions of the collective / host-copy time that the
-    schedule posts asynchronously beside compute; ``why``: the schedule, in words.
+    schedule posts asynchronously beside compute; ``why``: the schedule, in words;
+    ``beside_flops``: FLOPs of other units the hidden transfers run beside as well.
     """
 
     stages: int = 1
     comm_hidden: float = 0.0
     copy_hidden: float = 0.0
     why: str = "serial: every transfer on the compute stream"
+    beside_flops: float = 0.0  # other units' FLOPs the transfers also run beside
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, int) or self.stages < 1:
@@ -121,6 +133,8 @@ class Overlap:
         for name in ("comm_hidden", "copy_hidden"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise PlanError(f"overlap {name} must be in [0, 1], got {getattr(self, name)!r}")
+        if self.beside_flops < 0:
+            raise PlanError(f"overlap beside_flops must be >= 0, got {self.beside_flops!r}")
 
 
 # The overlap each (unit, variant) schedule has, as the landed code runs it. ``stages`` is
@@ -148,6 +162,19 @@ OVERLAPS: Dict[tuple, Overlap] = {
                                                         "uploads while g updates and g-1 "
                                                         "writes back"),
 }
+# The baselines that move the optimizer off the GPU (``plan.baselines``).
+OVERLAPS[("optimizer", "megatron-cpu-offload")] = Overlap(
+    copy_hidden=1.0, why="HybridDeviceOptimizer: every gradient's copy down is posted on a "
+                         "side stream first; each parameter's CPU AdamW waits for its own "
+                         "gradient (a host sync), and its copy back runs while the next "
+                         "parameter updates")
+OVERLAPS[("optimizer", "fsdp2-offload")] = Overlap(
+    why="FSDP2 with CPU offload: torch's AdamW on the CPU over the sharded host state")
+OVERLAPS[("parameters", "fsdp2-offload")] = Overlap(
+    comm_hidden=1.0, copy_hidden=1.0,
+    why="FSDP2: the next layer's shard upload and all-gather (forward, recompute, backward) "
+        "and the previous layer's reduce-scatter and gradient download run beside the "
+        "current layer's compute (one layer prefetched)")
 OVERLAPS[("moe-recompute", "stock")] = OVERLAPS[("moe", "stock")]
 OVERLAPS[("moe-recompute", "flat")] = OVERLAPS[("moe", "flat")]
 
@@ -157,7 +184,7 @@ def overlap_for(unit: str, variant: str, stages: int = 1) -> Overlap:
     serial for anything not listed (a whole step's remainder, an unknown unit)."""
     base = OVERLAPS.get((unit, variant), Overlap())
     return Overlap(stages=max(1, int(stages)), comm_hidden=base.comm_hidden,
-                   copy_hidden=base.copy_hidden, why=base.why)
+                   copy_hidden=base.copy_hidden, why=base.why, beside_flops=base.beside_flops)
 
 
 @dataclass(frozen=True)
@@ -213,15 +240,18 @@ def predict(counts: Mapping[str, Any], overlap: Optional[Overlap] = None,
     ov = overlap or Overlap()
     gpu = (_count(counts, "flops") / (dev.flops * dev.matmul_efficiency)
            + _count(counts, "mem_bytes") / (dev.hbm_bytes_per_s * dev.hbm_efficiency))
+    cpu = _count(counts, "host_mem_bytes") / dev.host_bytes_per_s
     host = _count(counts, "ops") * dev.launch_s
-    compute = max(gpu, host)
+    compute = max(gpu + cpu, host)
     comm = ((_count(counts, "all_to_all_bytes") + _count(counts, "other_collective_bytes"))
             / dev.link_bytes_per_s + _calls(counts) * dev.collective_latency_s)
     copy = max(_count(counts, "h2d_bytes"), _count(counts, "d2h_bytes")) / dev.pcie_bytes_per_s
     stalls = _count(counts, "syncs") * dev.sync_stall_s
     hidden = max(ov.comm_hidden * comm, ov.copy_hidden * copy)
     s = ov.stages
-    pipelined = max(hidden, compute) * (s - 1) / s + (hidden + compute) / s
+    beside = ov.beside_flops / (dev.flops * dev.matmul_efficiency)
+    pipelined = max(hidden, compute + beside) * (s - 1) / s + (hidden + compute + beside) / s \
+        - beside
     exposed_comm = (1 - ov.comm_hidden) * comm
     exposed_copy = (1 - ov.copy_hidden) * copy
     total = pipelined + exposed_comm + exposed_copy + stalls

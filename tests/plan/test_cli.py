@@ -8,6 +8,8 @@ from megatron_flat.__main__ import main as top_main
 from megatron_flat.plan.cli import main
 
 PAPER = ["--seq", "1M", "--gpu-mem", "141GiB", "--host-mem", "2TiB"]
+STOCK = ["--baseline", "megatron"]
+BASELINES = ("megatron", "megatron-cpu-offload", "fsdp2-offload")
 KEYS = {"dispatch", "vocab", "boundaries", "optimizer", "other", "total"}
 
 
@@ -20,24 +22,29 @@ def run(capsys, argv, entry=main):
 @pytest.mark.parametrize("name, gpus", [("paper-120b", 16), ("paper-241b", 32),
                                         ("paper-667b", 64)])
 def test_table_for_the_paper_family(capsys, name, gpus):
-    rc, out, err = run(capsys, ["--model", name] + PAPER)
+    rc, out, err = run(capsys, ["--model", name] + PAPER + STOCK)
     assert rc == 0, err
     assert f"megatron-flat plan: {name}" in out
     assert f"{gpus} GPUs = TP 8" in out
     for label in ("dispatch (MoE layer transient)", "vocab (projection + loss)",
                   "checkpoint boundaries on device", "optimizer/model state",
                   "attention/other activations", "step peak", "binding term",
-                  "pinned host per node", "knobs (flat: the fewest techniques that fit",
-                  "max context: baseline"):
+                  "host memory per node", "knobs (flat: the fewest techniques that fit",
+                  "max context: flat", "baseline: megatron (stock Megatron-Core"):
         assert label in out
     fits = next(line for line in out.splitlines() if line.strip().startswith("fits"))
     assert fits.split()[1:] == ["NO", "yes"]
+    # Every baseline has its line: peak, fits, reach, host, predicted step.
+    for baseline in BASELINES:
+        assert any(line.split()[:1] == [baseline] for line in out.splitlines()), baseline
+    assert "strongest: " in out and "flat reaches" in out
 
 
 def test_json_is_one_object_with_the_documented_shape(capsys):
-    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json"] + PAPER)
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json"] + PAPER + STOCK)
     assert rc == 0
     data = json.loads(out)  # exactly one JSON document
+    assert data["baseline_name"] == "megatron"
     for column in ("baseline", "flat"):
         assert set(data[column]) == KEYS
         assert all(isinstance(v, int) and v >= 0 for v in data[column].values())
@@ -79,7 +86,7 @@ def test_flags_reproduce_the_chosen_knobs(capsys):
 def test_all_on_shows_every_technique_at_its_smallest_setting(capsys):
     rc, out, _ = run(capsys, ["--model", "paper-667b", "--json"] + PAPER)
     fitted = json.loads(out)
-    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json", "--all-on"] + PAPER)
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--json", "--all-on"] + PAPER + STOCK)
     assert rc == 0
     data = json.loads(out)
     assert data["knobs"]["enabled"] == ["dispatch", "vocab", "sco", "optimizer_offload"]
@@ -160,19 +167,27 @@ def test_predicted_time_costs_next_to_the_peaks(capsys):
 
 def test_predicted_time_json_and_device_flag(capsys):
     rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json",
-                              "--device", "H100"] + PAPER)
+                              "--device", "H100"] + PAPER + STOCK)
     assert rc == 0
     t = json.loads(out)["predicted_time"]
     assert t["device"] == "H100" and "not measured" in t["note"]
     assert set(t["units"]) == set(t["cost_s"]) == {"dispatch", "vocab", "boundaries",
-                                                    "optimizer"}
+                                                    "optimizer", "parameters"}
     for unit, pair in t["units"].items():
         assert pair["baseline"]["predicted"] and pair["flat"]["predicted"]
         assert t["cost_s"][unit] == pytest.approx(
             pair["flat"]["total_s"] - pair["baseline"]["total_s"])
-    # OffloadStreamAdamW moves 28 B/param over PCIe: its step is transfer-bound
+    # OffloadStreamAdamW moves 24 B/param over PCIe: its step is transfer-bound, slower
+    # than stock Megatron's AdamW on the device...
     opt = t["units"]["optimizer"]["flat"]
     assert opt["copy_s"] > opt["compute_s"] and t["cost_s"]["optimizer"] > 0
+    # ...and faster than the CPU AdamW of the offloading baselines.
+    for other in ("megatron-cpu-offload", "fsdp2-offload"):
+        rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json", "--device",
+                                  "H100", "--baseline", other] + PAPER)
+        times = json.loads(out)["predicted_time"]
+        assert times["cost_s"]["optimizer"] < 0, other
+        assert times["units"]["optimizer"]["baseline"]["compute_s"] > opt["total_s"], other
     with pytest.raises(SystemExit) as exc:
         main(["--model", "paper-667b", "--device", "TPU"] + PAPER)
     assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
@@ -189,3 +204,50 @@ def test_predicted_step_time_scales_with_microbatches(capsys):
         assert four["step_s"][variant] - opt == pytest.approx(4 * (one["step_s"][variant] - opt))
     rc, _, err = run(capsys, ["--model", "paper-667b", "--microbatches", "0"] + PAPER)
     assert rc == 2 and "--microbatches must be >= 1" in err
+
+
+@pytest.mark.parametrize("name", ["paper-120b", "paper-241b", "paper-667b"])
+def test_reach_against_every_baseline_and_the_strongest(capsys, name):
+    """The paper configurations against stock Megatron, Megatron's optimizer CPU offload and
+    FSDP2 with CPU offload: each baseline's figures at the asked length, its reach, the
+    strongest one (the default column) and flat's reach over it."""
+    rc, out, err = run(capsys, ["--model", name, "--json"] + PAPER)
+    assert rc == 0, err
+    data = json.loads(out)
+    base = data["baselines"]
+    assert set(base) == set(BASELINES)
+    for entry in base.values():
+        assert {"total", "fits", "max_context", "host_bytes", "predicted_step_s"} <= set(entry)
+        assert entry["fits"] == (entry["total"] <= data["usable_bytes"]) or not entry["fits"]
+    # Stock Megatron's 12 B/param of Adam state alone exceeds the device at this scale.
+    assert base["megatron"]["max_context"] == 0 and not base["megatron"]["fits"]
+    # Both offloading baselines reach some context; FSDP2's per-layer gathers reach furthest.
+    assert base["megatron-cpu-offload"]["max_context"] > 0
+    strongest = data["strongest_baseline"]
+    assert strongest == max(base, key=lambda n: base[n]["max_context"])
+    assert data["baseline_name"] == strongest  # the default column
+    reach = base[strongest]["max_context"]
+    assert data["reach_ratio"] == pytest.approx(data["max_context"]["flat"] / reach)
+    assert data["reach_ratio"] > 1
+    assert data["max_context"]["baseline"] == reach
+    # Offloading baselines hold host memory: fp32 master and moments at least.
+    for offload in ("megatron-cpu-offload", "fsdp2-offload"):
+        assert base[offload]["host_bytes"] > 0
+        assert base[offload]["host_pinned_bytes"] <= base[offload]["host_bytes"]
+
+
+def test_baseline_flag_and_its_refusal(capsys):
+    rc, out, _ = run(capsys, ["--model", "paper-120b", "--json", "--baseline",
+                              "megatron-cpu-offload"] + PAPER)
+    data = json.loads(out)
+    assert rc == 0 and data["baseline_name"] == "megatron-cpu-offload"
+    assert data["baseline"]["total"] == data["baselines"]["megatron-cpu-offload"]["total"]
+    # Without the distributed optimizer Megatron's CPU offload cannot run.
+    from megatron_flat.plan import Layout, estimate, preset
+    from megatron_flat.plan.model import PlanError
+
+    with pytest.raises(PlanError, match="distributed optimizer"):
+        estimate(preset("paper-120b"), Layout(tp=8, cp=2, ep=16, distributed_optimizer=False),
+                 1 << 17, baseline="megatron-cpu-offload")
+    with pytest.raises(PlanError, match="unknown baseline"):
+        estimate(preset("paper-120b"), Layout(tp=8, cp=2, ep=16), 1 << 17, baseline="zero3")

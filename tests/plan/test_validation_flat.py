@@ -33,7 +33,8 @@ the live set when the section opens (worst entry):
   meter figure) against the planner's min(offloaded, prefetch + 1) boundaries; host: the
   pinned bytes the boundaries hold at the decoder's exit (``measure(...).host``'s
   ``checkpoint boundaries``) and the host pool's peak over the whole step (``step``: SCO
-  is its only user, so restores add nothing) against ``boundaries_host``; the MoE
+  is its only user, so restores add nothing) against the offloaded boundaries' bytes, and
+  the pool's size (allocated whole at the first offload) against ``boundaries_host``; the MoE
   layer's ``expert dispatch`` section against ``sections[METER_DISPATCH]``, which SCO
   leaves at the stock formula (SCO runs Megatron's own reentrant checkpoint inside its
   hooks, so nothing but the boundary changes place).
@@ -86,6 +87,7 @@ HOST_STEP = "step"  # measure(...)'s whole-step section
 RESTORED = "boundaries restored in backward"
 BOUNDARIES_HOST = "checkpoint boundaries (pinned host)"
 STEP_HOST = "whole step (pinned host)"
+POOL_HOST = "SCO's pool (host, allocated)"
 OPTIMIZER_HOST = "optimizer step (pinned host)"
 OPTIMIZER_HELD = "optimizer state held on device"
 
@@ -228,7 +230,8 @@ def _facts(trainer, case: Case) -> Dict[str, object]:
         return {"chunks": [m.flat_dispatch.last.num_chunks for m in layers],
                 "kept": [m.flat_dispatch.last.saved_chunks for m in layers]}
     if case.technique == "sco":
-        return {"max_restored": trainer.sco.stats.max_restored_on_device}
+        return {"max_restored": trainer.sco.stats.max_restored_on_device,
+                "pool_bytes": trainer.sco.pool.stats()["capacity_bytes"]}
     if case.technique == "optimizer":
         inner = inner_optimizers(trainer.optimizer)
         return {"buckets": [len(o.plan.buckets) for o in inner],
@@ -354,8 +357,10 @@ def compare(case: Case, report: PeakReport, got: Measured) -> List[Row]:
                     got.device[METER_BOUNDARIES]),
                 Row(name, RESTORED, restored * report.boundary_bytes,
                     got.facts["max_restored"] * report.boundary_bytes),
-                Row(name, BOUNDARIES_HOST, report.boundaries_host, got.host[METER_BOUNDARIES]),
-                Row(name, STEP_HOST, report.boundaries_host, got.host[HOST_STEP]),
+                Row(name, BOUNDARIES_HOST, report.boundaries_host_in_use,
+                    got.host[METER_BOUNDARIES]),
+                Row(name, STEP_HOST, report.boundaries_host_in_use, got.host[HOST_STEP]),
+                Row(name, POOL_HOST, report.boundaries_host, got.facts["pool_bytes"]),
                 Row(name, METER_DISPATCH, report.sections[METER_DISPATCH],
                     got.device[METER_DISPATCH])]
     rows = [Row(name, METER_OPTIMIZER, report.sections[METER_OPTIMIZER],
