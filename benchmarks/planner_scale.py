@@ -1,0 +1,149 @@
+"""The planner against the memory meter at a second, larger scale (CPU, one process).
+
+The tiny-model checks (``tests/plan/test_validation*.py``, ``benchmarks/planner_check.py``)
+run shapes of a few thousand tokens·hidden. This runs one Megatron MoE GPT two orders of
+magnitude larger — hidden 512, 8 layers, 16 experts top-2 (expert FFN 512), vocabulary
+32,768, sequence 2,048, fp32, full recompute, world of one — and compares:
+
+- the **baseline** terms (stock Megatron: its dispatcher, ``vocab_parallel_cross_entropy``,
+  full recompute's boundaries, its optimizer step), target within ±5%;
+- the **flat** terms, one technique on at a time (PipelinedLLEP with 4 chunks, Ring-DTP in
+  8 strips, SCO with room for 6 of 8 boundaries, OffloadStreamAdamW with 1M-element buckets
+  and 2 slots), target within −10…+30% (the planner may be above the meter: it takes each
+  technique's documented bound, e.g. the hottest expert of a chunk at its bound).
+
+Each figure is in the meter's definitions (``PeakReport.sections``; what each includes is
+stated in the two test modules' docstrings, whose machinery this reuses: one definition of
+the cases, the planner call and the meter). Run::
+
+    TORCHDYNAMO_DISABLE=1 python benchmarks/planner_scale.py --json results/planner_scale.json
+
+Not validated here (GPU-only; on CPU the unfused reference path runs): the fused-kernel
+widths (fused SwiGLU's 4F per route, fused AdamW's and clipping's zero scratch, bf16 logits'
+fp32 copy), overlap (two chunks in flight, the ring's next hop), all-to-all buffers and
+LLEP spills (EP > 1), the Ring-DTP ring (TP > 1), pinned memory and the CUDA caching
+allocator's rounding (belongs in the fit margin), and the baselines that offload the
+optimizer (HybridDeviceOptimizer's and FSDP2's host terms are counted from their code, not
+metered here: ``benchmarks/optimizer.py`` measures HybridDeviceOptimizer's host bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(HERE, "..", "tests", "plan")
+
+SHAPE = "h512-l8-e16-v32k-s2k"
+MODEL = dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
+             num_experts=16, topk=2, moe_ffn_hidden_size=512, vocab_size=32_768,
+             seq_length=2048)
+BASELINE_TOLERANCE = 0.05
+FLAT_BELOW, FLAT_ABOVE = -0.10, 0.30
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def flat_cases(flat):
+    """One case per technique on the large shape (knobs: module docstring)."""
+    flat.SHAPES[SHAPE] = MODEL
+    boundary = MODEL["seq_length"] * MODEL["hidden_size"] * 4
+    Case = flat.Case
+    return [
+        Case(SHAPE, "dispatch", dict(dispatch_chunk_tokens=512)),
+        Case(SHAPE, "vocab", dict(vocab_block_size=4096)),
+        Case(SHAPE, "sco", dict(sco_host_budget_gib=6.5 * boundary / (1 << 30))),
+        Case(SHAPE, "optimizer", dict(optimizer_bucket_numel=1 << 20, optimizer_num_slots=2)),
+    ]
+
+
+def baseline_rows(base, flat):
+    """Stock Megatron's sections, planned and measured."""
+    from megatron_flat.plan import estimate
+    from megatron_flat.plan.peaks import (
+        METER_BOUNDARIES,
+        METER_DISPATCH,
+        METER_OPTIMIZER,
+        METER_VOCAB,
+    )
+
+    tiny = base._tiny(MODEL)
+    measured = base._measure(tiny)
+    report = estimate(tiny.planner_spec(), base.tiny_layout(tiny), tiny.seq_length)
+    return [flat.Row(f"{SHAPE}/stock", c, report.sections[c], measured[c])
+            for c in (METER_DISPATCH, METER_VOCAB, METER_BOUNDARIES, METER_OPTIMIZER)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None)
+    p.add_argument("--only", choices=["baseline", "flat"], default=None)
+    args = p.parse_args()
+
+    import torch.distributed as dist
+
+    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.testing.distributed import init_distributed
+
+    init_distributed()
+    enable_cpu_backend()
+    base, flat = _load("test_validation"), _load("test_validation_flat")
+    start = time.perf_counter()
+    rows = {"baseline": [], "flat": []}
+    if args.only != "flat":
+        rows["baseline"] = baseline_rows(base, flat)
+    if args.only != "baseline":
+        for case in flat_cases(flat):
+            rows["flat"] += flat.compare(case, flat.plan(case), flat.measure_case(case))
+    seconds = time.perf_counter() - start
+
+    def ok(kind, row):
+        if kind == "baseline":
+            return abs(row.error) <= BASELINE_TOLERANCE
+        return FLAT_BELOW <= row.error <= FLAT_ABOVE
+
+    print(f"planner vs memory meter at a second scale: {SHAPE} "
+          f"({', '.join(f'{k}={v}' for k, v in MODEL.items())}), fp32, full recompute, "
+          "world of one; error = predicted / measured - 1")
+    print(f"targets: baseline within ±{BASELINE_TOLERANCE:.0%}, flat within "
+          f"{FLAT_BELOW:+.0%}…{FLAT_ABOVE:+.0%}")
+    header = f"{'case':56s} {'component':36s} {'predicted':>13s} {'measured':>13s} {'error':>7s}"
+    print(header)
+    print("-" * len(header))
+    failed = 0
+    for kind in ("baseline", "flat"):
+        for row in rows[kind]:
+            good = ok(kind, row)
+            failed += not good
+            print(f"{row.case:56s} {row.component:36s} {row.predicted:>13,d} "
+                  f"{row.measured:>13,d} {row.error:>+7.1%}{'' if good else '  !'}")
+    total = sum(len(v) for v in rows.values())
+    print(f"{total - failed} of {total} figures within their target ({seconds:.0f} s)")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"shape": SHAPE, "model": MODEL, "seconds": round(seconds, 1),
+                       "targets": {"baseline": BASELINE_TOLERANCE,
+                                   "flat": [FLAT_BELOW, FLAT_ABOVE]},
+                       "rows": [dict(kind=kind, case=r.case, component=r.component,
+                                     predicted=r.predicted, measured=r.measured,
+                                     error=r.error, ok=ok(kind, r))
+                                for kind in rows for r in rows[kind]]}, f, indent=2)
+        print(f"wrote {args.json}")
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
