@@ -111,6 +111,8 @@ class _Scope:
         "base_host",
         "peak_device",
         "peak_host",
+        "low_device",
+        "rise_device",
         "timeline",
         "t0",
         "open",
@@ -128,6 +130,8 @@ class _Scope:
         self.base_host = base_host
         self.peak_device = 0
         self.peak_host = 0
+        self.low_device = 0  # lowest live bytes seen, relative to entry (CPU)
+        self.rise_device = 0  # largest rise above the lowest level before it (CPU)
         self.timeline = timeline
         self.t0 = time.perf_counter()
         self.open = True
@@ -228,6 +232,10 @@ class _Tracker:
             rel = self.live_device - scope.base_device
             if rel > scope.peak_device:
                 scope.peak_device = rel
+            if rel < scope.low_device:
+                scope.low_device = rel
+            elif rel - scope.low_device > scope.rise_device:
+                scope.rise_device = rel - scope.low_device
             if scope.timeline is not None:
                 scope.append_sample(rel)
 
@@ -541,6 +549,21 @@ class MemoryMeter:
     def peak_device_bytes(self) -> int:
         """Peak live device bytes above the entry level (0 before entry)."""
         return 0 if self._scope is None else _TRACKER.peak_device(self._scope)
+
+    @property
+    def peak_rise_bytes(self) -> int:
+        """The largest rise of live device bytes above the lowest level seen before it.
+
+        Equal to :attr:`peak_device_bytes` unless bytes live at entry were freed inside
+        the block (leftovers of earlier work), which would otherwise hide part of a later
+        peak. On CPU tracked exactly; on CUDA the allocator keeps no history, so this is
+        :attr:`peak_device_bytes`.
+        """
+        if self._scope is None:
+            return 0
+        if self._scope.cuda_index is not None:
+            return self.peak_device_bytes
+        return max(self._scope.rise_device, self._scope.peak_device)
 
     @property
     def peak_host_bytes(self) -> int:

@@ -266,9 +266,14 @@ def measure(trainer: Trainer, steps: int,
     A forward-only warm-up runs first, outside the meter (see ``Trainer.warm_up``); the
     first step's optimizer-state allocation is inside it, as it is in a real run.
 
-    Peaks are reported for every name in ``peaks.COMPONENTS`` plus ``"step"`` (the whole
-    step), each the worst rank's (collective over the world), for device memory and for
-    the pinned host pool (SCO's boundaries, OffloadStreamAdamW's state).
+    Peaks are reported for every name in ``peaks.COMPONENTS`` (each above the live set when
+    the component begins) plus ``"step"``: the whole run of steps above the lowest live set
+    before its peak (the model and its gradient buffers, once the warm-up's leftovers are
+    freed; ``MemoryMeter.peak_rise_bytes``), so the optimizer state the first step
+    allocates counts in every later step's figure, as it does in device memory; each
+    the worst rank's (collective over the world), for device memory and for the pinned
+    host pool (SCO's boundaries, OffloadStreamAdamW's state). The timeline's maximum above
+    its lowest point before it is the ``"step"`` figure.
     ``on_step(step, loss, seconds)`` is called after every step. ``timeline``: also keep
     rank 0's device-memory samples.
     """
@@ -283,18 +288,20 @@ def measure(trainer: Trainer, steps: int,
         try:
             for step in range(steps):
                 start = time.perf_counter()
-                with meter.section("step"):
-                    loss = trainer.forward_backward(step)
-                    with meter.section(OPTIMIZER):
-                        trainer.optimizer_step()
+                loss = trainer.forward_backward(step)
+                with meter.section(OPTIMIZER):
+                    trainer.optimizer_step()
                 if on_step is not None:
                     on_step(step, loss, time.perf_counter() - start)
         finally:
             sections.remove()
-    names = list(COMPONENTS) + ["step"]
+    names = list(COMPONENTS)
     stats = [meter.sections.get(n) for n in names]
-    peaks = torch.tensor([[0, 0] if st is None else [st.peak_device_bytes, st.peak_host_bytes]
-                          for st in stats], dtype=torch.int64)
+    rows = [[0, 0] if st is None else [st.peak_device_bytes, st.peak_host_bytes]
+            for st in stats]
+    names.append("step")
+    rows.append([meter.peak_rise_bytes, meter.peak_host_bytes])
+    peaks = torch.tensor(rows, dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank binds
     device = dict(zip(names, peaks[:, 0].tolist()))
     host = dict(zip(names, peaks[:, 1].tolist()))

@@ -365,3 +365,19 @@ def test_cuda_nested_meters_and_sections_do_not_corrupt_outer_peak() -> None:
     assert outer.peak_host_bytes == mib
     times = [t for t, _ in outer.timeline]
     assert times == sorted(times)
+
+
+def test_peak_rise_counts_from_the_lowest_level_before_it():
+    """Bytes live at entry and freed inside the block would hide part of a later peak from
+    the entry-relative figure; the rise is measured from the lowest level before it."""
+    from megatron_flat.runtime.memory import MemoryMeter
+
+    leftover = torch.empty(1 << 20, dtype=torch.uint8)  # 1 MiB, live at entry
+    with MemoryMeter("cpu") as meter:
+        del leftover  # freed inside: the level drops 1 MiB below the entry
+        peak = torch.empty(3 << 20, dtype=torch.uint8)  # then 3 MiB on top
+        del peak
+        small = torch.empty(1 << 19, dtype=torch.uint8)
+        del small
+    assert meter.peak_device_bytes == 2 << 20  # 3 MiB - 1 MiB above the entry
+    assert meter.peak_rise_bytes == 3 << 20
