@@ -95,6 +95,7 @@ METER_DISPATCH = "expert dispatch"
 METER_VOCAB = "vocabulary projection + loss"
 METER_BOUNDARIES = "checkpoint boundaries"
 METER_OPTIMIZER = "optimizer step"
+METER_STEP = "step"  # the whole step, as ``testing.training.measure`` names it
 
 
 @dataclass
@@ -106,7 +107,9 @@ class PeakReport:
     (whichever transient wins), ``boundaries``, ``optimizer`` (weights + grads + optimizer
     state on device) and ``other``. ``sections`` gives the figures in the memory meter's
     definitions (per-section peaks relative to the section's entry, the boundaries as held
-    bytes, the optimizer step's as its first step), for validation.
+    bytes, the optimizer step's as its first step, and ``"step"``: a run of two or more
+    steps above the live set before the first, ``testing.training.measure``'s figure), for
+    validation and the demo's context sweep.
     """
 
     model: str
@@ -524,7 +527,10 @@ def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: b
     Flash-style attention (no N² scores), TP-split heads, SP-sharded norms::
 
         b·[ N·H·[SP, TP>1]              the gathered norm output feeding QKV
-          + N·(h·d + g·d + g·d_v)/TP    Q, K, V
+          + N·(h·d + g·d + g·d_v)/TP    Q, K, V (the QKV projection's output, kept whole
+                                        through V's view of it)
+          + N·(h·d + g·d)/TP            the rotated copies of Q and K (RoPE writes new
+                                        tensors, fused or not), which attention saves
           + N·h·d_v/TP                  attention output
           + [CP>1]·2·N·g·(d + d_v)/TP   ring attention: K/V block received + next in flight
           + 4·N_sp·H ]                  norm output, residual, layer output grad, input grad
@@ -536,6 +542,7 @@ def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: b
     g_local = max(g // TP, 1) * TP  # KV heads are replicated when TP > g
     gathered = layout.sp and TP > 1
     acts = (n * H if gathered else 0) + n * (h * d + g_local * (d + dv)) // TP + n * h * dv // TP
+    acts += n * (h * d + g_local * d) // TP  # RoPE's rotated Q and K
     if layout.cp > 1:
         acts += 2 * n * g_local * (d + dv) // TP
     acts += 4 * n_sp * H
@@ -576,14 +583,15 @@ def stage_params(model: ModelSpec, layout: Layout, first: int, count: int,
 
 
 def largest_param(model: ModelSpec, layout: Layout, first: int, count: int,
-                  first_stage: bool, last_stage: bool) -> int:
+                  first_stage: bool, last_stage: bool, kind: Optional[str] = None) -> int:
     """Elements of the largest parameter tensor of one device of a pipeline stage, as
     Megatron's unfused path (``SequentialMLP`` experts) builds them: embedding / output
     shard, fused QKV and output projections, an expert's fc1 (2F·H gated; fc2 is never
-    larger), dense and shared FFNs, the router."""
+    larger), dense and shared FFNs, the router. ``kind``: only ``"dense"`` or only
+    ``"expert"`` parameters (None: all)."""
     H, TP = model.hidden, layout.tp
     fc1 = 2 if model.gated else 1
-    sizes = [0]
+    sizes, experts = [0], [0]
     if first_stage or last_stage:
         sizes.append(math.ceil(model.vocab / TP) * H)
     if count:
@@ -593,41 +601,53 @@ def largest_param(model: ModelSpec, layout: Layout, first: int, count: int,
         sizes.append(model.heads * model.dv * H // TP)
     layers = range(first, first + count)
     if any(model.is_moe_layer(i) for i in layers):
-        sizes += [fc1 * model.expert_ffn * H, model.experts * H,
-                  fc1 * model.shared_expert_ffn * H // TP]
+        experts.append(fc1 * model.expert_ffn * H)
+        sizes += [model.experts * H, fc1 * model.shared_expert_ffn * H // TP]
     if any(not model.is_moe_layer(i) for i in layers):
         sizes.append(fc1 * model.dense_ffn * H // TP)
-    return max(sizes)
+    if kind == "dense":
+        return max(sizes)
+    if kind == "expert":
+        return max(experts)
+    return max(sizes + experts)
 
 
-def optimizer_step_term(model: ModelSpec, layout: Layout, shards, biggest: int,
+def optimizer_step_term(model: ModelSpec, layout: Layout, shards, biggest,
                         flat: Optional[FlatConfig]) -> int:
     """What the meter's "optimizer step" section sees on the device in the first step: the
-    state allocated there plus the AdamW kernel's scratch; clipping comes first, alone.
+    state each sub-optimizer allocates there plus its AdamW kernel's scratch; clipping
+    comes first, alone.
 
-    Baseline: m and v (8 B/param of the shard; a master copy exists before the first step)
-    + kernel scratch (unfused: torch's single-tensor AdamW, 8 B × the largest parameter;
-    fused: none). OffloadStreamAdamW: the staging slots of every sub-optimizer (``shards``:
-    the parameters of each, dense and expert) + kernel scratch (unfused: 8 B × the
-    largest piece of one bucket, ≤ min(bucket, largest parameter); fused kernels on CUDA:
-    torch's fused kernel, none). Unfused clipping scales each gradient into
-    an fp32 temporary (4 B × the largest parameter) before the update starts.
+    ``shards``: the parameters of each Megatron sub-optimizer on this device (dense, then
+    expert; one entry when one optimizer holds both), ``biggest``: each one's largest
+    parameter (an int: the same for all). The sub-optimizers step one after the other, so
+    sub-optimizer i sees the state of 1..i allocated and only its own scratch::
+
+        peak = max_i (Σ_{j ≤ i} state_j + scratch_i)
+
+    Baseline: state m and v (8 B/param of the shard; a master copy exists before the first
+    step), scratch (unfused: torch's single-tensor AdamW, 8 B × its largest parameter piece,
+    ≤ the shard; fused: none). OffloadStreamAdamW: state its staging slots, scratch
+    (unfused: 8 B × the largest piece of one bucket, ≤ min(bucket, largest parameter);
+    fused kernels on CUDA: torch's fused kernel, none). Unfused clipping scales each
+    gradient into an fp32 temporary (4 B × the largest parameter) before the update starts.
     """
     shards = [shards] if isinstance(shards, int) else list(shards)
-    shard = sum(shards)
-    buckets = [min(flat.optimizer_bucket_numel, n) for n in shards] \
-        if flat and flat.optimizer_offload else []
-    if buckets:
-        # Each sub-optimizer's staging is allocated at its first step; they step one after
-        # the other, so one kernel's scratch is live at a time.
-        state = flat.optimizer_num_slots * sum(buckets) * STAGING_BYTES_PER_PARAM
-        scratch = 0 if layout.fused_kernels else \
-            ADAM_SCRATCH_SINGLE_TENSOR * min(max(buckets), biggest)
-    else:
-        state = shard * ADAM_BYTES_PER_PARAM_FP32
-        scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * biggest
-    clip = 0 if layout.fused_kernels else CLIP_SCRATCH_BYTES_PER_PARAM * biggest
-    return max(state + scratch, clip)
+    biggests = [biggest] * len(shards) if isinstance(biggest, int) else list(biggest)
+    offload = bool(flat and flat.optimizer_offload)
+    running = peak = 0
+    for shard, big in zip(shards, biggests):
+        piece = min(big, shard)
+        if offload:
+            bucket = min(flat.optimizer_bucket_numel, shard)
+            running += flat.optimizer_num_slots * bucket * STAGING_BYTES_PER_PARAM
+            piece = min(piece, bucket)
+        else:
+            running += shard * ADAM_BYTES_PER_PARAM_FP32
+        scratch = 0 if layout.fused_kernels else ADAM_SCRATCH_SINGLE_TENSOR * piece
+        peak = max(peak, running + scratch)
+    clip = 0 if layout.fused_kernels else CLIP_SCRATCH_BYTES_PER_PARAM * max(biggests)
+    return max(peak, clip)
 
 
 # ------------------------------------------------------------------------------ estimate
@@ -734,13 +754,21 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     contributions.update(boundaries=boundaries_device, optimizer=resident)
     binding = max(contributions, key=lambda name: (contributions[name], name == "dispatch"))
 
-    biggest = largest_param(model, layout, first, count, first_stage, last_stage)
+    if len(shards) == 2:  # dense, then expert
+        biggest = [largest_param(model, layout, first, count, first_stage, last_stage, kind)
+                   for kind in ("dense", "expert")]
+    else:
+        biggest = largest_param(model, layout, first, count, first_stage, last_stage)
     sections = {
         METER_DISPATCH: dispatch,
         METER_VOCAB: int(math.ceil(v["section"])),
         METER_BOUNDARIES: _held_at_exit(count, offloaded, B, fixed),
         METER_OPTIMIZER: optimizer_step_term(model, layout, shards, biggest, flat),
     }
+    # Steps after the first, above the live set before training (weights, gradient
+    # buffers): the optimizer state the first step allocated, the boundaries held and the
+    # larger transient on top; or the first step's optimizer allocations, if larger.
+    sections[METER_STEP] = max(total - weights - grads, sections[METER_OPTIMIZER])
     return PeakReport(
         model=model.name, layout=layout, seq_len=seq_len, flat=flat, stage=stage, tokens=n,
         tokens_sp=n_sp, skew=float(d.get("skew", 1.0)), dispatch=dispatch,
