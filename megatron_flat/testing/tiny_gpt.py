@@ -48,6 +48,10 @@ class TinyMoE:
     # reference grouped GEMM), or on 0.19, which has no GroupedMLP, TEGroupedMLP with the CPU
     # grouped linears of megatron_flat.megatron.cpu_grouped.
     grouped_gemm: bool = False
+    # Core attention: "local" (Megatron's DotProductAttention: N×N scores, softmax and their
+    # grad materialised) or "flash" (testing.flash_attention: torch's fused kernel, O(N)
+    # per head, as transformer-engine's fused attention on a GPU).
+    attention: str = "local"
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -63,6 +67,8 @@ class TinyMoE:
                              f"0..seq_length-1 ({self.seq_length - 1})")
         if self.data not in ("random", "zipf"):
             raise ValueError(f"unknown synthetic data {self.data!r}: use 'random' or 'zipf'")
+        if self.attention not in ("local", "flash"):
+            raise ValueError(f"unknown attention {self.attention!r}: use 'local' or 'flash'")
 
     def with_(self, **changes) -> "TinyMoE":
         return replace(self, **changes)
@@ -162,6 +168,10 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
                                               moe_grouped_gemm=tiny.grouped_gemm)
         if tiny.grouped_gemm:
             layer_spec = _with_cpu_grouped_experts(layer_spec)
+        if tiny.attention == "flash":
+            from megatron_flat.testing.flash_attention import with_flash_attention
+
+            layer_spec = with_flash_attention(layer_spec)
     mtp = {}
     if getattr(config, "mtp_num_layers", None):
         # The MTP heads' layers are the decoder's layer spec (None off the last stage).

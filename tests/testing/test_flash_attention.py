@@ -1,0 +1,59 @@
+"""FlashCoreAttention: DotProductAttention's math without its N×N scores (CPU)."""
+
+import pytest
+import torch
+
+
+def _step(tiny, megatron_cpu_layout):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_flat.testing.tiny_gpt import build_tiny_gpt, global_batch, transformer_config
+
+    torch.manual_seed(tiny.seed)
+    model = build_tiny_gpt(tiny, transformer_config(tiny, recompute="full"))
+    model.train()
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(tiny.seed)
+    mb = global_batch(tiny, 0)[0]
+    loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels).float().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
+
+
+def test_flash_matches_local_attention_and_keeps_no_scores(megatron_cpu):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.flash_attention import FlashCoreAttention
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    local = TinyMoE(num_layers=2, seq_length=64)
+    flash = local.with_(attention="flash")
+    with megatron_layout(seed=local.seed):
+        ref_loss, ref_grads, _ = _step(local, None)
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with megatron_layout(seed=flash.seed), Ops():
+        loss, grads, model = _step(flash, None)
+    assert sum(isinstance(m, FlashCoreAttention) for m in model.modules()) == 2
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+    # torch's CPU flash kernel ran, forward and backward, not the N×N path (no batched
+    # score matmul).
+    assert any("_scaled_dot_product_flash_attention_for_cpu.default" in op for op in seen)
+    assert any("_scaled_dot_product_flash_attention_for_cpu_backward" in op for op in seen)
+    assert not any("baddbmm" in op or "bmm" in op for op in seen)
+
+
+def test_flash_refuses_what_it_does_not_model(megatron_cpu):
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    with pytest.raises(ValueError, match="attention"):
+        TinyMoE(attention="sliding")
