@@ -3,8 +3,23 @@ megatron-flat techniques on, from the same weights; measures each peak both ways
 
 Run with ``make demo`` (2 ranks, gloo) or directly::
 
-    torchrun --standalone --nproc-per-node 2 examples/train_tiny_moe.py --steps 10 \\
-        --json results/demo.json --timeline results/demo_timeline.png
+    torchrun --standalone --nproc-per-node 2 examples/train_tiny_moe.py --steps 6 \\
+        --json results/demo.json --timeline results/demo_timeline.png \\
+        --sweep 256 512 1024 2048 4096 --sweep-plot results/demo_sweep.png
+
+One definition of **peak** throughout (the table, the timeline and the sweep): the most
+device bytes live at once, above the bytes live when the measured part began — for a
+component, its own start (so it is what the component adds); for the whole step, the
+lowest level before it, i.e. the model and its gradient buffers (the optimizer state the
+first step allocates counts in every later step) — on the worst rank, over the steps run.
+The timeline plots live device bytes above that level, so its maximum is the whole-step
+peak; boundaries are the bytes held from forward to backward (live at the decoder's exit
+above its entry).
+
+The context sweep (``--sweep``) trains two steps stock and two flat at each sequence length
+from the same weights and plots every peak against tokens: measured as solid lines, the
+planner's prediction for the same layout (``megatron_flat.plan.estimate``, in the same
+definitions: ``PeakReport.sections``) dashed.
 
 Layout: EP=2 (DP=2 for the dense part), full recompute, Megatron's distributed optimizer,
 grouped-GEMM experts (``--no-moe-grouped-gemm``: SequentialMLP), synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
@@ -33,6 +48,7 @@ from megatron_flat.testing.tiny_gpt import TinyMoE
 from megatron_flat.testing.training import Layout, Trainer, measure
 
 DEMO_MODEL = TinyMoE(
+    attention="flash",  # O(N) attention, as on a GPU (testing.flash_attention)
     num_layers=4,
     hidden_size=128,
     num_attention_heads=4,
@@ -62,7 +78,7 @@ LAYOUT = Layout(ep=2, distributed_optimizer=True, recompute="full")
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seq-length", type=int, default=DEMO_MODEL.seq_length)
     p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="grouped-GEMM experts in both runs, as most Megatron MoE runs use "
@@ -72,12 +88,17 @@ def parse_args():
     p.add_argument("--json", default=None, help="write the measured peaks here")
     p.add_argument("--timeline", default="results/demo_timeline.png",
                    help="memory-timeline PNG of rank 0 (empty to skip)")
+    p.add_argument("--sweep", type=int, nargs="*", default=[],
+                   help="sequence lengths of the context sweep (two steps each, stock and "
+                        "flat; none: no sweep)")
+    p.add_argument("--sweep-plot", default="results/demo_sweep.png",
+                   help="the sweep's PNG (one panel per peak and one for the whole step)")
     add_flat_args(p)
     p.set_defaults(**{"flat_" + k: v for k, v in DEMO_FLAT.to_dict().items()})
     return p.parse_args()
 
 
-def run(tiny, flat, args, rank, label, init=None):
+def run(tiny, flat, args, rank, label, init=None, quiet=False):
     """Train one run under the meter; returns (PeakReport, losses, initial full weights)."""
     from megatron_flat.testing.equivalence import full_tensors, load_full
 
@@ -85,7 +106,7 @@ def run(tiny, flat, args, rank, label, init=None):
 
     def report(step: int, loss: float, seconds: float) -> None:
         losses.append(loss)
-        if rank == 0:
+        if rank == 0 and not quiet:
             print(f"{label:8s} step {step + 1:3d} | loss {loss:.6f} | step time "
                   f"{seconds * 1e3:7.1f} ms", flush=True)
 
@@ -98,10 +119,16 @@ def run(tiny, flat, args, rank, label, init=None):
     return peaks, losses, initial
 
 
+PEAK_DEFINITION = ("peak: the most device bytes live at once, above those live when the "
+                   "measured part began (a component: its own start; the whole step: the "
+                   "model and its gradients, so the optimizer state counts), worst rank, any "
+                   "step; boundaries: bytes held from forward to backward")
+
+
 def print_table(base, flat) -> None:
     from megatron_flat.megatron.peaks import BOUNDARIES, COMPONENTS
 
-    print("\nmeasured peaks (worst rank, MemoryMeter, bytes above the live set at entry)")
+    print(f"\nmeasured peaks (MemoryMeter); {PEAK_DEFINITION}")
     print(f"{'component':34s} {'baseline':>11s} {'flat':>11s} {'flat/base':>10s} "
           f"{'pinned host (flat)':>19s}")
     for name in list(COMPONENTS) + ["step"]:
@@ -126,15 +153,22 @@ def plot_timeline(path, base, flat) -> None:
         if not samples:
             continue
         t, b = _envelope(samples, 2000)
-        ax.plot(t, [x / 2**20 for x in b], label=label, linewidth=0.8)
+        floor = _floor_before_peak(samples)
+        ax.plot(t, [(x - floor) / 2**20 for x in b], label=label, linewidth=0.8)
     ax.set_xlabel("seconds since the first step")
-    ax.set_ylabel("live device memory above start (MiB)")
+    ax.set_ylabel("live device MiB above the run's low\n(its maximum: the whole-step peak)")
     ax.set_title("tiny MoE GPT, EP=2, rank 0")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _floor_before_peak(samples) -> int:
+    """The lowest live level before the highest one (the whole-step peak's reference)."""
+    top = max(range(len(samples)), key=lambda i: samples[i][1])
+    return min(v for _, v in samples[:top + 1])
 
 
 def _envelope(samples, columns):
@@ -147,6 +181,113 @@ def _envelope(samples, columns):
         times.append(chunk[0][0])
         values.append(max(v for _, v in chunk))
     return times, values
+
+
+# The sweep's panels: (meter section, title).
+SWEEP_PANELS = (("expert dispatch", "expert dispatch"),
+                ("vocabulary projection + loss", "vocabulary projection + loss"),
+                ("checkpoint boundaries", "checkpoint boundaries (held)"),
+                ("optimizer step", "optimizer step"),
+                ("step", "whole step"))
+
+
+def planner_layout():
+    """The demo's layout as the planner sees it: 2 ranks, EP 2 (DP 2 for the dense part),
+    distributed optimizer, fp32 gradients, Megatron's unfused CPU path, nothing overlapping."""
+    from megatron_flat.plan import Layout as PlanLayout
+
+    return PlanLayout(ep=2, dp=2, distributed_optimizer=True, fused_kernels=False,
+                      overlap=False)
+
+
+def flat_for_sweep(flat, sweep_lengths):
+    """The demo's FlatConfig with chunks that stay at ``dispatch_chunk_tokens`` over the
+    whole sweep (enough chunks allowed for the longest sequence: each rank routes its own
+    sequence, micro-batch 1)."""
+    import dataclasses
+    import math
+
+    if flat.dispatch != "pipelined" or not sweep_lengths:
+        return flat
+    need = math.ceil(max(sweep_lengths) / flat.dispatch_chunk_tokens)
+    return dataclasses.replace(flat, dispatch_max_chunks=max(flat.dispatch_max_chunks, need))
+
+
+def sweep(tiny, flat, args, rank):
+    """Two steps stock and two flat per sequence length; measured and predicted peaks."""
+    from megatron_flat.plan import estimate
+    from megatron_flat.testing.equivalence import RTOL
+
+    # Two steps: the second carries the optimizer state the first allocated.
+    one = argparse.Namespace(**{**vars(args), "steps": 2, "timeline": ""})
+    spec = tiny.planner_spec()
+    points = []
+    for seq in args.sweep:
+        model = tiny.with_(seq_length=seq)
+        base, base_losses, initial = run(model, None, one, rank, f"s={seq}", quiet=True)
+        on, flat_losses, _ = run(model, flat, one, rank, f"s={seq}", init=initial, quiet=True)
+        predicted = {name: estimate(spec, planner_layout(), seq, cfg).sections
+                     for name, cfg in (("stock", None), ("flat", flat))}
+        diff = max(abs(a - b) / abs(b) for a, b in zip(flat_losses, base_losses))
+        points.append({"seq": seq, "measured": {"stock": base.device, "flat": on.device},
+                       "predicted": predicted, "flat_host": on.host,
+                       "loss_rel_diff": diff, "losses_equal": diff <= RTOL})
+        if rank == 0:
+            b, f = base.device, on.device
+            print(f"sweep s={seq:5d}: whole step {format_bytes(b['step']):>11s} stock, "
+                  f"{format_bytes(f['step']):>11s} flat ({f['step'] / b['step']:.0%}); "
+                  f"losses {'equal' if diff <= RTOL else 'NOT EQUAL'}", flush=True)
+    return points
+
+
+def print_sweep(points) -> None:
+    print(f"\ncontext sweep, measured (planner); {PEAK_DEFINITION}")
+    head = f"{'tokens':>7s}  {'peak':30s}{'stock':>24s}{'flat':>24s}{'flat/stock':>11s}"
+    print(head)
+    for p in points:
+        for name, title in SWEEP_PANELS:
+            cells = []
+            for variant in ("stock", "flat"):
+                m, q = p["measured"][variant][name], p["predicted"][variant][name]
+                cells.append(f"{format_bytes(m)} ({format_bytes(q)})")
+            stock = p["measured"]["stock"][name]
+            ratio = f"{p['measured']['flat'][name] / stock:10.0%}" if stock else "       n/a"
+            print(f"{p['seq']:7d}  {title:30s}{cells[0]:>24s}{cells[1]:>24s}{ratio:>11s}")
+
+
+def plot_sweep(path, points, title) -> None:
+    """One panel per peak and one for the whole step: measured solid, planned dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = [p["seq"] for p in points]
+    fig, grid = plt.subplots(2, 3, figsize=(13, 7.5))
+    axes, spare = list(grid.flat[:len(SWEEP_PANELS)]), grid.flat[-1]
+    styles = {"stock": ("tab:red", "stock Megatron"), "flat": ("tab:blue", "megatron-flat")}
+    for ax, (name, panel) in zip(axes, SWEEP_PANELS):
+        for variant, (color, label) in styles.items():
+            ax.plot(seqs, [p["measured"][variant][name] / 2**20 for p in points], "-o",
+                    color=color, label=f"{label}, measured", markersize=3)
+            ax.plot(seqs, [p["predicted"][variant][name] / 2**20 for p in points], "--",
+                    color=color, label=f"{label}, planner", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(panel, fontsize=10)
+        ax.set_xlabel("tokens per sequence")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in (axes[0], axes[3]):
+        ax.set_ylabel("peak device MiB\n(above the live set when it begins)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    spare.axis("off")
+    spare.legend(handles, labels, loc="center", fontsize=9,
+                 title="solid: measured (MemoryMeter)\ndashed: planner (plan.estimate)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -168,19 +309,33 @@ def main() -> None:
     worst = max(abs(a - b) / abs(b) for a, b in zip(flat_losses, base_losses))
     if rank == 0:
         print_table(base, on)
+    points = sweep(tiny, flat_for_sweep(flat, args.sweep), args, rank) if args.sweep else []
+    if points:
+        worst = max(worst, max(p["loss_rel_diff"] for p in points))
+    if rank == 0:
         verdict = "equal" if worst <= RTOL else "NOT EQUAL"
         print(f"\nlosses over {args.steps} steps: {verdict} (largest relative difference "
               f"{worst:.2e}, tolerance {RTOL:g}: fp32 reductions reordered)")
         if args.timeline:
             plot_timeline(args.timeline, base, on)
             print(f"memory timeline: {args.timeline}")
+        if points:
+            print_sweep(points)
+            if args.sweep_plot:
+                plot_sweep(args.sweep_plot, points,
+                           f"MoE GPT ({tiny.num_layers} layers, hidden {tiny.hidden_size}, "
+                           f"{tiny.num_experts} experts, vocab {tiny.vocab_size}), 2 ranks, "
+                           "EP 2, two steps per point: peak by context, measured (solid) and "
+                           "planned (dashed)")
+                print(f"context sweep: {args.sweep_plot}")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump({"model": tiny.__dict__, "layout": LAYOUT.name, "flat": flat.to_dict(),
                            "baseline": base.device, "flat_device": on.device,
                            "flat_host": on.host, "baseline_losses": base_losses,
-                           "flat_losses": flat_losses, "largest_loss_rel_diff": worst},
+                           "flat_losses": flat_losses, "largest_loss_rel_diff": worst,
+                           "peak_definition": PEAK_DEFINITION, "sweep": points},
                           f, indent=2, default=str)
             print(f"wrote {args.json}")
     dist.barrier()
