@@ -251,3 +251,40 @@ def test_baseline_flag_and_its_refusal(capsys):
                  1 << 17, baseline="megatron-cpu-offload")
     with pytest.raises(PlanError, match="unknown baseline"):
         estimate(preset("paper-120b"), Layout(tp=8, cp=2, ep=16), 1 << 17, baseline="zero3")
+
+
+def test_readme_reach_table_is_what_the_planner_prints(capsys):
+    """README "The paper's three configurations at 1M tokens": every row is the planner's."""
+    import pathlib
+    import re
+
+    from megatron_flat.plan.units import format_bytes, format_tokens
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### The paper's three configurations at 1M tokens", 1)[1]
+    rows = [line for line in section.split("\n\n", 3)[2].splitlines() if line.startswith("|")]
+    table, model = {}, None
+    for line in rows[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0]:
+            model = cells[0].split(",")[0]
+        table[(model, cells[1].strip("*"))] = cells[2:]
+    assert len(table) == 12
+    for name in ("paper-120b", "paper-241b", "paper-667b"):
+        rc, out, _ = run(capsys, ["--model", name, "--json"] + PAPER)
+        data = json.loads(out)
+        for baseline, entry in data["baselines"].items():
+            peak, fits, reach, host, step = table[(name, baseline)]
+            assert peak == format_bytes(entry["total"])
+            assert fits == ("yes" if entry["fits"] else "no")
+            assert reach == (format_tokens(entry["max_context"]) if entry["max_context"]
+                             else "none")
+            assert host == format_bytes(entry["host_bytes"])
+            assert step == f"{entry['predicted_step_s']:.2f} s"
+        peak, fits, reach, host, step = table[(name, "megatron-flat")]
+        assert peak == format_bytes(data["flat"]["total"]) and fits == "yes"
+        flat_reach = re.match(r"\*\*(\S+) \(([\d.]+)×\)\*\*", reach)
+        assert flat_reach.group(1) == format_tokens(data["max_context"]["flat"])
+        assert float(flat_reach.group(2)) == pytest.approx(data["reach_ratio"], abs=0.005)
+        assert host == format_bytes(data["host_bytes"]["flat_per_device"])
+        assert step == f"{data['predicted_time']['step_s']['flat']:.2f} s"
