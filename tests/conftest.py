@@ -81,3 +81,21 @@ def _delayed_copies_when_asked(request):
 
     with delayed_copies():
         yield
+
+
+@pytest.fixture
+def benchmark_script():
+    """Load ``benchmarks/<name>.py`` as a module (its ``main`` reads ``sys.argv``)."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(
+            f"{name}_benchmark", root / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

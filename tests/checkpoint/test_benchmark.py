@@ -4,19 +4,12 @@ on-demand reloads."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def test_checkpoint_benchmark_smoke(tmp_path, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "checkpoint_benchmark", os.path.join(ROOT, "benchmarks", "checkpoint.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_checkpoint_benchmark_smoke(tmp_path, monkeypatch, benchmark_script) -> None:
+    bench = benchmark_script("checkpoint")
     out = tmp_path / "checkpoint.json"
     monkeypatch.setattr(sys, "argv", [
         "checkpoint.py", "--depths", "2", "6", "--seq", "32", "--hidden", "16", "--reps", "1",

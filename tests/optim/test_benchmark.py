@@ -3,19 +3,13 @@ issue asks for (memory per variant, exactness across variants, time ratios)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def test_optimizer_benchmark_smoke(tmp_path, monkeypatch, capsys) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "optimizer_benchmark", os.path.join(ROOT, "benchmarks", "optimizer.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_optimizer_benchmark_smoke(tmp_path, monkeypatch, capsys,
+                                   benchmark_script) -> None:
+    bench = benchmark_script("optimizer")
     out = tmp_path / "optimizer.json"
     monkeypatch.setattr(sys, "argv", [
         "optimizer.py", "--hidden", "64", "--layers", "1", "--bucket-numel", "5000",

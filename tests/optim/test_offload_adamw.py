@@ -499,16 +499,22 @@ def test_cuda_streams_bitwise_equal_to_adamw(num_slots, kernel, dtype) -> None:
         opt.prepare()
         assert meter.current_device_bytes() == opt.staging_bytes == num_slots * 65_536 * 12
     assert opt.host_pinned
-    for s in range(20):
+    _cuda_steps_bitwise(opt, ref_opt, params, refs, gen, 20, "exp_avg_sq")
+
+
+def _cuda_steps_bitwise(opt, ref_opt, params, refs, gen, steps: int, state: str) -> None:
+    """``steps`` steps of both optimizers on the same random CUDA gradients: parameters
+    bitwise equal after every step, the ``state`` moment after the last."""
+    for _ in range(steps):
         for p, r in zip(params, refs):
-            g = torch.randn(p.shape, generator=gen).to("cuda", dtype)
+            g = torch.randn(p.shape, generator=gen).to("cuda", p.dtype)
             p.grad, r.grad = g, g.float()
         opt.step()
         ref_opt.step()
         for p, r in zip(params, refs):
-            assert torch.equal(p, r.detach().to(dtype))
+            assert torch.equal(p, r.detach().to(p.dtype))
     for p, r in zip(params, refs):
-        assert torch.equal(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"].cpu())
+        assert torch.equal(opt.state[p][state], ref_opt.state[r][state].cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -577,12 +583,4 @@ def test_cuda_default_is_fused_and_bitwise_equal_to_unbucketed_fused_adamw(dtype
     ref_opt = torch.optim.AdamW(refs, lr=1e-2, fused=True)
     opt = OffloadStreamAdamW(params, lr=1e-2, bucket_numel=40_000, num_slots=2)
     assert opt.kernels == ["fused"]
-    for _ in range(10):
-        for p, r in zip(params, refs):
-            g = torch.randn(p.shape, generator=gen).to("cuda", dtype)
-            p.grad, r.grad = g, g.float()
-        opt.step()
-        ref_opt.step()
-    for p, r in zip(params, refs):
-        assert torch.equal(p, r.detach().to(dtype))
-        assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[r]["exp_avg"].cpu())
+    _cuda_steps_bitwise(opt, ref_opt, params, refs, gen, 10, "exp_avg")
