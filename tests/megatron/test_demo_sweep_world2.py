@@ -58,8 +58,9 @@ def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path):
     # not grow as fast, and its optimizer step does not grow at all.
     assert large["measured"]["stock"]["vocabulary projection + loss"] >= \
         1.9 * small["measured"]["stock"]["vocabulary projection + loss"]
-    assert large["measured"]["flat"]["optimizer step"] == \
-        small["measured"]["flat"]["optimizer step"]
+    # (to a few bytes: 0.19 keeps a small tensor or two that the meter sees at times)
+    assert abs(large["measured"]["flat"]["optimizer step"]
+               - small["measured"]["flat"]["optimizer step"]) <= 1024
     if dist.get_rank() == 0:
         path = tmp_path / "sweep.png"
         demo.plot_sweep(str(path), points, "test")
