@@ -323,17 +323,15 @@ def plan(args: argparse.Namespace) -> PlanResult:
     kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew)
     error = None
     if args.all_on:
-        baseline = estimate(model, layout, seq, None, skew=args.skew)
         flat_report = tightest_report(model, layout, seq, host, host_margin=HOST_MARGIN,
                                       skew=args.skew)
         flat = flat_report.flat or FlatConfig()
     else:
         try:
             result = fit(model, layout, seq, device, host, **kw)
-            baseline, flat_report, flat = result.baseline, result.report, result.flat
+            flat_report, flat = result.report, result.flat
         except DoesNotFit as err:
             error = str(err)
-            baseline = estimate(model, layout, seq, None, skew=args.skew)
             flat_report = err.best
             flat = flat_report.flat or FlatConfig()
     reach = max_context(model, layout, device, host, **kw)

@@ -18,7 +18,6 @@ Megatron's tracker), a padding mask, packed sequences, attention bias.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
