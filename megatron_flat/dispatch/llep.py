@@ -42,6 +42,7 @@ from megatron_flat.dispatch.experts import ExpertBank, check_bank
 from megatron_flat.dispatch.passes import backward_pass, forward_pass
 from megatron_flat.dispatch.recompute import Verdict, current_region
 from megatron_flat.dispatch.step import Step
+from megatron_flat.dispatch.strategies import strategy_for
 from megatron_flat.dispatch.plan import (
     MEMBERSHIPS,
     LLEPPlan,
@@ -217,7 +218,7 @@ class PipelinedLLEPFunction(torch.autograd.Function):
     expert's intermediates beside the chunk's combine buffer, backward one expert's recomputed
     graph and weight gradient, plus ``N · H`` for the input gradient.
     Weight gradients go straight into Megatron DDP's ``main_grad`` buffers when the weights
-    have them (the fused-accumulation protocol; see ``strategies.main_grad``); otherwise fp32
+    have them (the fused-accumulation protocol; see ``grads.main_grad``); otherwise fp32
     accumulators of the E_local experts' size are held until the end of backward. Helpers hold
     fp32 accumulators for the experts they computed until those are returned.
 
@@ -471,13 +472,15 @@ class PipelinedLLEP:
         if region is not None and (self.verdict.graph_only is False or not region.on_top()):
             region = None
         graph_only = region is not None and self.verdict.graph_only is True
+        graph = needs_grad and not o.recompute and not graph_only
+        saved = 0 if graph or not needs_grad or graph_only else min(o.saved_chunks, k_chunks)
         step = Step(bank=bank, group=self.group, ep_size=p, rank=rank, num_experts=e,
                     weights_per_expert=len(self.signature), n_tokens=n,
                     route_token=route_token, send=send, recv=recv, wsched=wsched,
-                    transfers=len(plan.weight_transfers), overlap=overlap,
-                    graph=needs_grad and not o.recompute and not graph_only,
-                    saved=min(o.saved_chunks, k_chunks) if needs_grad and not graph_only else 0,
-                    values=not graph_only, grouped_calls=o.grouped_calls)
+                    transfers=len(plan.weight_transfers), overlap=overlap, graph=graph,
+                    strategies=[strategy_for(bank, graph=graph, saved=i < saved)
+                                for i in range(k_chunks)],
+                    saved=saved, values=not graph_only, grouped_calls=o.grouped_calls)
         self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits],

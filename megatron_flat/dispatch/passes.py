@@ -17,7 +17,7 @@ import torch
 
 from megatron_flat.dispatch.exchange import Pending
 from megatron_flat.dispatch.step import Step
-from megatron_flat.dispatch.strategies import main_grad, mark_added
+from megatron_flat.dispatch.grads import main_grad, mark_added
 
 __all__ = ["backward_pass", "forward_pass", "rounds"]
 

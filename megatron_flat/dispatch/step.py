@@ -18,7 +18,7 @@ import torch
 from megatron_flat.dispatch.exchange import Pending, all_to_all, columns
 from megatron_flat.dispatch.experts import ExpertBank
 from megatron_flat.dispatch.schedule import ReceiveSchedule, SendSchedule, WeightSchedule
-from megatron_flat.dispatch.strategies import ChunkStrategy, main_grad, mark_added, strategy_for
+from megatron_flat.dispatch.grads import main_grad, mark_added
 
 __all__ = ["Step"]
 
@@ -30,13 +30,15 @@ class Step:
     backward as plain autograd would; else ``saved`` (``pipelined``): chunks ``[0, saved)``
     save per-expert state for backward, the rest are recomputed. ``values=False``: a
     graph-only re-run (recompute.py), whose forward returns zeros and saves nothing.
+    ``strategies``: one per chunk (``strategies.strategy_for``), made by the engine for
+    these settings; the step only holds them (so this module needs nothing from theirs).
     """
 
     def __init__(self, *, bank: ExpertBank, group, ep_size: int, rank: int, num_experts: int,
                  weights_per_expert: int, n_tokens: int, route_token: torch.Tensor,
                  send: SendSchedule, recv: ReceiveSchedule, wsched: WeightSchedule,
-                 transfers: int, overlap: bool, graph: bool, saved: int = 0,
-                 values: bool = True, grouped_calls: bool = False):
+                 transfers: int, overlap: bool, graph: bool, strategies: Sequence,
+                 saved: int = 0, values: bool = True, grouped_calls: bool = False):
         self.bank, self.group, self.p, self.rank = bank, group, ep_size, rank
         self.e_local = num_experts // ep_size
         self.first = rank * self.e_local
@@ -52,9 +54,10 @@ class Step:
         self.native = grouped_calls and hasattr(bank, "run_native")
         if not values and (graph or saved):
             raise RuntimeError("PipelinedLLEP bug: a graph-only forward holds nothing")
-        self.strategies: list[ChunkStrategy] = [
-            strategy_for(bank, graph=graph, saved=i < self.saved)
-            for i in range(send.num_chunks)]
+        if len(strategies) != send.num_chunks:
+            raise RuntimeError(f"PipelinedLLEP bug: {len(strategies)} chunk strategies for "
+                               f"{send.num_chunks} chunks")
+        self.strategies = list(strategies)
         self.helper: dict[int, tuple[torch.Tensor, ...]] = {}  # graph: held to backward
 
     # -- weights ---------------------------------------------------------------------

@@ -27,7 +27,9 @@ Two words, two ideas: a *saved* chunk is one of the first ``saved_chunks`` of ``
 mode (``--flat-dispatch-saved-chunks``); ``llep`` mode holds each chunk's *whole graph*.
 
 Weight gradients go straight into Megatron DDP's ``main_grad`` when the weights have one
-(:func:`main_grad`, the fused-accumulation protocol), else into fp32 accumulators ``acc``.
+(:mod:`.grads`, the fused-accumulation protocol), else into fp32 accumulators ``acc``.
+This module needs :class:`~.step.Step` only as a type: ``step`` builds nothing here, the
+engine hands each call its strategies.
 """
 
 from __future__ import annotations
@@ -37,63 +39,13 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 import torch
 
 from megatron_flat.dispatch.exchange import drain
+from megatron_flat.dispatch.grads import accumulate_all
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_flat.dispatch.step import Step
 
 __all__ = ["ChunkStrategy", "Recomputed", "SavedFirstLayer", "SavedGraph", "WholeGraph",
-           "accumulate", "main_grad", "mark_added", "strategy_for"]
-
-
-# ---------------------------------------------------------------------------- main_grad
-def main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """The gradient buffer of a parameter under Megatron-Core's DDP (``main_grad``, with the
-    ``grad_added_to_main_grad`` flag of its fused-accumulation protocol), else None.
-
-    The engine then adds each chunk's weight gradient straight into it and marks it added, as
-    Megatron's fused linear layers do, so no full-size gradient per expert is held until the
-    end of backward; without DDP the gradients are summed in accumulators and returned.
-    A bank may hand out a view of a parameter (one expert's block of a grouped weight) with
-    ``main_grad`` (the same view of the parameter's buffer) and ``main_grad_owner`` (the
-    parameter, whose flag DDP reads) set: it takes the same path."""
-    owner = getattr(param, "main_grad_owner", param)
-    if not isinstance(owner, torch.nn.Parameter) or not hasattr(owner, "grad_added_to_main_grad"):
-        return None
-    return getattr(param, "main_grad", None)
-
-
-def mark_added(param: torch.Tensor) -> None:
-    """Set DDP's ``grad_added_to_main_grad`` on the parameter (or the view's owner)."""
-    param.grad_added_to_main_grad = True
-    owner = getattr(param, "main_grad_owner", None)
-    if owner is not None:
-        owner.grad_added_to_main_grad = True
-
-
-def accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
-               leaves: Sequence[torch.Tensor]) -> None:
-    """Sum an expert's weight gradients over chunks: straight into ``main_grad`` for a
-    parameter under Megatron's DDP (see :func:`main_grad`), else into fp32 accumulators."""
-    if all(main_grad(w) is not None for w in leaves):
-        for w, g in zip(leaves, grads):
-            if g is not None:
-                w.main_grad.add_(g)
-            mark_added(w)
-        return
-    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves)]
-    if e not in acc:
-        acc[e] = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
-    else:
-        for a, g in zip(acc[e], grads):
-            a.add_(g)
-
-
-def accumulate_all(acc: dict, expert_grads: Iterator[tuple]) -> None:
-    """:func:`accumulate` for each ``(expert, gradients, leaves)``; in a function of its own
-    so no gradient outlives the call (a loop variable would keep the last expert's alive
-    while the next unit's graph is built)."""
-    for e, grads, leaves in expert_grads:
-        accumulate(acc, e, grads, leaves)
+           "strategy_for"]
 
 
 # ---------------------------------------------------------------------------- shared pieces
