@@ -31,32 +31,22 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_flat.dispatch.chunk_plan import (
-    chunk_flows,
-    chunk_ranges,
-    chunk_route_destinations,
-    split_lists,
-)
+from megatron_flat.dispatch.chunk_plan import plan_rank, route_destinations_on_device, send_row
 from megatron_flat.dispatch.exchange import group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
 from megatron_flat.dispatch.passes import backward_pass, forward_pass
 from megatron_flat.dispatch.recompute import Verdict, current_region
 from megatron_flat.dispatch.step import Step
 from megatron_flat.dispatch.strategies import strategy_for
-from megatron_flat.dispatch.plan import (
-    MEMBERSHIPS,
-    LLEPPlan,
-    num_chunks,
-    plan_dispatch,
-    receive_bound,
-)
+from megatron_flat.dispatch.plan import MEMBERSHIPS, LLEPPlan, num_chunks, receive_bound
 from megatron_flat.dispatch.schedule import (
     count_keys,
-    receive_schedule,
+    receive_plan,
     send_schedule,
     token_chunks,
     weight_schedule,
 )
+from megatron_flat.runtime.staging import upload_together
 
 __all__ = ["MODES", "DispatchOptions", "PipelinedLLEP", "PipelinedLLEPFunction", "StepStats"]
 
@@ -420,24 +410,23 @@ class PipelinedLLEP:
             counts = self._counts(n, route_expert, route_chunk, k_chunks,
                                   k_chunks, device)
         by_chunk = counts[:, :k_chunks * e].view(p, k_chunks, e)
-        chunk_loads = by_chunk.sum(0).tolist()             # [K][E], host
-        plan = plan_dispatch(by_chunk.sum((0, 1)), p, alpha=o.alpha,
-                             min_tokens_per_gemm=o.min_tokens_per_gemm,
-                             imbalance_threshold=o.imbalance_threshold,
-                             chunk_loads=chunk_loads if k_chunks > 1 else None)
-        ranges = chunk_ranges(plan, chunk_loads)
-        lists = split_lists(plan, ranges)
-        flows = chunk_flows(plan, ranges, by_chunk, lists)   # [P_src, P_dst, K, E]
-        dest = chunk_route_destinations(route_expert, route_chunk, by_chunk,
-                                        plan, ranges, rank, lists)
+        plan, share = plan_rank(by_chunk, rank, alpha=o.alpha,
+                                min_tokens_per_gemm=o.min_tokens_per_gemm,
+                                imbalance_threshold=o.imbalance_threshold)
+        incoming = receive_plan(share.receive_counts, share.experts)
+        # Everything the host planned reaches the device in one non-blocking copy.
+        tables = upload_together({**share.tables, **incoming.tables()}, device)
+        dest = route_destinations_on_device(route_expert, route_chunk, tables,
+                                            num_experts=e, ep_size=p)
         send = send_schedule(route_token, route_expert, dest, token_chunk,
-                             num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False)
-        if o.debug_checks and not torch.equal(send.counts.cpu(), flows[rank]):
+                             num_chunks=k_chunks, ep_size=p, num_experts=e, finalize=False,
+                             with_counts=o.debug_checks)
+        if o.debug_checks and not torch.equal(send.counts.cpu(),
+                                              send_row(by_chunk, plan, share.ranges, rank)):
             raise RuntimeError(f"PipelinedLLEP bug: rank {rank}'s routes do not match the "
                                "counts its schedule was planned from")
-        send.finalize(flows[rank])
-        recv = receive_schedule(flows[:, rank])
-        recv.group = [None if g is None else g.to(device) for g in recv.group]
+        send.finalize_splits(share.send_splits)
+        recv = incoming.on_device(tables)
         return plan, k_chunks, c_eff, max_n, send, recv
 
     # -- the call ----------------------------------------------------------------------

@@ -19,13 +19,15 @@ functions say what goes where in every round, without touching a process group:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from megatron_flat.dispatch.plan import LLEPPlan, chunk_indices
+from megatron_flat.dispatch.plan import MEMBERSHIPS, LLEPPlan
+from megatron_flat.runtime.staging import upload_together
 
-__all__ = ["ReceiveSchedule", "SendSchedule", "WeightSchedule", "count_keys", "receive_schedule",
+__all__ = ["ReceivePlan", "ReceiveSchedule", "SendSchedule", "WeightSchedule", "count_keys",
+           "receive_plan", "receive_schedule",
            "routes_from_map", "routes_from_topk", "send_schedule", "token_chunks",
            "weight_schedule"]
 
@@ -69,11 +71,17 @@ def routes_from_topk(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def token_chunks(n_tokens: int, num_chunks: int, membership: str,
                  device: Optional[torch.device] = None) -> torch.Tensor:
-    """``[N]`` int64: the chunk of each token under ``chunk_indices``' membership rule."""
-    out = torch.empty(n_tokens, dtype=torch.long)
-    for i, idx in enumerate(chunk_indices(n_tokens, num_chunks, membership)):
-        out[idx] = i
-    return out.to(device) if device is not None else out
+    """``[N]`` int64 on ``device``: the chunk of each token under
+    :func:`~megatron_flat.dispatch.plan.chunk_indices`' membership rule (strided: ``t mod
+    K``; contiguous: ``t // ceil(N / K)``), made there from an ``arange`` (no host data to
+    upload)."""
+    if membership not in MEMBERSHIPS:
+        raise ValueError(f"membership must be one of {', '.join(MEMBERSHIPS)}, "
+                         f"got {membership!r}")
+    position = torch.arange(n_tokens, dtype=torch.long, device=device)
+    if membership == "strided":
+        return position.remainder(num_chunks)
+    return position.div(max(-(-n_tokens // num_chunks), 1), rounding_mode="floor")
 
 
 @dataclass
@@ -86,12 +94,12 @@ class SendSchedule:
     * ``splits[i][d]``: routes sent to destination d in chunk i (all_to_all input splits).
     * ``restore[i]``: positions within chunk i's block, in expert-major order (the combine adds a
       token's routes in this order, as Megatron's ``unpermute`` does).
-    * ``counts``: ``[P, K, E]`` routes per (destination, chunk, expert) — what the receivers
-      are told, so they can group what they receive by expert.
+    * ``counts``: ``[P, K, E]`` routes per (destination, chunk, expert) on the device (None
+      when not asked for): what the plan says the receivers get, for checks.
     """
 
     order: torch.Tensor
-    counts: torch.Tensor
+    counts: Optional[torch.Tensor]
     bounds: list[int] = field(default_factory=list)
     splits: list[list[int]] = field(default_factory=list)
     restore: list[torch.Tensor] = field(default_factory=list)
@@ -104,20 +112,21 @@ class SendSchedule:
         return self.order[self.bounds[i]:self.bounds[i + 1]]
 
     def finalize(self, host_counts: torch.Tensor) -> "SendSchedule":
-        """Fill ``bounds``, ``splits`` and ``restore`` from ``counts`` copied to the host.
-
-        The caller copies ``counts`` once (with whatever else it needs from the device),
-        so that building the schedule costs no host sync of its own.
-        """
+        """Fill ``bounds``, ``splits`` and ``restore`` from ``counts`` copied to the host."""
         host = host_counts.to("cpu", torch.long)
-        if tuple(host.shape) != tuple(self.counts.shape):
+        if self.counts is not None and tuple(host.shape) != tuple(self.counts.shape):
             raise ValueError(f"host counts of shape {tuple(host.shape)} for a schedule of "
                              f"{tuple(self.counts.shape)}")
-        per_cd = host.sum(2).t()                       # [K, P]
-        self.splits = per_cd.tolist()
+        return self.finalize_splits(host.sum(2).t().tolist())
+
+    def finalize_splits(self, splits: list[list[int]]) -> "SendSchedule":
+        """Fill ``bounds``, ``splits`` and ``restore`` from the split sizes ``[K][P]`` the
+        host already knows (the plan gives every rank's), so building the schedule reads
+        nothing from the device."""
+        self.splits = [list(row) for row in splits]
         self.bounds = [0]
-        for size in per_cd.sum(1).tolist():
-            self.bounds.append(self.bounds[-1] + size)
+        for row in self.splits:
+            self.bounds.append(self.bounds[-1] + sum(row))
         self.restore = [torch.argsort(self.chunk(i)) for i in range(len(self.splits))]
         return self
 
@@ -131,19 +140,27 @@ def count_keys(key: torch.Tensor, size: int) -> torch.Tensor:
 
 def send_schedule(route_token: torch.Tensor, route_expert: torch.Tensor,
                   destinations: torch.Tensor, token_chunk: torch.Tensor, *, num_chunks: int,
-                  ep_size: int, num_experts: int, finalize: bool = True) -> SendSchedule:
+                  ep_size: int, num_experts: int, finalize: bool = True,
+                  with_counts: bool = True) -> SendSchedule:
     """The :class:`SendSchedule` of expert-major routes ``(route_token, route_expert)`` whose
     compute ranks are ``destinations``, tokens chunked by ``token_chunk``.
 
-    ``finalize=False`` leaves the host-side fields empty: call :meth:`SendSchedule.finalize`
-    with ``counts`` copied to the host (no host sync here); True copies them now.
+    ``finalize=False`` leaves the host-side fields empty: call
+    :meth:`SendSchedule.finalize_splits` with the split sizes the plan gives (no host sync
+    here); True copies ``counts`` to the host now. ``with_counts=False`` (only with
+    ``finalize=False``) skips the ``[P, K, E]`` device counts, which only checks need.
     """
+    if finalize and not with_counts:
+        raise ValueError("finalize=True reads the counts: with_counts must be True")
     k, p, e = num_chunks, ep_size, num_experts
     chunk = token_chunk[route_token] if route_token.numel() else route_token
     key = chunk * p + destinations
     order = torch.argsort(key, stable=True)
-    counts = count_keys(key * e + route_expert, k * p * e).view(k, p, e)
-    schedule = SendSchedule(order=order, counts=counts.permute(1, 0, 2).contiguous())
+    counts = None
+    if with_counts:
+        counts = count_keys(key * e + route_expert, k * p * e).view(k, p, e) \
+            .permute(1, 0, 2).contiguous()
+    schedule = SendSchedule(order=order, counts=counts)
     if finalize:
         schedule.finalize(schedule.counts.cpu())
     return schedule
@@ -155,15 +172,17 @@ class ReceiveSchedule:
 
     * ``splits[i][s]``: routes received from source s in chunk i (all_to_all output splits).
     * ``group[i]``: for each grouped row (expert, then source, then source order), the row of
-      the received buffer it comes from; ``None`` when that is the identity.
+      the received buffer it comes from (on the device); ``None`` when that is the identity.
     * ``segments[i]``: ``(expert, start, end)`` of each expert with routes, in the grouped buffer.
-    * ``counts``: ``[P, K, E]`` as received (routes from each source, per chunk and expert).
+    * ``counts``: ``[P, K, E_c]`` as received (routes from each source, per chunk and expert),
+      for the experts ``experts`` this rank computes (``E_c``; all E when not given).
     """
 
     splits: list[list[int]]
     group: list[Optional[torch.Tensor]]
     segments: list[list[tuple[int, int, int]]]
     counts: torch.Tensor
+    experts_computed: list[int] = field(default_factory=list)
 
     @property
     def totals(self) -> list[int]:
@@ -176,29 +195,84 @@ class ReceiveSchedule:
         return {e for seg in self.segments for e, _, _ in seg}
 
 
-def receive_schedule(counts: torch.Tensor) -> ReceiveSchedule:
-    """The :class:`ReceiveSchedule` from ``[P_src, K, E]`` counts (each source's ``counts[me]``)."""
+@dataclass
+class ReceivePlan:
+    """The host half of a :class:`ReceiveSchedule`: splits and segments, and per chunk the
+    recipe of its grouping permutation — ``(delta, lens, total)``: grouped row j comes from
+    received row ``j + delta[run]`` of its (expert, source) run of ``lens[run]`` rows — or
+    None where the received order is already grouped. :meth:`tables` are what the device
+    needs (int64, for one upload); :meth:`on_device` builds the permutations there from
+    them (no host data read: the sizes are known here)."""
+
+    splits: list[list[int]]
+    segments: list[list[tuple[int, int, int]]]
+    recipes: list[Optional[tuple[torch.Tensor, torch.Tensor, int]]]
+    counts: torch.Tensor
+    experts: list[int]
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, recipe in enumerate(self.recipes):
+            if recipe is not None:
+                out[f"recv_delta{i}"], out[f"recv_lens{i}"] = recipe[0], recipe[1]
+        return out
+
+    def on_device(self, uploaded: dict[str, torch.Tensor]) -> ReceiveSchedule:
+        """The schedule, its grouping permutations made on the device from ``uploaded``
+        (:meth:`tables` after the upload): three ops per chunk that needs one."""
+        group: list[Optional[torch.Tensor]] = []
+        for i, recipe in enumerate(self.recipes):
+            if recipe is None:
+                group.append(None)
+                continue
+            delta, lens = uploaded[f"recv_delta{i}"], uploaded[f"recv_lens{i}"]
+            total = recipe[2]
+            group.append(torch.repeat_interleave(delta, lens, output_size=total)
+                         + torch.arange(total, device=delta.device))
+        return ReceiveSchedule(splits=self.splits, group=group, segments=self.segments,
+                               counts=self.counts, experts_computed=self.experts)
+
+
+def receive_plan(counts: torch.Tensor, experts: Optional[Sequence[int]] = None) -> ReceivePlan:
+    """The :class:`ReceivePlan` from ``[P_src, K, E_c]`` host counts (what each source sends
+    this rank per chunk and expert) for the experts ``experts`` (ascending; ``range(E_c)``
+    when None). Host work O(K · P · E_c): only the experts this rank computes."""
     counts = counts.to("cpu", torch.long)
-    p, k, e = counts.shape
-    splits, group, segments = [], [], []
+    p, k, ec = counts.shape
+    experts = list(range(ec)) if experts is None else list(experts)
+    if len(experts) != ec:
+        raise ValueError(f"{len(experts)} experts for counts of {ec}")
+    splits, segments, recipes = [], [], []
+    per_source = counts.sum(2).t().tolist()                # [K][P]
+    per_expert = counts.sum(0).tolist()                    # [K][E_c]
     for i in range(k):
-        block = counts[:, i, :]                      # [P, E], received order: source-major
-        splits.append(block.sum(1).tolist())
-        flat = block.reshape(-1)
-        offsets = (torch.cumsum(flat, 0) - flat).view(p, e)
-        starts, lens = offsets.t().reshape(-1), block.t().reshape(-1)  # grouped: expert-major
-        total = int(lens.sum())
-        grouped_start = torch.cumsum(lens, 0) - lens
-        index = torch.repeat_interleave(starts - grouped_start, lens) + torch.arange(total)
-        group.append(None if torch.equal(index, torch.arange(total)) else index)
-        per_expert = block.sum(0).tolist()
+        block = counts[:, i, :]                      # [P, E_c], received order: source-major
+        splits.append(per_source[i])
         seg, cursor = [], 0
-        for ex, n in enumerate(per_expert):
+        for j, n in enumerate(per_expert[i]):
             if n:
-                seg.append((ex, cursor, cursor + n))
+                seg.append((experts[j], cursor, cursor + n))
                 cursor += n
         segments.append(seg)
-    return ReceiveSchedule(splits=splits, group=group, segments=segments, counts=counts)
+        flat = block.reshape(-1)
+        offsets = (torch.cumsum(flat, 0) - flat).view(p, ec)
+        starts, lens = offsets.t().reshape(-1), block.t().reshape(-1)  # grouped: expert-major
+        delta = starts - (torch.cumsum(lens, 0) - lens)
+        if bool((delta[lens > 0] == 0).all()):
+            recipes.append(None)
+        else:
+            recipes.append((delta, lens, cursor))
+    return ReceivePlan(splits=splits, segments=segments, recipes=recipes, counts=counts,
+                       experts=experts)
+
+
+def receive_schedule(counts: torch.Tensor, experts: Optional[Sequence[int]] = None,
+                     device: Optional[torch.device] = None) -> ReceiveSchedule:
+    """The :class:`ReceiveSchedule` from ``[P_src, K, E_c]`` counts (each source's
+    ``counts[me]``), its permutations on ``device`` (the host when None), uploaded in one
+    copy."""
+    plan = receive_plan(counts, experts)
+    return plan.on_device(upload_together(plan.tables(), device or torch.device("cpu")))
 
 
 @dataclass

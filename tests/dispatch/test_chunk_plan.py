@@ -7,8 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_flat.dispatch.chunk_plan import chunk_flows, chunk_ranges, chunk_route_destinations
-from megatron_flat.dispatch.plan import llep_plan, plain_ep_plan, plan_dispatch, route_destinations
+from megatron_flat.dispatch.chunk_plan import (
+    chunk_flows,
+    chunk_ranges,
+    chunk_route_destinations,
+    plan_rank,
+)
+from megatron_flat.dispatch.plan import (
+    chunk_indices,
+    llep_plan,
+    plain_ep_plan,
+    plan_dispatch,
+    route_destinations,
+)
 from megatron_flat.dispatch.profiles import routing_profile
 from megatron_flat.dispatch.schedule import routes_from_topk, token_chunks
 
@@ -117,3 +128,39 @@ def test_chunk_loads_are_validated():
     plan = llep_plan([4, 4], 2)
     with pytest.raises(ValueError, match="chunk_loads"):
         chunk_ranges(plan, [[1, 2]])
+
+
+@pytest.mark.parametrize("profile", ["balanced", "0.7/2", "1/1"])
+def test_a_rank_plans_only_its_own_row_and_column(profile):
+    """plan_rank gives each rank its row of the flow table (send split sizes) and its column
+    for the experts it computes (receive counts; nothing arrives for any other expert), the
+    same plan on every rank, and tables whose destinations are the reference's."""
+    k = 3
+    ranks, counts = _ranks([37, 40, 29, 40], k, profile)
+    flows = None
+    for r, (token, expert, chunk) in enumerate(ranks):
+        plan, share = plan_rank(counts, r, min_tokens_per_gemm=3, imbalance_threshold=0.0)
+        if flows is None:
+            first_plan = plan
+            flows = chunk_flows(plan, share.ranges, counts)
+        assert plan == first_plan
+        assert share.send_splits == flows[r].sum(2).t().tolist()
+        column = flows[:, r]                                    # [P_src, K, E]
+        assert torch.equal(share.receive_counts, column[:, :, share.experts])
+        others = [e for e in range(E) if e not in share.experts]
+        assert int(column[:, :, others].sum()) == 0
+        assert set(range(r * (E // P), (r + 1) * (E // P))) <= set(share.experts)
+        got = chunk_route_destinations(expert, chunk, counts, plan, share.ranges, r)
+        sent = torch.zeros(P, k, E, dtype=torch.long)
+        sent.view(-1).index_add_(0, (got * k + chunk) * E + expert, torch.ones_like(got))
+        assert torch.equal(sent, flows[r])
+
+
+@pytest.mark.parametrize("membership", ["strided", "contiguous"])
+@pytest.mark.parametrize("n, k", [(0, 3), (5, 10), (21, 10), (40, 4), (41, 4)])
+def test_token_chunks_follow_chunk_indices(membership, n, k):
+    """token_chunks (made from an arange where the tokens are) is chunk_indices' membership."""
+    want = torch.full((n,), -1, dtype=torch.long)
+    for i, idx in enumerate(chunk_indices(n, k, membership)):
+        want[idx] = i
+    assert torch.equal(token_chunks(n, k, membership), want)
