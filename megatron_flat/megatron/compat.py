@@ -441,3 +441,61 @@ def shared_experts_site():
 
 # The modules whose checkpoints SCO offloads under selective recompute.
 SCO_MODULES = ("core_attn", "moe", "mlp")
+
+
+# ---------------------------------------------------------------------------- CUDA-graph settings
+# Which parts of a model Megatron captures in CUDA graphs is spelled differently by release:
+# * 0.16: ``cuda_graph_impl`` in {none, local, transformer_engine} (the deprecated booleans
+#   ``enable_cuda_graph`` / ``external_cuda_graph`` mean local / transformer_engine) and
+#   ``cuda_graph_scope``: a list of ``CudaGraphScope`` (``attn``, ``mlp``, ``moe``, ``moe_router``,
+#   ``moe_preprocess``, ``mamba``, ``full_iteration``); Megatron-LM's ``--cuda-graph-scope`` may
+#   also hold the string ``"full"``; empty means whole layers.
+# * 0.19 on: the list is ``cuda_graph_modules`` (``CudaGraphModule``, the same names less
+#   ``full_iteration``, which became ``cuda_graph_impl="full_iteration"``); ``cuda_graph_scope``
+#   is a deprecated alias (None once TransformerConfig has migrated it; in Megatron-LM's args
+#   ``cuda_graph_scope_deprecated`` until validation); ``inference_cuda_graph_scope``
+#   (none / layer / block, default "layer" under the local implementation) sets what inference
+#   captures.
+# Read from plain attributes (Megatron-LM args or a TransformerConfig of either release).
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaGraphSettings:
+    """What a Megatron configuration asks CUDA graphs to capture, release-independent."""
+
+    impl: str  # "none", "local", "transformer_engine" or "full_iteration"
+    scope_flag: str  # the Megatron-LM flag that holds ``scopes``
+    scopes: Tuple[str, ...]  # scope/module names; empty: whole layers
+    inference: str  # "none", "layer" or "block" (0.16: "layer" under local graphs, else "none")
+
+
+def cuda_graph_settings(config) -> CudaGraphSettings:
+    """The CUDA-graph capture ``config`` (Megatron-LM args or TransformerConfig) asks for."""
+    impl = getattr(config, "cuda_graph_impl", None) or "none"
+    if impl == "none" and getattr(config, "enable_cuda_graph", False):
+        impl = "local"
+    elif impl == "none" and getattr(config, "external_cuda_graph", False):
+        impl = "transformer_engine"
+    scope_flag, raw = "--cuda-graph-scope", []
+    for name, flag in (("cuda_graph_modules", "--cuda-graph-modules"),
+                       ("cuda_graph_scope_deprecated", "--cuda-graph-scope"),
+                       ("cuda_graph_scope", "--cuda-graph-scope")):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        elif not isinstance(value, (list, tuple)):
+            value = [value]
+        if value:
+            scope_flag, raw = flag, value
+            break
+        if name == "cuda_graph_modules":  # 0.19 on: an empty list is the answer (whole layers)
+            scope_flag = flag
+    scopes = tuple(getattr(v, "name", v) for v in raw)
+    scopes = tuple(s for s in scopes if s != "full")  # "full": the whole layer, i.e. empty
+    inference = getattr(config, "inference_cuda_graph_scope", None)
+    inference = getattr(inference, "name", inference)
+    if inference is None:
+        inference = "layer" if impl == "local" else "none"
+    return CudaGraphSettings(impl, scope_flag, scopes, inference)

@@ -47,6 +47,9 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
         elif experts % ep:
             problems.append(f"--num-experts {experts} does not split over "
                             f"--expert-model-parallel-size {ep}")
+        from megatron_flat.megatron.moe_refusals import refused_settings
+
+        problems += [f"--flat-dispatch: {reason}" for reason in refused_settings(megatron)]
     if flat.sco:
         from megatron_flat.megatron.sco import recompute_problems
 

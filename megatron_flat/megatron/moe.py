@@ -35,6 +35,7 @@ from megatron_flat.megatron.grouped_bank import (
     GroupedMLPBank,
     TEGroupedMLPBank,
 )
+from megatron_flat.megatron.moe_refusals import refused_settings
 
 __all__ = ["FlatMoELayer", "SequentialMLPBank", "expert_bank", "replay_routing",
            "unsupported_settings"]
@@ -170,31 +171,10 @@ class SequentialMLPBank:
 
 
 def unsupported_settings(config, layer: Optional[MoELayer] = None) -> list[str]:
-    """Why the flat dispatch cannot run an MoE layer with ``config`` (empty: it can)."""
-    problems = []
-    checks = [
-        ("moe_latent_size", "MoE latent projections (moe_latent_size)"),
-        ("moe_shared_expert_overlap", "shared-expert overlap with the dispatcher "
-                                      "(moe_shared_expert_overlap); shared experts without "
-                                      "overlap are supported"),
-        ("moe_pad_expert_input_to_capacity", "padding expert inputs to capacity "
-                                             "(moe_pad_expert_input_to_capacity)"),
-        ("moe_router_padding_for_quantization", "router padding for quantization"),
-        ("fp8", "fp8 expert compute"),
-        ("fp4", "fp4 expert compute"),
-        ("delay_wgrad_compute", "delayed weight-gradient compute (delay_wgrad_compute)"),
-        ("overlap_dispatch_backward_with_experts_wgrad",
-         "overlap_dispatch_backward_with_experts_wgrad"),
-    ]
-    for attr, what in checks:
-        if getattr(config, attr, None):
-            problems.append(f"{what} is not supported")
-    etp = getattr(config, "expert_tensor_parallel_size", None) or 1
-    if etp != 1:
-        problems.append(f"expert tensor parallelism (expert_tensor_parallel_size={etp}) is not "
-                        "supported; set it to 1")
-    if getattr(config, "add_bias_linear", False) and getattr(config, "moe_grouped_gemm", False):
-        problems.append("grouped-GEMM experts with biases (add_bias_linear) are not supported")
+    """Why the flat dispatch cannot run an MoE layer with ``config`` (empty: it can): the
+    settings of :mod:`megatron_flat.megatron.moe_refusals`, and with ``layer`` its experts'
+    module."""
+    problems = refused_settings(config)
     if layer is not None and not isinstance(layer.experts, SequentialMLP) \
             and not GroupedExpertsBank.supports(layer.experts):
         problems.append(f"expert module {type(layer.experts).__name__} is not supported: use "
@@ -224,26 +204,32 @@ class FlatMoELayer(MoELayer):
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection=None, flat: Optional[FlatConfig] = None, **kwargs):
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection, **kwargs)
         if flat is None:
             from megatron_flat.megatron.install import installed
 
             flat = installed() or FlatConfig()
+        if flat.dispatch != "off":
+            # Before MoELayer builds its dispatcher: a refused one (flex) may not even build.
+            self._refuse(flat, unsupported_settings(config))
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection, **kwargs)
         self.flat = flat
         self.flat_dispatch: Optional[PipelinedLLEP] = None
         if flat.dispatch == "off":
             return
-        problems = unsupported_settings(config, self)
-        if problems:
-            raise ValueError(f"FlatMoELayer (--flat-dispatch {flat.dispatch}) cannot run this MoE "
-                             "layer:\n  - " + "\n  - ".join(problems))
+        self._refuse(flat, unsupported_settings(config, self))
         if flat.dispatch_graph_only_recompute:
             regions.enable()  # Megatron's checkpoint re-runs open recompute regions
         self.flat_dispatch = PipelinedLLEP(
             expert_bank(self.experts, config), num_experts=config.num_moe_experts,
             topk=config.moe_router_topk, options=DispatchOptions.from_flat_config(flat),
             group=self.ep_group)
+
+    @staticmethod
+    def _refuse(flat: FlatConfig, problems: list) -> None:
+        if problems:
+            raise ValueError(f"FlatMoELayer (--flat-dispatch {flat.dispatch}) cannot run this MoE "
+                             "layer:\n  - " + "\n  - ".join(problems))
 
     def routed_experts_flat(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                             routing_map: torch.Tensor,
