@@ -4,16 +4,20 @@
 already chosen by a router. Per call (one layer, one micro-batch):
 
 1. local validation of every input — a bad input raises ``ValueError`` before any collective;
-2. one all-reduce of ``[P, K_max · E + 1]`` int64: every rank's route counts per (chunk,
-   expert), its chunks from its own N, and its token count; copied to the host once (the
-   call's only wait for the device). When some rank's N gives another K than the group's
-   largest N, the counts are made again with the agreed K (a second all-reduce and wait);
-3. the plan (:func:`~megatron_flat.dispatch.plan.plan_dispatch`: LLEP, or plain EP when the
+2. one all-gather of every rank's ``[K_max · E + 1 + 7]`` int64 row: its route counts per
+   (chunk, expert), its chunks from its own N, its token count and its flags (the
+   graph-only wish and a recompute violation, :mod:`.recompute`: the group decides those
+   together); copied to the host once (the call's only wait for the device). When some
+   rank's N gives another K than the group's largest N, the counts are made again with the
+   agreed K (a second all-gather and wait);
+3. the host planning (:func:`~megatron_flat.dispatch.chunk_plan.plan_rank`): the plan
+   (:func:`~megatron_flat.dispatch.plan.plan_dispatch`: LLEP, or plain EP when the
    imbalance is below λ; its smallest spill piece gives every chunk's helper GEMM at least
-   m rows), its split over the chunks (:mod:`~megatron_flat.dispatch.chunk_plan`), the
-   destination of every route and every rank's split sizes per chunk — identical on every
-   rank, computed without communicating; the receive bound ``P · k · c_eff`` is checked
-   with ``debug_checks`` (a violation is a bug: ``RuntimeError``);
+   m rows), its split over the chunks, and this rank's share — its send split sizes, what it
+   receives per chunk and the tables its routes' destinations are found in — identical on
+   every rank, computed without communicating, O(P·K·E); the tables reach the device in
+   one non-blocking copy from pinned memory (no wait); the receive bound ``P · k · c_eff``
+   is checked with ``debug_checks`` (a violation is a bug: ``RuntimeError``);
 4. :class:`PipelinedLLEPFunction` — weights to helpers, K rounds of dispatch / compute / combine.
 
 The first call also checks, with one all-gather, that every rank of the group agrees on the
@@ -35,7 +39,13 @@ from megatron_flat.dispatch.chunk_plan import plan_rank, route_destinations_on_d
 from megatron_flat.dispatch.exchange import group_geometry
 from megatron_flat.dispatch.experts import ExpertBank, check_bank
 from megatron_flat.dispatch.passes import backward_pass, forward_pass
-from megatron_flat.dispatch.recompute import Verdict, current_region
+from megatron_flat.dispatch.recompute import (
+    Verdict,
+    Violation,
+    current_region,
+    take_violation,
+    violation_message,
+)
 from megatron_flat.dispatch.step import Step
 from megatron_flat.dispatch.strategies import strategy_for
 from megatron_flat.dispatch.plan import MEMBERSHIPS, LLEPPlan, num_chunks, receive_bound
@@ -277,6 +287,7 @@ class PipelinedLLEP:
         self.signature = check_bank(experts, num_experts // self.ep_size)
         self.last: Optional[StepStats] = None
         self.verdict = Verdict()  # graph-only recompute of this engine (recompute.py)
+        self._violation = None    # the violation this rank sent in the latest exchange
         self._group_checked = False
 
     # -- validation --------------------------------------------------------------------
@@ -368,27 +379,56 @@ class PipelinedLLEP:
                 + (f" ({len(over)} ranks over it)" if len(over) > 1 else ""))
 
     # -- counts, plan, schedules ---------------------------------------------------------
-    def _counts(self, n: int, route_expert: torch.Tensor, route_chunk: torch.Tensor,
-                k_chunks: int, slots: int, device: torch.device) -> torch.Tensor:
-        """Every rank's routes per (chunk, expert) and token count, ``[P, slots · E + 1]``
-        on the host: one all-reduce and one copy (the call's one host wait). Counted with
-        ``index_add_`` (bincount's output size depends on the data: a host sync)."""
+    def _exchange(self, n: int, route_expert: torch.Tensor, route_chunk: torch.Tensor,
+                  k_chunks: int, slots: int, device: torch.device,
+                  flags: Sequence[int] = ()) -> torch.Tensor:
+        """Every rank's row, ``[P, slots · E + 1 + len(flags)]`` on the host: its routes per
+        (chunk, expert), its token count, then ``flags`` (small integers the group must
+        agree on). One all-gather of this rank's row and one copy to the host (the call's
+        one wait for the device). Counted with ``index_add_`` (bincount's output size
+        depends on the data: a host sync); flags are written as scalars (no upload)."""
         p, e = self.ep_size, self.num_experts
-        counts = torch.zeros((p, slots * e + 1), dtype=torch.long, device=device)
-        counts[self.rank, :k_chunks * e] = count_keys(route_chunk * e + route_expert,
-                                                      k_chunks * e)
-        counts[self.rank, -1] = n
-        if p > 1:
-            dist.all_reduce(counts, group=self.group)
-        return counts.cpu()
+        row = torch.zeros(slots * e + 1 + len(flags), dtype=torch.long, device=device)
+        row[:k_chunks * e] = count_keys(route_chunk * e + route_expert, k_chunks * e)
+        row[slots * e] = n
+        for j, flag in enumerate(flags):
+            if flag:
+                row[slots * e + 1 + j] = int(flag)
+        if p == 1:
+            return row.cpu().view(1, -1)
+        every = row.new_empty(p * row.numel())
+        dist.all_gather_into_tensor(every, row, group=self.group)
+        return every.cpu().view(p, -1)
+
+    def _agree(self, flags: torch.Tensor, wants_graph_only: bool) -> bool:
+        """The group's verdict from every rank's flags (``[P, 1 + 6]``: its graph-only wish,
+        then a :class:`~megatron_flat.dispatch.recompute.Violation` it found): raise on every
+        rank when some rank found a violation; graph-only when every rank wants it."""
+        rows = flags.tolist()
+        for r, row in enumerate(rows):
+            shape = Violation.decode(row[1:])
+            if shape is not None:
+                op = self._violation.op if r == self.rank and self._violation else ""
+                raise RuntimeError(violation_message(r, shape, op))
+        wants = [bool(row[0]) for row in rows]
+        if all(wants):
+            return True
+        if wants_graph_only:  # this rank wanted it, some other rank did not: values for good
+            self.verdict.graph_only = False
+            self.verdict.reason = (
+                "the expert-parallel group disagrees: graph-only on ranks "
+                f"{[r for r, w in enumerate(wants) if w]}, values on ranks "
+                f"{[r for r, w in enumerate(wants) if not w]}")
+        return False
 
     def _schedules(self, n: int, route_token: torch.Tensor, route_expert: torch.Tensor,
-                   device: torch.device):
-        """The plan and this rank's send and receive schedules, identical on every rank and
-        made from one all-reduce of the route counts per (chunk, expert): each rank counts
-        its routes into the chunks its own N gives; when every rank's N gives the group's K
-        (the usual case: one micro-batch shape) those counts are the schedule's, else they
-        are counted again with the agreed K (a second all-reduce and wait)."""
+                   device: torch.device, wants_graph_only: bool = False):
+        """The plan, this rank's send and receive schedules and the group's graph-only
+        verdict, identical on every rank and made from one all-gather of each rank's route
+        counts per (chunk, expert) and flags (:meth:`_exchange`, :meth:`_agree`): each rank
+        counts its routes into the chunks its own N gives; when every rank's N gives the
+        group's K (the usual case: one micro-batch shape) those counts are the schedule's,
+        else they are counted again with the agreed K (a second all-gather and wait)."""
         o, p, rank, e = self.options, self.ep_size, self.rank, self.num_experts
         pipelined = o.mode == "pipelined"
         slots = o.max_chunks if pipelined else 1
@@ -400,15 +440,18 @@ class PipelinedLLEP:
         k_mine = chunks_of(n)[0]
         token_chunk = token_chunks(n, k_mine, o.membership, device)
         route_chunk = token_chunk[route_token]
-        counts = self._counts(n, route_expert, route_chunk, k_mine, slots, device)
-        ns = counts[:, -1].tolist()
+        self._violation = take_violation()
+        violation = self._violation.encode() if self._violation else Violation.NO_VIOLATION
+        counts = self._exchange(n, route_expert, route_chunk, k_mine, slots, device,
+                                [int(wants_graph_only)] + violation)
+        graph_only = self._agree(counts[:, slots * e + 1:], wants_graph_only)
+        ns = counts[:, slots * e].tolist()
         max_n = max(ns)
         k_chunks, c_eff = chunks_of(max_n)
         if any(chunks_of(m)[0] != k_chunks for m in ns):  # ragged N across the group
             token_chunk = token_chunks(n, k_chunks, o.membership, device)
             route_chunk = token_chunk[route_token]
-            counts = self._counts(n, route_expert, route_chunk, k_chunks,
-                                  k_chunks, device)
+            counts = self._exchange(n, route_expert, route_chunk, k_chunks, k_chunks, device)
         by_chunk = counts[:, :k_chunks * e].view(p, k_chunks, e)
         plan, share = plan_rank(by_chunk, rank, alpha=o.alpha,
                                 min_tokens_per_gemm=o.min_tokens_per_gemm,
@@ -427,7 +470,7 @@ class PipelinedLLEP:
                                "counts its schedule was planned from")
         send.finalize_splits(share.send_splits)
         recv = incoming.on_device(tables)
-        return plan, k_chunks, c_eff, max_n, send, recv
+        return plan, k_chunks, c_eff, max_n, send, recv, graph_only
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, tokens: torch.Tensor, route_token: torch.Tensor,
@@ -439,8 +482,17 @@ class PipelinedLLEP:
         weights = [w for j in range(bank.num_local_experts) for w in bank.local_weights(j)]
         self._check_group(tokens.shape[1], tokens.dtype, device)
 
-        plan, k_chunks, c_eff, max_n, send, recv = self._schedules(
-            n, route_token, route_expert, device)
+        needs_grad = torch.is_grad_enabled() and (
+            tokens.requires_grad or route_probs.requires_grad
+            or any(w.requires_grad for w in weights))
+        # A checkpoint's re-run (recompute.py): verified first, then graph-only when every
+        # rank of the group wants it (agreed in the counts exchange).
+        region = current_region() if needs_grad and o.graph_only_recompute else None
+        if region is not None and (self.verdict.graph_only is False or not region.on_top()):
+            region = None
+        wants = region is not None and self.verdict.graph_only is True
+        plan, k_chunks, c_eff, max_n, send, recv, graph_only = self._schedules(
+            n, route_token, route_expert, device, wants)
         bound = receive_bound(ep_size=p, topk=self.topk, c_eff=c_eff)
         if o.debug_checks:
             self._check_receive_bound(recv.totals, bound, k_chunks, c_eff, device)
@@ -451,16 +503,7 @@ class PipelinedLLEP:
             raise RuntimeError(f"PipelinedLLEP bug: rank {rank} receives routes of experts "
                                f"{sorted(foreign)} that are neither native nor spilled to it")
 
-        needs_grad = torch.is_grad_enabled() and (
-            tokens.requires_grad or route_probs.requires_grad
-            or any(w.requires_grad for w in weights))
         overlap = o.overlap if o.overlap is not None else device.type == "cuda"
-        # A checkpoint's re-run (recompute.py): verified first, then graph-only. Every rank
-        # of the group takes the same branch: same region structure, same verdict history.
-        region = current_region() if needs_grad and o.graph_only_recompute else None
-        if region is not None and (self.verdict.graph_only is False or not region.on_top()):
-            region = None
-        graph_only = region is not None and self.verdict.graph_only is True
         graph = needs_grad and not o.recompute and not graph_only
         saved = 0 if graph or not needs_grad or graph_only else min(o.saved_chunks, k_chunks)
         step = Step(bank=bank, group=self.group, ep_size=p, rank=rank, num_experts=e,
@@ -480,5 +523,5 @@ class PipelinedLLEP:
                               saved_chunks=step.saved, graph_only=graph_only)
         out = PipelinedLLEPFunction.apply(step, tokens, route_probs, *weights)
         if region is not None:
-            region.watch(out, self.verdict, graph_only)
+            region.watch(out, self.verdict, graph_only, alone=p == 1)
         return out

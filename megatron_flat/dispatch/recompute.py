@@ -24,7 +24,18 @@ Each engine has a :class:`Verdict`. Its first re-run computes the values and is 
 if nothing depended on them the verdict becomes graph-only, else it stays on full values for
 good (the safe fallback, with the reason kept). A graph-only re-run is watched too: a saved
 tensor that depends on its zeros means the region changed shape between steps; the values
-are then already wrong, so the hook raises a ``RuntimeError`` instead of going on.
+are then already wrong.
+
+**One verdict per group.** Each rank reaches its verdict alone, but the ranks of an
+expert-parallel group must run a call the same way (a graph-only call issues none of the
+dispatch's all-to-alls). So a call is graph-only only when *every* rank wants it: the engine
+carries each rank's wish in the route-counts exchange it makes anyway, and when the ranks
+disagree every rank computes values (and those that wanted graph-only drop the wish for good,
+with the disagreement as the reason). A violation (zeros kept) is never raised alone: with
+peers (an expert-parallel group of more than one rank) it is recorded
+(:func:`report_violation`) and goes out with this rank's next exchange, where every rank of
+the group raises the same ``RuntimeError`` naming the rank and the tensor; on a single rank
+it is raised at once.
 
 **Not seen**: reads of the output that leave autograd (``.item()``, ``.detach()``, a mask
 ``out > 0`` saved without a node), and saves made under saved-tensor hooks pushed *inside*
@@ -42,9 +53,60 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
-__all__ = ["Verdict", "RecomputeRegion", "current_region", "recompute_region", "windowed"]
+__all__ = ["Verdict", "RecomputeRegion", "Violation", "current_region", "recompute_region",
+           "report_violation", "take_violation", "violation_message", "windowed"]
 
 _state = threading.local()  # .stack: the open regions of this thread, innermost last
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A graph-only re-run's zeros that a later op kept for its backward: ``op`` (the autograd
+    node that saved it, known only on the rank that found it) and the tensor's ``shape``."""
+
+    op: str
+    shape: tuple[int, ...]
+
+    MAX_DIMS = 4  # dimensions of the shape carried in the counts exchange
+
+    def encode(self) -> list[int]:
+        """``[1, ndim, d0, d1, d2, d3]``: what the exchange carries (shape cut to 4 dims)."""
+        dims = list(self.shape[:self.MAX_DIMS])
+        return [1, len(self.shape)] + dims + [0] * (self.MAX_DIMS - len(dims))
+
+    @staticmethod
+    def decode(row: list[int]) -> Optional[tuple[int, ...]]:
+        """The shape :meth:`encode` carried, or None for no violation."""
+        if not row or not row[0]:
+            return None
+        return tuple(row[2:2 + min(row[1], Violation.MAX_DIMS)])
+
+    NO_VIOLATION = [0] * (2 + MAX_DIMS)
+
+
+def violation_message(rank: int, shape: tuple[int, ...], op: str = "") -> str:
+    """The one message every rank raises for a violation found on ``rank``."""
+    what = f"{op} saved" if op else "an op saved"
+    return ("megatron-flat: a graph-only recompute of the flat MoE layer returned zeros on "
+            f"rank {rank}, but later in the recomputed region {what} a "
+            f"{tuple(shape)} tensor computed from the MoE output for its backward (the region "
+            "changed since its first re-run). Turn graph-only recompute off: "
+            "--no-flat-dispatch-graph-only-recompute (FlatConfig."
+            "dispatch_graph_only_recompute=False)")
+
+
+def report_violation(violation: Violation) -> None:
+    """Record a violation found on this rank for the engine's next exchange (the first one
+    recorded is kept)."""
+    if getattr(_state, "violation", None) is None:
+        _state.violation = violation
+
+
+def take_violation() -> Optional[Violation]:
+    """The violation recorded on this rank, if any (and forget it)."""
+    violation = getattr(_state, "violation", None)
+    _state.violation = None
+    return violation
 
 
 @dataclass
@@ -67,6 +129,7 @@ class _Watch:
     node: Any            # the call's autograd node
     verdict: Verdict
     graph_only: bool     # the output holds zeros, not values
+    alone: bool = True   # no peers: a violation is raised at once
     flagged: bool = False
 
 
@@ -86,12 +149,14 @@ class RecomputeRegion:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return top is not None and top[0] is self._pack
 
-    def watch(self, output: torch.Tensor, verdict: Verdict, graph_only: bool) -> None:
-        """Check the saves that follow against ``output``'s autograd node."""
+    def watch(self, output: torch.Tensor, verdict: Verdict, graph_only: bool,
+              alone: bool = True) -> None:
+        """Check the saves that follow against ``output``'s autograd node. ``alone``: the
+        call has no peers, so a violation is raised at once instead of reported."""
         verdict.watched_calls += 1
         if graph_only:
             verdict.graph_only_calls += 1
-        self.watched.append(_Watch(output.grad_fn, verdict, graph_only))
+        self.watched.append(_Watch(output.grad_fn, verdict, graph_only, alone))
 
     # -- the hook --------------------------------------------------------------------
     def _depends(self, tensor: torch.Tensor) -> Optional[_Watch]:
@@ -124,16 +189,16 @@ class RecomputeRegion:
         hit = self._depends(tensor)
         if hit is None:
             return
-        what = f"{type(tensor.grad_fn).__name__} saved a {tuple(tensor.shape)} tensor " \
-               "computed from the MoE output"
-        if hit.graph_only:
-            raise RuntimeError(
-                "megatron-flat: a graph-only recompute of the flat MoE layer returned zeros, "
-                f"but later in the recomputed region {what} for its backward (the region "
-                "changed since its first re-run). Turn graph-only recompute off: "
-                "--no-flat-dispatch-graph-only-recompute (FlatConfig."
-                "dispatch_graph_only_recompute=False)")
+        op = type(tensor.grad_fn).__name__
+        what = f"{op} saved a {tuple(tensor.shape)} tensor computed from the MoE output"
         hit.flagged = True
+        if hit.graph_only:
+            hit.verdict.graph_only, hit.verdict.reason = False, f"zeros kept: {what}"
+            violation = Violation(op=op, shape=tuple(tensor.shape))
+            if hit.alone:
+                raise RuntimeError(violation_message(0, violation.shape, op))
+            report_violation(violation)  # raised by the whole group at its next exchange
+            return
         hit.verdict.graph_only, hit.verdict.reason = False, what
 
     def close(self) -> None:

@@ -9,28 +9,9 @@ import torch
 
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
-from megatron_flat.dispatch.recompute import current_region, recompute_region
+from megatron_flat.dispatch.recompute import current_region
 from megatron_flat.testing.moe_reference import RankCase
-
-
-class Reentrant(torch.autograd.Function):
-    """A minimal reentrant checkpoint (what Megatron's CheckpointFunction does): forward
-    without autograd, the region re-run in backward inside ``recompute_region``."""
-
-    @staticmethod
-    def forward(ctx, fn, *args):
-        ctx.fn = fn
-        ctx.save_for_backward(*args)
-        with torch.no_grad():
-            return fn(*args)
-
-    @staticmethod
-    def backward(ctx, grad):
-        args = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
-        with torch.enable_grad(), recompute_region():
-            out = ctx.fn(*args)
-        torch.autograd.backward(out, grad)
-        return (None,) + tuple(a.grad for a in args)
+from megatron_flat.testing.reentrant import Reentrant
 
 
 def _setup(mode="pipelined", graph_only=True, seed=4):
