@@ -54,6 +54,9 @@ OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
 OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_EXPERT = 56, 36, 19
 OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_EXPERT = 10, 15, 55
 OPS_FLAT_GRAPH_ONLY_PER_CHUNK = 22  # a graph-only re-run: the chunk schedules, no exchange
+# PipelinedLLEP's counts exchange carries 7 int64 flags beside the counts and N: the
+# graph-only wish and a recompute violation (dispatch.recompute.Violation.encode).
+EXCHANGE_FLAGS = 7
 # Ring-DTP: the fold per strip (forward) and the recompute + grads per strip (backward).
 OPS_RING_PER_STRIP = 12
 OPS_RING_BACKWARD_PER_STRIP = 24
@@ -122,10 +125,12 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
                                                             with its output grad (2·H·b + 4)
                                                             and returns dX and dprob
         other   = stock: P·(EP − 1)·E·8                     all-gather of tokens per expert
-                  flat:  P·2·(EP − 1)·(S·E + 1)·8           all-reduce of every rank's counts
-                                                            per (chunk, expert) and N, in
-                                                            S = K_max slots (``max_chunks``;
-                                                            default K), 1 for ``llep``
+                  flat:  P·(EP − 1)·(S·E + 1 + 7)·8         all-gather of every rank's counts
+                                                            per (chunk, expert), N and 7
+                                                            flags (the graph-only verdict),
+                                                            in S = K_max slots
+                                                            (``max_chunks``; default K), 1
+                                                            for ``llep``
         syncs, ops: the ledger's counts of the landed code (constants above)
 
     Checked exactly against the ledger on the tiny layer (``tests/runtime/
@@ -153,8 +158,8 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     else:
         slots = K if max_chunks is None else max(K, max_chunks)
         a2a = routes_sent * (valued * (2 * H * b + PROB_BYTES) + 3 * H * b + 2 * PROB_BYTES)
-        other = passes * 2 * (ep - 1) * (slots * E + 1) * 8
-        calls = {"all_to_all_single": valued * 2 * K + 2 * K, "all_reduce": passes}
+        other = passes * (ep - 1) * (slots * E + 1 + EXCHANGE_FLAGS) * 8
+        calls = {"all_to_all_single": valued * 2 * K + 2 * K, "all_gather_into_tensor": passes}
         syncs = passes * SYNCS_FLAT_FORWARD + valued * SYNCS_FLAT_PER_CHUNK * K
         ops = passes * OPS_FLAT_FORWARD + valued * (OPS_FLAT_FORWARD_PER_CHUNK * K
                                                     + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \
