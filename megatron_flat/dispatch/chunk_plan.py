@@ -27,6 +27,8 @@ With K = 1 the ranges are the plan's own and the destinations those of
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -96,18 +98,22 @@ def split_lists(plan: LLEPPlan,
     split (its owner when empty), -1 for each it splits, and the split ones' ``(i, e)``.
     Everything below needs it: compute it once and pass it as their ``lists``."""
     k, e = len(ranges), plan.num_experts
-    whole = torch.arange(e).div(e // plan.ep_size, rounding_mode="floor").expand(k, e).clone()
-    split = []
-    if plan.llep:  # a plain-EP plan splits nothing: every list on its owner
-        for i in range(k):
-            for ex in range(e):
-                r = ranges[i][ex]
-                if len(r) == 1:
-                    whole[i, ex] = r[0][0]
-                elif len(r) > 1:
-                    whole[i, ex] = -1
-                    split.append((i, ex))
-    return whole, split
+    owners = [ex // (e // plan.ep_size) for ex in range(e)]
+    if not plan.llep:  # a plain-EP plan splits nothing: every list on its owner
+        return torch.tensor(owners, dtype=torch.long).expand(k, e).clone(), []
+    # Python lists, one tensor at the end: element writes into a tensor cost microseconds
+    # each, and there are K·E of them (3,840 at the paper's shape).
+    rows, split = [], []
+    for i, row in enumerate(ranges):
+        out = owners.copy()
+        for ex, r in enumerate(row):
+            if len(r) == 1:
+                out[ex] = r[0][0]
+            elif r:
+                out[ex] = -1
+                split.append((i, ex))
+        rows.append(out)
+    return torch.tensor(rows, dtype=torch.long).view(k, e), split
 
 
 def _pieces(c: list[int], ranges: Sequence[Range], source: int) -> Iterator[tuple[int, int]]:
@@ -119,6 +125,18 @@ def _pieces(c: list[int], ranges: Sequence[Range], source: int) -> Iterator[tupl
         take = min(last, end) - max(first, start)
         if take > 0:
             yield g, take
+
+
+def _sources(prefix: list[int], start: int, end: int) -> Iterator[tuple[int, int]]:
+    """``(source, routes)`` of every source with routes in positions ``[start, end)`` of a
+    split list whose sources begin at ``prefix`` (``prefix[s]``: source s's first position,
+    ``prefix[P]`` the list's length): only the sources the range overlaps are visited."""
+    s = bisect.bisect_right(prefix, start) - 1
+    while s < len(prefix) - 1 and prefix[s] < end:
+        take = min(prefix[s + 1], end) - max(prefix[s], start)
+        if take > 0:
+            yield s, take
+        s += 1
 
 
 def send_row(counts: torch.Tensor, plan: LLEPPlan, ranges: list[list[list[Range]]], rank: int,
@@ -185,18 +203,22 @@ def rank_schedule(counts: torch.Tensor, plan: LLEPPlan, ranges: list[list[list[R
     column = {ex: j for j, ex in enumerate(experts)}
     index = torch.tensor(experts, dtype=torch.long)
     received = counts.index_select(2, index) * (whole.index_select(1, index) == rank)
-    for i, ex in split:
-        c = counts[:, i, ex].tolist()
-        for g, take in _pieces(c, ranges[i][ex], rank):
-            sends[i, g] += take
-        if ex in column and any(g == rank for g, _, _ in ranges[i][ex]):
-            first = 0
-            for s, n in enumerate(c):
+    if split:
+        # every split list's per-source counts in one read: [S][P]
+        at = torch.tensor(split, dtype=torch.long)
+        per_list = counts[:, at[:, 0], at[:, 1]].t().tolist()
+        added: list[tuple[int, int, int, int]] = []    # (source, chunk, column, routes)
+        for (i, ex), c in zip(split, per_list):
+            for g, take in _pieces(c, ranges[i][ex], rank):
+                sends[i, g] += take
+            if ex in column:
+                prefix = [0, *itertools.accumulate(c)]
                 for g, start, end in ranges[i][ex]:
-                    take = min(first + n, end) - max(first, start)
-                    if g == rank and take > 0:
-                        received[s, i, column[ex]] += take
-                first += n
+                    if g == rank:
+                        added += [(s, i, column[ex], n) for s, n in _sources(prefix, start, end)]
+        if added:
+            s_, i_, j_, n_ = torch.tensor(added, dtype=torch.long).unbind(1)
+            received.index_put_((s_, i_, j_), n_, accumulate=True)
     return RankSchedule(send_splits=sends.tolist(), experts=experts, receive_counts=received,
                         tables=destination_tables(counts, plan, ranges, rank, (whole, split)),
                         ranges=ranges)

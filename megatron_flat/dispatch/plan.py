@@ -311,8 +311,9 @@ def _smallest_share(loads: list[int], chunk_loads: Optional[Sequence[Sequence[in
         raise ValueError(f"chunk_loads must be [K][E] counts >= 0 with E = {len(loads)}")
     if [sum(col) for col in zip(*rows)] != loads:
         raise ValueError("chunk_loads must sum over the chunks to expert_loads")
-    per_expert = [[row[e] for row in rows if row[e]] for e in range(len(loads))]
-    return lambda e, p: min(p * l // loads[e] for l in per_expert[e])
+    # floor(p · l / l_e) grows with l, so the smallest share is the smallest load's.
+    smallest = [min((row[e] for row in rows if row[e]), default=0) for e in range(len(loads))]
+    return lambda e, p: p * smallest[e] // loads[e]
 
 
 def plan_dispatch(expert_loads: LoadsLike, ep_size: int, *, alpha: float = 1.0,
