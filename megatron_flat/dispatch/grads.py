@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["accumulate", "accumulate_all", "main_grad", "mark_added"]
+__all__ = ["accumulate", "accumulate_all", "add_all", "main_grad", "mark_added"]
 
 
 def main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -42,22 +42,42 @@ def mark_added(param: torch.Tensor) -> None:
         owner.grad_added_to_main_grad = True
 
 
+def add_all(targets: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """``t += g`` for each pair (a None gradient adds nothing): one fused ``_foreach_add_``
+    (one launch on CUDA) for the pairs whose dtypes match, a plain ``add_`` for the others
+    (a mixed-dtype foreach takes torch's per-tensor path: no fewer launches, so no
+    pretence of fusing). Same per-element sums either way."""
+    same, mixed = ([], []), []
+    for t, g in zip(targets, grads):
+        if g is None:
+            continue
+        if t.dtype == g.dtype and t.device == g.device:
+            same[0].append(t)
+            same[1].append(g)
+        else:
+            mixed.append((t, g))
+    if len(same[0]) > 1:
+        torch._foreach_add_(same[0], same[1])
+    elif same[0]:
+        same[0][0].add_(same[1][0])
+    for t, g in mixed:
+        t.add_(g)
+
+
 def accumulate(acc: dict, e: int, grads: Sequence[Optional[torch.Tensor]],
                leaves: Sequence[torch.Tensor]) -> None:
     """Sum an expert's weight gradients over chunks: straight into ``main_grad`` for a
     parameter under Megatron's DDP (see :func:`main_grad`), else into fp32 accumulators."""
     if all(main_grad(w) is not None for w in leaves):
-        for w, g in zip(leaves, grads):
-            if g is not None:
-                w.main_grad.add_(g)
+        add_all([w.main_grad for w in leaves], grads)
+        for w in leaves:
             mark_added(w)
         return
     grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, leaves)]
     if e not in acc:
         acc[e] = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
     else:
-        for a, g in zip(acc[e], grads):
-            a.add_(g)
+        add_all(acc[e], grads)
 
 
 def accumulate_all(acc: dict, expert_grads: Iterator[tuple]) -> None:

@@ -71,9 +71,7 @@ def forward_pass(step: Step, tokens: torch.Tensor, probs: torch.Tensor,
         return step.a2a(step.pack([(tokens, tok), (probs, idx)]), i, back=False)
 
     def compute(i: int, received: list):
-        x_recv, p_recv = received
-        received.clear()
-        return [step.strategies[i].forward(step, i, x_recv, p_recv, weights, helper)], None
+        return [step.strategies[i].forward(step, i, received, weights, helper)], None
 
     def combine(i: int, returning: Pending) -> None:
         (y_send,) = returning.wait()

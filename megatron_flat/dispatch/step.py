@@ -18,7 +18,7 @@ import torch
 from megatron_flat.dispatch.exchange import Pending, all_to_all, columns
 from megatron_flat.dispatch.experts import ExpertBank
 from megatron_flat.dispatch.schedule import ReceiveSchedule, SendSchedule, WeightSchedule
-from megatron_flat.dispatch.grads import main_grad, mark_added
+from megatron_flat.dispatch.grads import add_all, main_grad, mark_added
 
 __all__ = ["Step"]
 
@@ -59,6 +59,7 @@ class Step:
                                f"{send.num_chunks} chunks")
         self.strategies = list(strategies)
         self.helper: dict[int, tuple[torch.Tensor, ...]] = {}  # graph: held to backward
+        self.templates: dict = {}  # zero-row tensors giving dtypes and widths (strategies)
 
     # -- weights ---------------------------------------------------------------------
     def own(self, e: int, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -226,11 +227,10 @@ class Step:
                     offset += w.numel()
                 own = self.own(e, weights)
                 if all(main_grad(w) is not None for w in own):
-                    for w, g in zip(own, pieces):
-                        w.main_grad.add_(g)
+                    add_all([w.main_grad for w in own], pieces)
+                    for w in own:
                         mark_added(w)
                 elif e in acc:
-                    for a, g in zip(acc[e], pieces):
-                        a.add_(g)
+                    add_all(acc[e], pieces)
                 else:
                     acc[e] = [g.clone() for g in pieces]

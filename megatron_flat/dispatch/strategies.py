@@ -71,24 +71,48 @@ def units(step: "Step", i: int, native: bool = True) -> list[tuple]:
     return out
 
 
-def each_unit(step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
+def grouped(step: "Step", i: int, received: list) -> list[torch.Tensor]:
+    """Chunk i's received tensors in grouped (expert-contiguous) order, each gathered once
+    (one row gather per tensor per chunk, none when the received order is already grouped);
+    ``received`` is emptied as they are, so each grouped copy replaces its received buffer
+    instead of living beside it. Units then take their rows as slices (views, no gather)."""
+    out = []
+    received.reverse()
+    while received:
+        out.append(step.group_rows(received.pop(), i))
+    return out
+
+
+def each_unit(step: "Step", i: int, received: list,
               run: Callable[[tuple, torch.Tensor, torch.Tensor], torch.Tensor],
               native: bool = True) -> torch.Tensor:
-    """Chunk i's expert outputs in received order, one unit at a time (:func:`units`): each
-    unit's rows are gathered, ``run(unit, x, p)`` and written into one output buffer, so the
-    working set is one unit's intermediates (one expert's, or the native experts' grouped
-    call) rather than the whole chunk's."""
+    """Chunk i's expert outputs in received order, one unit at a time (:func:`units`): the
+    received rows and probabilities (``received``: ``[x_recv, p_recv]``, taken) are grouped
+    once, each unit's rows are a slice, ``run(unit, x, p)`` and written into one output
+    buffer, so the working set is one unit's intermediates (one expert's, or the native
+    experts' grouped call) rather than the whole chunk's."""
+    xg, pg = grouped(step, i, received)
     y_recv = None
     for unit in units(step, i, native):
         _, start, end, _ = unit
-        x, p = step.rows(x_recv, i, start, end), step.rows(p_recv, i, start, end)
-        y = run(unit, x, p)
-        del x, p
+        y = run(unit, xg[start:end], pg[start:end])
         if y_recv is None:
-            y_recv = y.new_empty((x_recv.shape[0],) + tuple(y.shape[1:]))
+            y_recv = y.new_empty((xg.shape[0],) + tuple(y.shape[1:]))
         step.put(y_recv, i, start, end, y)
         del y
-    return x_recv.new_empty(x_recv.shape) if y_recv is None else y_recv
+    return xg.new_empty(xg.shape) if y_recv is None else y_recv
+
+
+def gradient_like(step: "Step", x: torch.Tensor,
+                  p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty tensors with the dtypes and widths of the input and probability gradients a
+    chunk sends back (so :func:`differentiate` holds no reference to the received rows),
+    made once per call and kept by the step."""
+    key = (x.dtype, tuple(x.shape[1:]), p.dtype)
+    like = step.templates.get(key)
+    if like is None:
+        like = step.templates[key] = (x.new_empty((0,) + key[1]), p.new_empty(0))
+    return like
 
 
 def gradient_targets(step: "Step", unit_members: Sequence[tuple]):
@@ -127,21 +151,21 @@ def gradient_targets(step: "Step", unit_members: Sequence[tuple]):
     return wanted, spread
 
 
-def differentiate(step: "Step", i: int, g_recv: torch.Tensor, like: Sequence[torch.Tensor],
+def differentiate(step: "Step", i: int, gg: torch.Tensor, like: Sequence[torch.Tensor],
                   graphs: Iterator[tuple], acc: dict):
     """Chunk i's backward one unit's graph at a time (``(members, start, end, x, p, y,
     native)``, ``members`` the unit's ``(expert, leaves)``: rebuilt, or saved from forward):
-    differentiated, and its weight gradients added (into ``main_grad`` or the accumulators)
-    before the next unit's graph exists, so backward holds one unit's graph and weight
-    gradients, never the chunk's. Input and probability gradients are written straight into
-    the buffer sent back (``like``: their dtypes and widths), in received order. Units'
+    differentiated with its slice of the grouped output gradients ``gg``, and its weight
+    gradients added (into ``main_grad`` or the accumulators) before the next unit's graph
+    exists, so backward holds one unit's graph and weight gradients, never the chunk's.
+    Input and probability gradients are written straight into the buffer sent back
+    (``like``: their dtypes and widths, :func:`gradient_like`), in received order. Units'
     graphs are independent, so every value is what one ``autograd.grad`` over the whole
     chunk would give."""
-    (dx_recv, dp_recv), back = step.empty_packed(like, g_recv.shape[0])
+    (dx_recv, dp_recv), back = step.empty_packed(like, gg.shape[0])
     for members, start, end, x, p, y, native in graphs:
         wanted, spread = gradient_targets(step, [(members, native)])
-        grads = torch.autograd.grad(y, [x, p] + wanted, step.rows(g_recv, i, start, end),
-                                    allow_unused=True)
+        grads = torch.autograd.grad(y, [x, p] + wanted, gg[start:end], allow_unused=True)
         del y
         step.put(dx_recv, i, start, end,
                  grads[0] if grads[0] is not None else torch.zeros_like(x))
@@ -158,8 +182,10 @@ class ChunkStrategy:
 
     resends_tokens = True
 
-    def forward(self, step: "Step", i: int, x_recv: torch.Tensor, p_recv: torch.Tensor,
-                weights: Sequence[torch.Tensor], helper: dict) -> torch.Tensor:
+    def forward(self, step: "Step", i: int, received: list, weights: Sequence[torch.Tensor],
+                helper: dict) -> torch.Tensor:
+        """Chunk i's expert outputs in received order from ``received`` (``[x_recv,
+        p_recv]``; the strategy takes them, so they can be freed as they are used)."""
         raise NotImplementedError
 
     def backward(self, step: "Step", i: int, received: list, weights: Sequence[torch.Tensor],
@@ -170,7 +196,7 @@ class ChunkStrategy:
 class Recomputed(ChunkStrategy):
     """Nothing kept; backward rebuilds each unit's graph from its re-sent rows."""
 
-    def forward(self, step, i, x_recv, p_recv, weights, helper):
+    def forward(self, step, i, received, weights, helper):
         bank = step.bank
 
         def run(unit, x, p):
@@ -179,28 +205,27 @@ class Recomputed(ChunkStrategy):
                 return bank.run_native(x, p, counts)
             return bank.run(step.weights_of(experts[0], weights, helper), x, p)
 
-        return each_unit(step, i, x_recv, p_recv, run)
+        return each_unit(step, i, received, run)
 
     def first_layers(self) -> Optional[list]:
         """What forward saved per unit to stand in for the first layer (None: nothing)."""
         return None
 
     def backward(self, step, i, received, weights, helper, acc):
-        x_recv, p_recv, g_recv = received
-        received.clear()
-        return differentiate(step, i, g_recv, (x_recv, p_recv),
-                             self._rebuilt(step, i, x_recv, p_recv, weights, helper), acc)
+        xg, pg, gg = grouped(step, i, received)
+        return differentiate(step, i, gg, gradient_like(step, xg, pg),
+                             self._rebuilt(step, i, xg, pg, weights, helper), acc)
 
-    def _rebuilt(self, step, i, x_recv, p_recv, weights, helper) -> Iterator[tuple]:
-        """Each unit's graph rebuilt from its received rows, one at a time (the last linear
-        layer's forward GEMM skipped by ``run_for_grad``; the first layer's too when forward
-        saved its output)."""
+    def _rebuilt(self, step, i, xg, pg, weights, helper) -> Iterator[tuple]:
+        """Each unit's graph rebuilt from its slice of the grouped rows, one at a time (the
+        last linear layer's forward GEMM skipped by ``run_for_grad``; the first layer's too
+        when forward saved its output)."""
         bank = step.bank
         run = bank.run_for_grad if hasattr(bank, "run_for_grad") else bank.run
         firsts = self.first_layers()
         for n, (experts, start, end, counts) in enumerate(units(step, i)):
-            x = step.rows(x_recv, i, start, end).detach().requires_grad_()
-            p = step.rows(p_recv, i, start, end).detach().requires_grad_()
+            x = xg[start:end].detach().requires_grad_()
+            p = pg[start:end].detach().requires_grad_()
             members = [(e, step.leaf(e, weights, helper)) for e in experts]
             first = None
             if firsts is not None:
@@ -229,7 +254,7 @@ class SavedFirstLayer(Recomputed):
         firsts, self.firsts = self.firsts, None
         return firsts
 
-    def forward(self, step, i, x_recv, p_recv, weights, helper):
+    def forward(self, step, i, received, weights, helper):
         firsts = []
         bank = step.bank
 
@@ -242,7 +267,7 @@ class SavedFirstLayer(Recomputed):
             firsts.append(first)
             return y
 
-        y_recv = each_unit(step, i, x_recv, p_recv, run)
+        y_recv = each_unit(step, i, received, run)
         self.firsts = firsts
         return y_recv
 
@@ -257,8 +282,10 @@ class SavedGraph(ChunkStrategy):
         self.graphs: list = []
         self.like: tuple = ()
 
-    def forward(self, step, i, x_recv, p_recv, weights, helper):
+    def forward(self, step, i, received, weights, helper):
         graphs = []
+        # dtype and width of the input and probability gradients sent back
+        self.like = gradient_like(step, *received)
 
         def run(unit, x, p):
             (e,), start, end, _ = unit
@@ -269,15 +296,14 @@ class SavedGraph(ChunkStrategy):
             graphs.append(([(e, leaves)], start, end, x, p, y, False))
             return y.detach()
 
-        y_recv = each_unit(step, i, x_recv, p_recv, run, native=False)
-        # dtype and width of the input and probability gradients sent back
-        self.like = (x_recv.new_empty((0,) + tuple(x_recv.shape[1:])), p_recv.new_empty(0))
+        y_recv = each_unit(step, i, received, run, native=False)
         self.graphs = graphs
         return y_recv
 
     def backward(self, step, i, received, weights, helper, acc):
         graphs, self.graphs = self.graphs, []
-        return differentiate(step, i, received[-1], self.like, drain(graphs), acc)
+        (gg,) = grouped(step, i, received)
+        return differentiate(step, i, gg, self.like, drain(graphs), acc)
 
 
 class WholeGraph(ChunkStrategy):
@@ -290,9 +316,8 @@ class WholeGraph(ChunkStrategy):
     def __init__(self) -> None:
         self.held: Optional[tuple] = None
 
-    def forward(self, step, i, x_recv, p_recv, weights, helper):
-        xg, pg = step.group_rows(x_recv, i), step.group_rows(p_recv, i)
-        del x_recv, p_recv
+    def forward(self, step, i, received, weights, helper):
+        xg, pg = grouped(step, i, received)
         xg, pg = xg.detach().requires_grad_(), pg.detach().requires_grad_()
         leaves = step.leaves(i, weights, helper)
         with torch.enable_grad():
