@@ -25,7 +25,8 @@ Per variant (routing profile) one record, for this rank's MoE layer forward + ba
   everything between the counts copy and the upload), median of ``--reps`` calls;
   ``host_plan_bytes``: the peak of the memory it allocates, the counts' host copy included;
 * ``ops`` / ``ops_predicted``: aten ops of the step (a launch proxy) and
-  :func:`megatron_flat.plan.costs.moe_layer_counts`' prediction;
+  :func:`megatron_flat.plan.costs.moe_layer_counts`' prediction for the ``units`` (expert,
+  chunk) pairs this rank ran (its native experts' and the spilled ones it helps with);
 * ``max_received`` / ``receive_bound``: the largest chunk this rank receives and Eq. 1's
   bound ``P·k·c_eff``;
 * ``peak_bytes``: the memory meter's peak of the step above its start.
@@ -84,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the layer inside a reentrant checkpoint (full recompute): the "
                          "forward runs again in backward, graph-only once verified")
     ap.add_argument("--reps", type=int, default=5, help="host-planning timings (median)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, or cuda: the layer on the GPU, its steady-state backward under "
+                         "torch.cuda.set_sync_debug_mode('error') (any sync raises) and the "
+                         "forward's syncs cross-checked with the 'warn' mode's warnings")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
@@ -94,18 +99,19 @@ class Layer:
     def __init__(self, args, profile: str):
         self.args = args
         e_local = args.experts // args.ep
+        device = torch.device(args.device)
         self.bank = GLUExperts(e_local, args.hidden, args.ffn,
-                               generator=torch.Generator().manual_seed(1))
+                               generator=torch.Generator().manual_seed(1)).to(device)
         self.options = DispatchOptions(chunk_tokens=args.chunk_tokens, max_chunks=args.max_chunks,
                                        min_tokens_per_gemm=args.min_tokens_per_gemm)
         self.engine = PipelinedLLEP(self.bank, num_experts=args.experts, topk=args.topk,
                                     options=self.options)
-        ids = routing_profile(profile, args.tokens, args.experts, args.topk)
+        ids = routing_profile(profile, args.tokens, args.experts, args.topk).to(device)
         self.route_token, self.route_expert, order = routes_from_topk(ids)
         g = torch.Generator().manual_seed(2)
-        self.probs = torch.rand(ids.numel(), generator=g)[order]
-        self.tokens = torch.randn(args.tokens, args.hidden, generator=g)
-        self.grad = torch.randn(args.tokens, args.hidden, generator=g)
+        self.probs = torch.rand(ids.numel(), generator=g).to(device)[order]
+        self.tokens = torch.randn(args.tokens, args.hidden, generator=g).to(device)
+        self.grad = torch.randn(args.tokens, args.hidden, generator=g).to(device)
         self.phase = "forward"
 
     def step(self, ledger=None) -> None:
@@ -128,16 +134,25 @@ class Layer:
             out = Reentrant.apply(region, x, p) if self.args.recompute else region(x, p)
         self.phase = "backward"
         with (ledger.section("backward") if ledger else _nothing()):
-            out.backward(self.grad)
+            if self.args.device == "cuda" and not self.args.recompute:
+                # steady state: backward may not wait for the device even once
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out.backward(self.grad)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            else:
+                out.backward(self.grad)
 
     def host_counts(self) -> torch.Tensor:
         """``[P, K, E]``: every rank's route counts per (chunk, expert) as the exchange
         gives them under the stand-in (every rank routes like this one)."""
         a = self.args
         k = self.engine.last.num_chunks
-        chunk = token_chunks(a.tokens, k, self.options.membership)[self.route_token]
+        token, expert = self.route_token.cpu(), self.route_expert.cpu()
+        chunk = token_chunks(a.tokens, k, self.options.membership)[token]
         mine = torch.zeros(k * a.experts, dtype=torch.long)
-        mine.index_add_(0, chunk * a.experts + self.route_expert, torch.ones_like(chunk))
+        mine.index_add_(0, chunk * a.experts + expert, torch.ones_like(chunk))
         return mine.view(1, k, a.experts).expand(a.ep, k, a.experts).contiguous()
 
     def plan_on_host(self, counts: torch.Tensor) -> None:
@@ -165,7 +180,7 @@ def measure(args, profile: str) -> dict:
         layer.step()
     with MemoryMeter() as meter:
         layer.step()
-    with CostLedger() as ledger:
+    with CostLedger(cuda_sync_check=args.device == "cuda") as ledger:
         layer.step(ledger)
     stats = layer.engine.last
     sec = ledger.sections
@@ -189,7 +204,7 @@ def measure(args, profile: str) -> dict:
         hidden=args.hidden, ffn=args.ffn, experts=args.experts, tokens=args.tokens, ep=args.ep,
         routes_computed=received, routes_sent=sent_off, bytes_per_value=4, flat=True,
         chunks=stats.num_chunks, recompute=args.recompute, graph_only=True,
-        max_chunks=args.max_chunks)
+        max_chunks=args.max_chunks, units=stats.units)
     return {
         "profile": profile, "ep": args.ep, "rank": args.rank, "experts": args.experts,
         "topk": args.topk, "tokens": args.tokens, "chunks": stats.num_chunks,
@@ -200,10 +215,12 @@ def measure(args, profile: str) -> dict:
         "sync_kinds": dict(ledger.sync_kinds),
         "host_plan_ms": statistics.median(times), "host_plan_ms_all": times,
         "host_plan_bytes": plan_meter.peak_device_bytes,
-        "ops": ledger.ops, "ops_predicted": predicted["ops"],
+        "ops": ledger.ops, "ops_predicted": predicted["ops"], "units": stats.units,
         "max_received": max(stats.received), "receive_bound": stats.receive_bound,
         "peak_bytes": meter.peak_device_bytes,
         "h2d_bytes": ledger.h2d_bytes, "a2a_bytes": ledger.all_to_all_bytes,
+        "device": args.device,
+        "cuda_sync_warnings": ledger.cuda_sync_warnings if args.device == "cuda" else None,
     }
 
 

@@ -228,8 +228,11 @@ def _moe_units(args, units: list[str]) -> list[dict]:
             shape = _moe_shape(args) | routes | {"recompute": "full" if recompute else None}
             for variant, layer in (("stock", stock), ("flat", flat)):
                 peak, costs = measure(lambda: _moe_pass(layer, x, grad, ids, recompute))
-                stages = layer.module.flat_dispatch.last.num_chunks if variant == "flat" else 1
-                out.append(record(unit, variant, peak, costs, stages, shape))
+                stages, units = 1, {}
+                if variant == "flat":  # chunks, and (expert, chunk) units run on this rank
+                    last = layer.module.flat_dispatch.last
+                    stages, units = last.num_chunks, {"units": last.units}
+                out.append(record(unit, variant, peak, costs, stages, shape | units))
         del stock, flat
     return out
 

@@ -208,9 +208,9 @@ def rank_schedule(counts: torch.Tensor, plan: LLEPPlan, ranges: list[list[list[R
         at = torch.tensor(split, dtype=torch.long)
         per_list = counts[:, at[:, 0], at[:, 1]].t().tolist()
         added: list[tuple[int, int, int, int]] = []    # (source, chunk, column, routes)
+        pieces: list[tuple[int, int, int]] = []       # (chunk, destination, routes)
         for (i, ex), c in zip(split, per_list):
-            for g, take in _pieces(c, ranges[i][ex], rank):
-                sends[i, g] += take
+            pieces += [(i, g, take) for g, take in _pieces(c, ranges[i][ex], rank)]
             if ex in column:
                 prefix = [0, *itertools.accumulate(c)]
                 for g, start, end in ranges[i][ex]:
@@ -219,6 +219,9 @@ def rank_schedule(counts: torch.Tensor, plan: LLEPPlan, ranges: list[list[list[R
         if added:
             s_, i_, j_, n_ = torch.tensor(added, dtype=torch.long).unbind(1)
             received.index_put_((s_, i_, j_), n_, accumulate=True)
+        if pieces:  # one op, not one per piece
+            i_, g_, n_ = torch.tensor(pieces, dtype=torch.long).unbind(1)
+            sends.index_put_((i_, g_), n_, accumulate=True)
     return RankSchedule(send_splits=sends.tolist(), experts=experts, receive_counts=received,
                         tables=destination_tables(counts, plan, ranges, rank, (whole, split)),
                         ranges=ranges)

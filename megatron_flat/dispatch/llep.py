@@ -171,6 +171,7 @@ class StepStats:
     sent: list[int]              # routes sent in each chunk
     helper_experts: list[int]    # experts computed here for another owner
     send_splits: list[list[int]] = field(default_factory=list)  # per chunk, to each rank
+    units: int = 0               # (expert, chunk) pairs this rank ran: its expert GEMM units
     helper_rows: list[list[int]] = field(default_factory=list)  # per chunk, each helper GEMM's rows
     saved_chunks: int = 0        # chunks saved for backward instead of recomputed
     graph_only: bool = False     # a re-run that skipped dispatch and experts (zeros out)
@@ -517,6 +518,7 @@ class PipelinedLLEP:
         self.last = StepStats(plan=plan, num_chunks=k_chunks, c_eff=c_eff, max_tokens=max_n,
                               receive_bound=bound, received=recv.totals,
                               sent=[sum(s) for s in send.splits], send_splits=send.splits,
+                              units=sum(len(seg) for seg in recv.segments),
                               helper_experts=wsched.helper_experts,
                               helper_rows=[[end - start for ex, start, end in seg
                                             if ex in wsched.helper_experts]

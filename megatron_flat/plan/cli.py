@@ -358,7 +358,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
 
 def _binds(p: Prediction) -> str:
     parts = {"compute": p.compute_s, "exposed transfers": p.exposed_comm_s + p.exposed_copy_s,
-             "sync stalls": p.stall_s}
+             "sync stalls and host planning": p.stall_s}
     if p.launch_bound:
         parts["launches"] = parts.pop("compute")
     return max(parts, key=parts.get) if any(parts.values()) else "nothing"

@@ -40,20 +40,28 @@ UNITS = ("dispatch", "vocab", "boundaries", "optimizer", "parameters")
 # Host syncs and aten ops (launches) per MoE layer, counted by the ledger on the landed code
 # at EP = 2, megatron-core 0.16.1 (benchmarks/ledger.py; tests/runtime/test_ledger_world2.py
 # pins them). Megatron's alltoall dispatcher: per forward pass one wait for its split sizes
-# and two masked_select (0.19 has no masked_select). PipelinedLLEP: per forward pass two
-# waits, for the global counts its plan needs and for the chunks' split sizes (with
-# --flat-debug-checks, more: every check reads device data); none in backward.
-# Ops, fitted over E_l in {2, 4, 8} and K in {2, 4, 8}: stock 43 + 6·E_l per forward pass
-# and 22 + 13·E_l in backward; flat 56 + 36·K + 19·E_l per forward pass and
-# 10 + 15·K + 55·E_l in backward.
+# and two masked_select (0.19 has no masked_select). PipelinedLLEP: per call one wait, for
+# the route counts its plan needs (its tables reach the device in one non-blocking copy);
+# none in backward (with --flat-debug-checks, more: every check reads device data).
+# Ops, stock: fitted over E_l in {2, 4, 8}: 43 + 6·E_l per forward pass, 22 + 13·E_l in
+# backward. Flat: benchmarks/moe_ops_fit.py over E_l in {2, 4, 8} x K in {1, 4, 10} (within
+# 8 % at every point), with U = units (expert, chunk) run, K·E_l at real scale:
+#   a valued forward call  F = 46 + 36·K + 7·U
+#   a graph-only re-run    G = 47 + 21·K
+#   backward               B = 42 + 14·K + 21·U
 SYNCS_STOCK_PER_PASS = 3
 SYNCS_FLAT_FORWARD = 1
 SYNCS_FLAT_PER_CHUNK = 0
 OPS_STOCK_FORWARD, OPS_STOCK_FORWARD_PER_EXPERT = 43, 6
 OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
-OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_EXPERT = 56, 36, 19
-OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_EXPERT = 10, 15, 55
-OPS_FLAT_GRAPH_ONLY_PER_CHUNK = 22  # a graph-only re-run: the chunk schedules, no exchange
+OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_UNIT = 46, 36, 7
+OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_UNIT = 42, 14, 21
+OPS_FLAT_GRAPH_ONLY, OPS_FLAT_GRAPH_ONLY_PER_CHUNK = 47, 21  # the chunk schedules, no exchange
+# PipelinedLLEP's host planning per call (between its counts copy and its one upload, the GPU
+# idle): seconds per (chunk, expert) list. benchmarks/dispatch_scale.py at EP 64, 384 experts,
+# K 10 with LLEP spilling (69 spilled experts): 7.1 ms median on one CPU thread of the
+# development machine, 1.8 us per list (plain EP: 2.4 ms); rounded up.
+HOST_PLAN_S_PER_LIST = 2e-6
 # PipelinedLLEP's counts exchange carries 7 int64 flags beside the counts and N: the
 # graph-only wish and a recompute violation (dispatch.recompute.Violation.encode).
 EXCHANGE_FLAGS = 7
@@ -105,7 +113,7 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
                      routes_computed: float, routes_sent: float, bytes_per_value: int,
                      gated: bool = True, flat: bool = False, chunks: int = 1, saved: int = 0,
                      recompute: bool = False, graph_only: bool = True,
-                     max_chunks: Optional[int] = None) -> dict:
+                     max_chunks: Optional[int] = None, units: Optional[int] = None) -> dict:
     """Counts of one MoE layer, one microbatch, forward + backward on one EP rank.
 
     ``routes_computed``: routes this rank's experts run; ``routes_sent``: routes it sends to
@@ -131,7 +139,11 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
                                                             in S = K_max slots
                                                             (``max_chunks``; default K), 1
                                                             for ``llep``
-        syncs, ops: the ledger's counts of the landed code (constants above)
+        syncs, ops: the ledger's counts of the landed code (constants above); flat ops
+                    with U = ``units`` (expert, chunk) pairs run, K·E_l when not given
+        host_plan_s = flat: P·K·E·HOST_PLAN_S_PER_LIST      host planning after each call's
+                                                            sync (the graph-only re-run plans
+                                                            too); stock: 0
 
     Checked exactly against the ledger on the tiny layer (``tests/runtime/
     test_ledger_world2.py``), stock and flat, with and without recompute.
@@ -144,10 +156,10 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
     valued = 1 if flat and recompute and graph_only else passes
     if valued < passes:
         saved = 0  # the no-grad forward keeps nothing; the graph-only re-run computes nothing
-    units = valued * (fc1 + fc2) + 2 * (fc1 + fc2)
+    work = valued * (fc1 + fc2) + 2 * (fc1 + fc2)  # expert FLOPs per route, in units of u
     if flat:
-        units += fc1 * (1 - min(saved, K) / K)
-    flops = 2 * tokens * H * E * (passes + 2) + units * 2 * H * F * routes_computed
+        work += fc1 * (1 - min(saved, K) / K)
+    flops = 2 * tokens * H * E * (passes + 2) + work * 2 * H * F * routes_computed
     if not flat:
         a2a = routes_sent * (passes + 1) * (2 * H * b + PROB_BYTES)
         other = passes * (ep - 1) * E * 8
@@ -161,15 +173,16 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
         other = passes * (ep - 1) * (slots * E + 1 + EXCHANGE_FLAGS) * 8
         calls = {"all_to_all_single": valued * 2 * K + 2 * K, "all_gather_into_tensor": passes}
         syncs = passes * SYNCS_FLAT_FORWARD + valued * SYNCS_FLAT_PER_CHUNK * K
-        ops = passes * OPS_FLAT_FORWARD + valued * (OPS_FLAT_FORWARD_PER_CHUNK * K
-                                                    + OPS_FLAT_FORWARD_PER_EXPERT * e_local) \
-            + (passes - valued) * OPS_FLAT_GRAPH_ONLY_PER_CHUNK * K \
-            + OPS_FLAT_BACKWARD + OPS_FLAT_BACKWARD_PER_CHUNK * K \
-            + OPS_FLAT_BACKWARD_PER_EXPERT * e_local
+        u = K * e_local if units is None else units
+        ops = valued * (OPS_FLAT_FORWARD + OPS_FLAT_FORWARD_PER_CHUNK * K
+                        + OPS_FLAT_FORWARD_PER_UNIT * u) \
+            + (passes - valued) * (OPS_FLAT_GRAPH_ONLY + OPS_FLAT_GRAPH_ONLY_PER_CHUNK * K) \
+            + OPS_FLAT_BACKWARD + OPS_FLAT_BACKWARD_PER_CHUNK * K + OPS_FLAT_BACKWARD_PER_UNIT * u
+    host_plan_s = passes * HOST_PLAN_S_PER_LIST * K * E if flat else 0.0
     if ep == 1:
         a2a, other, calls = 0, 0, {}
     return {"flops": flops, "all_to_all_bytes": a2a, "other_collective_bytes": other,
-            "collective_calls": calls, "syncs": syncs, "ops": ops}
+            "collective_calls": calls, "syncs": syncs, "ops": ops, "host_plan_s": host_plan_s}
 
 
 def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_value: int,

@@ -18,7 +18,10 @@ step, ...) is predicted from its counts ``c`` on device ``D`` as::
                + collective calls · D.collective_latency_s
     copy     = max(h2d, d2h) / D.pcie_bytes_per_s     (the two directions run concurrently)
     stalls   = c.syncs · D.sync_stall_s       each sync drains the queue; the GPU then idles
-                                              while the host launches the next kernels
+             + c.host_plan_s                  while the host launches the next kernels, and
+                                              while the host plans after the sync (host
+                                              work between a sync and the next launch:
+                                              PipelinedLLEP's plan, seconds of CPU time)
 
 and the unit's :class:`Overlap` (its schedule, written per technique in ``OVERLAPS``) says
 which part of ``comm`` and ``copy`` runs beside compute. With ``S`` pipeline stages (chunks,
@@ -58,7 +61,7 @@ __all__ = [
 ]
 
 COUNT_KEYS = ("flops", "all_to_all_bytes", "other_collective_bytes", "h2d_bytes", "d2h_bytes",
-              "syncs", "ops", "mem_bytes", "host_mem_bytes")
+              "syncs", "ops", "mem_bytes", "host_mem_bytes", "host_plan_s")
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,7 @@ def predict(counts: Mapping[str, Any], overlap: Optional[Overlap] = None,
     comm = ((_count(counts, "all_to_all_bytes") + _count(counts, "other_collective_bytes"))
             / dev.link_bytes_per_s + _calls(counts) * dev.collective_latency_s)
     copy = max(_count(counts, "h2d_bytes"), _count(counts, "d2h_bytes")) / dev.pcie_bytes_per_s
-    stalls = _count(counts, "syncs") * dev.sync_stall_s
+    stalls = _count(counts, "syncs") * dev.sync_stall_s + _count(counts, "host_plan_s")
     hidden = max(ov.comm_hidden * comm, ov.copy_hidden * copy)
     s = ov.stages
     beside = ov.beside_flops / (dev.flops * dev.matmul_efficiency)

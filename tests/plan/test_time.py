@@ -53,6 +53,29 @@ def test_serial_transfers_add_and_syncs_stall() -> None:
     assert math.isclose(p.exposed_copy_s, 1.0)
 
 
+def test_host_planning_after_a_sync_is_exposed() -> None:
+    """Host work between a sync and the next launch (PipelinedLLEP's plan) idles the GPU:
+    it adds to the unit's time in full, beside the sync's own stall."""
+    counts = {"flops": 989e12 * H200.matmul_efficiency, "syncs": 2, "host_plan_s": 0.25}
+    p = predict(counts)
+    assert math.isclose(p.stall_s, 2 * H200.sync_stall_s + 0.25)
+    assert math.isclose(p.total_s, 1.0 + 2 * H200.sync_stall_s + 0.25)
+
+
+def test_flat_moe_layer_charges_host_planning_per_call() -> None:
+    """Every PipelinedLLEP call plans on the host (a graph-only re-run too): K·E lists each
+    at HOST_PLAN_S_PER_LIST; the stock layer plans nothing."""
+    from megatron_flat.plan.costs import HOST_PLAN_S_PER_LIST, moe_layer_counts
+
+    shape = dict(hidden=128, ffn=64, experts=384, tokens=65536, ep=64, routes_computed=5e5,
+                 routes_sent=5e5, bytes_per_value=2)
+    flat = moe_layer_counts(**shape, flat=True, chunks=10, recompute=True)
+    assert math.isclose(flat["host_plan_s"], 2 * HOST_PLAN_S_PER_LIST * 10 * 384)
+    assert moe_layer_counts(**shape, flat=True, chunks=10)["host_plan_s"] == \
+        flat["host_plan_s"] / 2
+    assert moe_layer_counts(**shape, recompute=True).get("host_plan_s", 0) == 0
+
+
 def test_pipelined_transfer_hides_behind_compute_but_for_one_stage() -> None:
     counts = {"flops": 989e12 * H200.matmul_efficiency, "other_collective_bytes": 450e9 / 2}
     serial = predict(counts, Overlap())

@@ -114,7 +114,7 @@ def test_moe_layer_formulas_equal_the_counts(run, unit, variant) -> None:
         ep=shape["ep"], routes_computed=shape["routes_computed"],
         routes_sent=shape["routes_sent_off_rank"], bytes_per_value=4, gated=True,
         flat=variant == "flat", chunks=r["stages"], saved=0, recompute=unit == "moe-recompute",
-        max_chunks=args.max_chunks)
+        max_chunks=args.max_chunks, units=shape.get("units"))
     assert r["flops"] == want["flops"]
     assert r["all_to_all_bytes"] == want["all_to_all_bytes"]
     assert r["other_collective_bytes"] == want["other_collective_bytes"]
