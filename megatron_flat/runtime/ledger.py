@@ -24,21 +24,25 @@ meter measures bytes, the ledger counts what a CPU run's wall time hides:
     reduce-scatters gradients in buckets with them) count under the plain name.
 ``h2d_bytes`` / ``d2h_bytes``
     Bytes copied between host memory and the compute device. On CUDA: every
-    ``copy_`` / ``_to_copy`` between a CPU and a CUDA tensor. On CPU, host
-    memory is what the project keeps there: the host pool's buffer
+    ``copy_`` / ``_to_copy`` between a CPU and a CUDA tensor, and
+    ``torch.tensor`` / ``as_tensor`` of Python data onto the device (a copy
+    below the dispatcher). On CPU, host memory is what the project keeps
+    there: the host pool's buffer
     (:func:`~megatron_flat.runtime.memory.register_host_storage`), storages
     passed to :func:`mark_host_memory`, and the results of ``.cpu()`` of
-    device data; a ``copy_`` with exactly one side in host memory counts.
+    device data; a ``copy_`` with exactly one side in host memory counts, and
+    so does every upload (below).
 ``syncs`` (and ``sync_kinds``, a count per kind)
     Operations that on CUDA block the host until the device has drained its
     queue: ``.item()``, ``bool()``/``int()``/``float()`` (all
     ``_local_scalar_dense``), ``.tolist()``, ``.numpy()``, ``.cpu()``,
-    ``torch.equal``, a blocking host↔device copy (on CUDA only: on CPU the
-    code's ``non_blocking`` choice is made for CPU and says nothing of what it
-    does on a GPU), and ops whose output shape
-    depends on device data: ``nonzero`` (``torch.where(c)``, ``argwhere``),
-    boolean-mask indexing and index assignment, ``masked_select``, ``unique``
-    variants, ``bincount``, ``repeat_interleave`` without ``output_size``.
+    ``torch.equal``, a blocking device→host copy (on CUDA), every
+    host→device copy except one from pinned memory with ``non_blocking=True``
+    (kinds ``h2d_copy`` and ``h2d_implicit``, below), and ops whose output
+    shape depends on device data: ``nonzero`` (``torch.where(c)``,
+    ``argwhere``), boolean-mask indexing and index assignment,
+    ``masked_select``, ``unique`` variants, ``bincount``, ``repeat_interleave``
+    without ``output_size``.
 ``ops``
     aten (and c10d) operations executed that are not views or metadata: a
     proxy for kernel launches.
@@ -55,9 +59,18 @@ Device data on CPU
 
     * an op with at least one device-data input makes every output and every
       tensor it writes device data (host memory keeps its mark);
-    * an op without device-data inputs makes host data: factories
-      (``torch.zeros(n)``, ``torch.tensor(list)``, ``arange``) and anything
-      computed only from them, i.e. a plan built on the host;
+    * an op without device-data inputs makes host-side data, of two kinds.
+      *Host* data comes from the host: Python data (``torch.tensor(list)``,
+      ``as_tensor``, ``from_numpy``: ``lift_fresh``), what a host read
+      returns (``.cpu()``; ``.tolist()`` then ``torch.tensor``), host memory,
+      and anything computed from them, i.e. a plan built on the host.
+      *Factory* data is what an op with no tensor input at all makes
+      (``zeros``, ``empty``, ``arange``, ``full``, ``ones``, ``randperm``)
+      and anything computed only from such outputs: on CPU it may have been
+      made with ``device=x.device``, so it is never counted as uploaded by
+      itself; host data written into it makes it host data, device data
+      written into it or combined with it makes device data (first rule);
+      neither kind is device data (:func:`is_device_data`);
     * what a collective writes is device data (on a GPU, NCCL moves device
       memory only), so a ``.tolist()`` of a gathered table is a sync, as it is
       there;
@@ -68,11 +81,60 @@ Device data on CPU
     * ``.cpu()`` of device data is a sync and a device→host copy whose result
       is host data: on CPU it returns a copy, as it would on a GPU.
 
-    Limits: a factory that on a GPU would take ``device=x.device`` makes host
-    data here until device data is written into it (``index_add_``,
-    ``copy_``, a collective), so a sync on a freshly made device buffer that
-    no device data touched is missed; ``.to("cpu")`` of device data is not a
-    sync here (on CPU it is the identity and never reaches the dispatcher).
+Uploads on CPU
+    A host→device copy blocks on CUDA unless its source is pinned and it is
+    made with ``non_blocking=True``; a CPU run makes every one free, so the
+    ledger counts them by rule. Each counts its bytes in ``h2d_bytes`` and,
+    unless the source is host memory (the pinned pool's or
+    :func:`mark_host_memory`'s storages) and ``non_blocking=True``, one sync:
+
+    * explicit (kind ``h2d_copy``, one op): ``Tensor.to``, ``Tensor.cuda``
+      (where a CPU backend made it the identity), ``torch.tensor(data,
+      device=d)`` and ``torch.as_tensor(data, device=d)``, of host or factory
+      data (Python data, NumPy, a CPU tensor that is not device data), to the
+      compute device. These calls never reach the dispatcher as a copy on CPU,
+      so they are counted by patches installed while a ledger is open. The
+      convention for which device is the compute device on a CPU run: a
+      ``torch.device`` object or an int (what device-agnostic code passes,
+      ``x.device``), or for ``.to(other)`` a tensor holding device data; a
+      device written as a string (``"cpu"``, as in ``counts.to("cpu",
+      torch.long)``) names the host, and that call is not an upload. The
+      result is device data: on CPU ``.to`` of the same device returns its
+      input, so the patch returns a copy marked device (the source keeps its
+      mark, as ``.cpu()`` returns a copy marked host memory). ``torch.tensor``
+      takes no ``non_blocking``: always a sync;
+    * ``copy_`` of host data (not factory data) with dim > 0 into device
+      data (``h2d_copy``). A 0-dim source is a scalar: ``x[i] = n`` reaches
+      the dispatcher on CPU as a ``copy_`` of a lifted 0-dim host tensor,
+      while on CUDA the value is made on the device. A ``copy_`` with one
+      side in host memory keeps the rule
+      above (h2d/d2h bytes, no sync: the project's CPU code copies
+      synchronously by design; on a GPU those copies are pinned and
+      non-blocking);
+    * implicit (kind ``h2d_implicit``): an op with device-data inputs that
+      also reads a host-data tensor with dim > 0, e.g. indexing device data
+      with a host index (``x[idx]``, ``index_select``, ``index_put_``,
+      ``gather``, ``searchsorted``): CUDA uploads the index every time, once
+      per op, its bytes in ``h2d_bytes``; other mixed ops are errors on CUDA
+      and count the same way. 0-dim CPU tensors are scalars on CUDA and host
+      memory is the CPU path's own working set: neither counts here.
+
+    On CUDA the dispatcher sees ``.to`` / ``copy_`` as real CPU→CUDA copies
+    (blocking unless ``non_blocking`` and the source ``is_pinned()``), and
+    a CPU tensor with dim > 0 beside CUDA tensors in one op is an implicit
+    upload; the CPU-run conventions above apply only where CUDA is absent.
+
+Limits
+    A factory that on a GPU would take ``device=x.device`` makes factory data
+    here until device data is written into it (``index_add_``, ``copy_``, a
+    collective), so a sync on a freshly made device buffer that no device data
+    touched is missed. ``.to("cpu")`` of device data is not a sync here (on
+    CPU it is the identity and never reaches the dispatcher); the result stays
+    device data, so a later read of it is. Uploads through names bound before
+    the ledger patched them (``from torch import tensor``, Megatron's CPU
+    ``torch`` proxy) and through ``torch.asarray`` / ``new_tensor`` are not
+    seen as uploads.
+
     State made before any ledger saw it (an optimizer's step counters, a
     cached plan) counts as device data; running the warm-up inside a ledger
     (whose counts are thrown away) marks it by origin, since marks outlive
@@ -117,7 +179,7 @@ __all__ = [
 ]
 
 _TAINT = "_megatron_flat_taint"  # attribute on a storage's Python object
-_HOST, _DEVICE, _HOST_MEMORY = "host", "device", "host-memory"
+_HOST, _FACTORY, _DEVICE, _HOST_MEMORY = "host", "factory", "device", "host-memory"
 
 _aten = torch.ops.aten
 _c10d = torch.ops.c10d
@@ -348,8 +410,51 @@ def _is_host_memory(t: torch.Tensor) -> bool:
     return False
 
 
+def _mark_of(t: torch.Tensor) -> Optional[str]:
+    """A CPU tensor's taint (None: never seen, or not a CPU tensor with a storage)."""
+    if t.device.type != "cpu":
+        return None
+    s = _storage(t)
+    return None if s is None else _taint_of(s)
+
+
+def _mark_device(t: torch.Tensor) -> None:
+    """Mark an upload's result as device data (host memory keeps its mark)."""
+    s = _storage(t)
+    if s is not None and t.device.type == "cpu" and _taint_of(s) != _HOST_MEMORY:
+        _set_taint(s, _DEVICE)
+
+
+def _origin(leaves: list) -> str:
+    """Taint of what an op without device-data inputs makes: host data if any input came
+    from the host (Python data, a host read, host memory), else a factory's output."""
+    for t in leaves:
+        if _mark_of(t) in (_HOST, _HOST_MEMORY):
+            return _HOST
+    return _FACTORY
+
+
+def _cpu_run() -> bool:
+    """Whether CPU tensors stand for the compute device's data (no CUDA here): the
+    Python-level upload rules apply; with CUDA, the dispatcher sees real copies."""
+    return not torch.cuda.is_available()
+
+
+def _names_compute_device(spec: Any) -> bool:
+    """On a CPU run, whether a ``device`` argument names the compute device: a
+    ``torch.device`` object or an int (what device-agnostic code passes, ``x.device``),
+    or a tensor holding device data (``.to(other)``). A string (``"cpu"``) names the host."""
+    if isinstance(spec, torch.Tensor):
+        return is_device_data(spec)
+    if isinstance(spec, bool):
+        return False
+    return isinstance(spec, (torch.device, int))
+
+
 def mark_host(*tensors: torch.Tensor) -> None:
-    """Mark tensors as host-side data (a plan cached on the host); no ledger needed.
+    """Mark tensors as host data (a plan cached on the host): reading them is no sync, and
+    an op that also reads device data uploads them (see the module docstring); no ledger
+    needed.
 
     On CUDA this is a no-op: the device tells host data from device data.
     """
@@ -488,11 +593,12 @@ def record_flops(flops: int) -> None:
         target.flops += int(flops)
 
 
-# -- Python-level syncs: methods that never reach the dispatcher on CPU -----------
+# -- Python-level syncs and uploads: calls that never reach the dispatcher on CPU --
 
 _PATCH_LOCK = threading.Lock()
 _PATCH_COUNT = 0
-_ORIGINAL: dict[str, Callable[..., Any]] = {}
+# (owner, name) -> (the original, the installed wrapper)
+_ORIGINAL: dict[tuple[Any, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
@@ -507,7 +613,7 @@ def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
 
 
 def _patched(name: str) -> Callable[..., Any]:
-    original = _ORIGINAL[name]
+    original = _ORIGINAL[(torch.Tensor, name)][0]
 
     def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counted = _count_python_sync(name, self)
@@ -530,13 +636,159 @@ def _patched(name: str) -> Callable[..., Any]:
     return method
 
 
+def _count_upload(src: Optional[torch.Tensor], nbytes: int, non_blocking: bool) -> None:
+    """One host→device copy: an op, its bytes, and a sync unless it leaves pinned memory
+    (host memory) without blocking."""
+    sync = not (non_blocking and src is not None and _is_host_memory(src))
+    for target in _open_targets():
+        target.ops += 1
+        target.h2d_bytes += int(nbytes)
+        if sync:
+            target.add_sync("h2d_copy")
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = _storage(a), _storage(b)
+    return sa is not None and sb is not None and sa.data_ptr() == sb.data_ptr()
+
+
+def _uploaded(out: Any, src: Optional[torch.Tensor]) -> Any:
+    """An upload's result on CPU: device data, never the host source re-marked (on CPU
+    ``.to(device)`` returns its input; on a GPU the result is a fresh device tensor)."""
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        return out
+    if src is not None and _shares_storage(out, src):
+        with _quietly():
+            out = out.clone()
+    _mark_device(out)
+    return out
+
+
+def _is_cpu_host_source(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and not is_device_data(t)
+
+
+def _to_device_spec(args: tuple, kwargs: dict) -> Any:
+    """The device argument of ``Tensor.to`` as written: a device, string, int or tensor."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    if "other" in kwargs:
+        return kwargs["other"]
+    if args and not isinstance(args[0], torch.dtype):
+        return args[0]
+    return None
+
+
+def _to_non_blocking(args: tuple, kwargs: dict) -> bool:
+    try:
+        return bool(torch._C._nn._parse_to(*args, **kwargs)[2])
+    except (TypeError, RuntimeError):
+        return bool(kwargs.get("non_blocking", False))
+
+
+def _patched_to() -> Callable[..., Any]:
+    original = _ORIGINAL[(torch.Tensor, "to")][0]
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not (
+            _cpu_run()
+            and _is_cpu_host_source(self)
+            and _names_compute_device(_to_device_spec(args, kwargs))
+            and _open_targets()
+        ):
+            return original(self, *args, **kwargs)
+        with _quietly():
+            out = original(self, *args, **kwargs)
+        _count_upload(self, _nbytes(self), _to_non_blocking(args, kwargs))
+        return _uploaded(out, self)
+
+    to.__name__ = "to"
+    to.__doc__ = original.__doc__
+    return to
+
+
+def _patched_cuda() -> Callable[..., Any]:
+    original = _ORIGINAL[(torch.Tensor, "cuda")][0]
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # Without CUDA, ``.cuda()`` raises unless a CPU backend made it the identity
+        # (megatron_flat.megatron.cpu_training): then it moves to the compute device.
+        if not (_cpu_run() and _is_cpu_host_source(self) and _open_targets()):
+            return original(self, *args, **kwargs)
+        with _quietly():
+            out = original(self, *args, **kwargs)
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+            return out
+        non_blocking = kwargs.get("non_blocking", args[1] if len(args) > 1 else False)
+        _count_upload(self, _nbytes(self), bool(non_blocking))
+        return _uploaded(out, self)
+
+    cuda.__name__ = "cuda"
+    cuda.__doc__ = original.__doc__
+    return cuda
+
+
+def _patched_from_data(name: str, device_position: Optional[int]) -> Callable[..., Any]:
+    """``torch.tensor`` / ``torch.as_tensor``: an upload when ``device=`` names the compute
+    device and the data comes from the host (Python data, NumPy, a host tensor)."""
+    original = _ORIGINAL[(torch, name)][0]
+
+    def from_data(data: Any, *args: Any, **kwargs: Any) -> Any:
+        targets = _open_targets()
+        source = data if isinstance(data, torch.Tensor) else None
+        if not targets or (source is not None and not _is_cpu_host_source(source)):
+            return original(data, *args, **kwargs)
+        if not _cpu_run():
+            # On CUDA, the copy of Python data to the device happens below the
+            # dispatcher (only ``lift_fresh`` is seen); a tensor's copy is seen.
+            before = targets[0].h2d_bytes
+            out = original(data, *args, **kwargs)
+            if (
+                isinstance(out, torch.Tensor)
+                and out.device.type == "cuda"
+                and targets[0].h2d_bytes == before
+            ):
+                _count_upload(None, _nbytes(out), False)
+            return out
+        spec = kwargs.get("device")
+        if device_position is not None and len(args) > device_position:
+            spec = args[device_position]
+        if not _names_compute_device(spec):
+            return original(data, *args, **kwargs)
+        with _quietly():
+            out = original(data, *args, **kwargs)
+        _count_upload(source, _nbytes(source if source is not None else out), False)
+        return _uploaded(out, source)
+
+    from_data.__name__ = name
+    from_data.__doc__ = original.__doc__
+    return from_data
+
+
+# (owner, attribute, wrapper maker); the wrapper is installed while any ledger is open.
+_PATCHES: tuple = (
+    (torch.Tensor, "tolist", lambda: _patched("tolist")),
+    (torch.Tensor, "numpy", lambda: _patched("numpy")),
+    (torch.Tensor, "cpu", lambda: _patched("cpu")),
+    (torch.Tensor, "to", _patched_to),
+    (torch.Tensor, "cuda", _patched_cuda),
+    (torch, "tensor", lambda: _patched_from_data("tensor", None)),  # device= keyword-only
+    (torch, "as_tensor", lambda: _patched_from_data("as_tensor", 1)),  # (data, dtype, device)
+)
+
+
 def _install_patches() -> None:
     global _PATCH_COUNT
     with _PATCH_LOCK:
         if _PATCH_COUNT == 0:
-            for name in ("tolist", "numpy", "cpu"):
-                _ORIGINAL[name] = getattr(torch.Tensor, name)
-                setattr(torch.Tensor, name, _patched(name))
+            for owner, name, make in _PATCHES:
+                if not hasattr(owner, name):
+                    continue
+                original = getattr(owner, name)
+                _ORIGINAL[(owner, name)] = (original, original)  # the maker reads it
+                wrapper = make()
+                _ORIGINAL[(owner, name)] = (original, wrapper)
+                setattr(owner, name, wrapper)
         _PATCH_COUNT += 1
 
 
@@ -545,8 +797,11 @@ def _remove_patches() -> None:
     with _PATCH_LOCK:
         _PATCH_COUNT -= 1
         if _PATCH_COUNT == 0:
-            for name, original in _ORIGINAL.items():
-                setattr(torch.Tensor, name, original)
+            for (owner, name), (original, wrapper) in _ORIGINAL.items():
+                # Something patched it again while a ledger was open (a CPU backend's
+                # ``.cuda``): leave theirs in place.
+                if getattr(owner, name, None) is wrapper:
+                    setattr(owner, name, original)
             _ORIGINAL.clear()
 
 
@@ -669,11 +924,12 @@ class CostLedger:
                 t for t in pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
             self._taint_outputs(written, out)
             return
+        origin = None if device_in else _HOST if func in _LIFT else _origin(leaves)
         if func.is_view:  # no kernel; the alias shares its storage's mark
-            if device_in:
+            if origin is None:
                 self._taint_outputs((), out)
             else:
-                self._mark_fresh_host(out)
+                self._mark_fresh(origin, (), out)
             return
         flops = _FLOPS.get(func)
         f = int(flops(*args, **kwargs)) if flops is not None else 0
@@ -681,31 +937,55 @@ class CostLedger:
         sync = self._sync_kind(func, args, kwargs, leaves, device_in)
         if sync is None and blocking:
             sync = "h2d_copy" if h2d else "d2h_copy"
+        implicit = self._implicit_upload_bytes(leaves) if device_in and func not in _COPIES else 0
         mem = sum(_nbytes(t) for t in leaves) + sum(
             _nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
         )
         for target in targets:
             target.ops += 1
             target.flops += f
-            target.h2d_bytes += h2d
+            target.h2d_bytes += h2d + implicit
             target.d2h_bytes += d2h
             target.mem_bytes += mem
             if sync is not None:
                 target.add_sync(sync)
-        if device_in:
-            self._taint_outputs(self._written(func, args, kwargs), out)
+            if implicit:
+                target.add_sync("h2d_implicit")
+        written = self._written(func, args, kwargs)
+        if origin is None or h2d:  # an upload's destination is device data
+            self._taint_outputs(written, out)
         else:
-            self._mark_fresh_host(out)
+            self._mark_fresh(origin, written, out)
 
     @staticmethod
-    def _mark_fresh_host(out: Any) -> None:
-        """Outputs of an op without device-data inputs are host data."""
-        for t in pytree.tree_leaves(out):
+    def _mark_fresh(origin: str, written: Any, out: Any) -> None:
+        """Outputs of an op without device-data inputs: host data if an input came from the
+        host, else factory data; a factory buffer that host data is written into is host data."""
+        for t in list(written) + pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
             s = _storage(t)
-            if s is not None and getattr(s, _TAINT, None) is None and not memory.is_host_storage(s):
-                _set_taint(s, _HOST)
+            if s is None or memory.is_host_storage(s):
+                continue
+            mark = getattr(s, _TAINT, None)
+            if mark is None or (mark == _FACTORY and origin == _HOST):
+                _set_taint(s, origin)
+
+    @staticmethod
+    def _implicit_upload_bytes(leaves: list) -> int:
+        """Bytes of the host tensors an op with device-data inputs reads, each uploaded on
+        CUDA (an index) or an error there: HOST-marked CPU tensors with dim > 0 on CPU, any
+        CPU tensor with dim > 0 beside CUDA ones on CUDA. 0-dim tensors are scalars."""
+        cuda = any(t.device.type == "cuda" for t in leaves)
+        seen: set = set()
+        total = 0
+        for t in leaves:
+            if t.dim() == 0 or t.device.type != "cpu" or id(t) in seen:
+                continue
+            if cuda or _mark_of(t) == _HOST:
+                seen.add(id(t))
+                total += _nbytes(t)
+        return total
 
     @staticmethod
     def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -746,11 +1026,19 @@ class CostLedger:
             if src.device.type == dst.device.type:
                 return 0, 0, False
             n = _nbytes(src)
-            if src.device.type == "cpu":
-                return n, 0, not non_blocking
+            if src.device.type == "cpu":  # only pinned memory copies without blocking
+                return n, 0, not (non_blocking and src.is_pinned())
             return 0, n, not non_blocking
         src_host, dst_host = _is_host_memory(src), _is_host_memory(dst)
         if src_host == dst_host:
+            if (
+                not src_host
+                and func._overloadpacket is _aten.copy_
+                and src.dim() > 0
+                and _mark_of(src) == _HOST
+                and is_device_data(dst)
+            ):  # host data (pageable) into device data: an upload that blocks
+                return _nbytes(src), 0, True
             return 0, 0, False
         n = _nbytes(src)
         # CPU code copies synchronously by design (there is no stream to wait for)

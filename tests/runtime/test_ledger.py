@@ -293,3 +293,233 @@ def test_cuda_counts_agree_with_sync_debug_mode() -> None:
         y = x * 2
         y.add_(1)
     assert quiet.syncs == 0 and quiet.cuda_sync_warnings == 0
+
+
+# -- uploads: host->device copies that block on CUDA unless pinned and non-blocking ------
+
+
+def test_to_compute_device_of_host_data_is_one_blocking_upload() -> None:
+    x = torch.randn(4)  # device data: x.device is the compute device
+    with CostLedger() as ledger:
+        host = torch.tensor([1, 2, 3])
+        on_device = host.to(x.device)
+    assert ledger.sync_kinds == {"h2d_copy": 1}
+    assert ledger.h2d_bytes == 24
+    # the result is a device copy; the source keeps its host mark
+    assert is_device_data(on_device) and not is_device_data(host)
+    assert on_device.data_ptr() != host.data_ptr() and torch.equal(on_device, host)
+
+
+def test_to_cpu_string_names_the_host_and_is_no_upload() -> None:
+    with CostLedger() as ledger:
+        counts = torch.tensor([3, 1, 4])
+        same = counts.to("cpu", torch.long)
+        counts.to(device="cpu")
+    assert ledger.syncs == 0 and ledger.h2d_bytes == 0
+    assert same.data_ptr() == counts.data_ptr() and not is_device_data(same)
+
+
+def test_upload_from_host_memory_blocks_only_without_non_blocking() -> None:
+    x = torch.randn(4)
+    staging = torch.arange(8.0)
+    mark_host_memory(staging)
+    with CostLedger() as quiet:
+        staging.to(x.device, non_blocking=True)
+    assert quiet.syncs == 0 and quiet.h2d_bytes == 32
+    with CostLedger() as blocking:
+        staging.to(x.device)
+    assert blocking.sync_kinds == {"h2d_copy": 1} and blocking.h2d_bytes == 32
+    with CostLedger() as pageable:  # non_blocking from pageable memory still waits
+        torch.tensor([1.0, 2.0]).to(x.device, non_blocking=True)
+    assert pageable.sync_kinds == {"h2d_copy": 1}
+
+
+def test_cpu_then_back_to_the_device_is_two_syncs() -> None:
+    x = torch.randn(4)
+    with CostLedger() as ledger:
+        host = x.cpu()  # a sync; host memory
+        back = host.to(x.device)  # blocking upload from host memory
+        host.to(x.device, non_blocking=True)  # pinned there: no wait
+    assert ledger.sync_kinds == {"cpu": 1, "h2d_copy": 1}
+    assert ledger.h2d_bytes == 2 * 16 and ledger.d2h_bytes == 16
+    assert is_device_data(back)
+
+
+def test_to_a_device_object_or_a_device_tensor_names_the_compute_device() -> None:
+    x = torch.randn(3)
+    with CostLedger() as ledger:
+        host = torch.tensor([1.0, 2.0, 3.0])
+        host.to(x)  # x holds device data
+        host.to(device=torch.device("cpu"), dtype=torch.float64)  # a device object
+        host.to(host)  # a host tensor: host to host
+        host.to(torch.float64)  # a cast, no device
+    assert ledger.sync_kinds == {"h2d_copy": 2}
+    assert ledger.h2d_bytes == 2 * 12
+
+
+def test_torch_tensor_and_as_tensor_with_device_are_uploads() -> None:
+    x = torch.randn(4)
+    with CostLedger() as ledger:
+        made = torch.tensor([1, 2, 3], device=x.device)
+        torch.tensor([1, 2, 3])  # host data: no upload
+        torch.tensor([1, 2, 3], device="cpu")  # the host, by name
+    assert ledger.sync_kinds == {"h2d_copy": 1} and ledger.h2d_bytes == 24
+    assert is_device_data(made)
+    host = torch.tensor([5, 6])
+    mark_host(host)
+    with CostLedger() as ledger:
+        as_list = torch.as_tensor([1, 2], device=x.device)
+        as_host = torch.as_tensor(host, device=x.device)
+        plain = torch.as_tensor([1, 2])
+        torch.as_tensor(x, device=x.device)  # already device data
+    assert ledger.sync_kinds == {"h2d_copy": 2} and ledger.h2d_bytes == 32
+    assert is_device_data(as_list) and is_device_data(as_host) and not is_device_data(plain)
+    assert as_host.data_ptr() != host.data_ptr() and not is_device_data(host)
+
+
+def test_an_uploads_result_is_device_data_its_source_is_not() -> None:
+    x = torch.randn(4)
+    with CostLedger() as ledger:
+        host = torch.tensor([1, 2, 3])
+        on_device = host.to(x.device)
+        host.tolist()  # the host's own data: no sync
+        on_device.tolist()  # a read of device data: a sync
+    assert ledger.sync_kinds == {"h2d_copy": 1, "tolist": 1}
+
+
+def test_indexing_device_data_with_a_host_index_uploads_it() -> None:
+    x = torch.randn(8)
+    with CostLedger() as ledger:
+        index = torch.tensor([0, 2, 5])
+        with ledger.section("getitem"):
+            x[index]
+        with ledger.section("index_select"):
+            x.index_select(0, index)
+        with ledger.section("index_put"):
+            x.clone()[index] = 1.0  # the 0-dim value is a scalar on CUDA
+        with ledger.section("gather"):
+            torch.gather(x, 0, index)
+        with ledger.section("searchsorted"):
+            torch.searchsorted(torch.sort(x).values, torch.tensor([0.0, 1.0]))
+    for name in ("getitem", "index_select", "index_put", "gather", "searchsorted"):
+        assert ledger.sections[name].sync_kinds == {"h2d_implicit": 1}, name
+    assert ledger.sections["getitem"].h2d_bytes == 24
+    assert ledger.syncs == 5
+
+
+def test_factory_index_and_scalars_are_not_uploads() -> None:
+    x = torch.randn(8)
+    with CostLedger() as ledger:
+        x[torch.arange(3)]  # a factory may be on the device: not counted
+        x.index_select(0, torch.arange(2) * 2)  # computed from a factory only
+        x * torch.tensor(2.0)  # 0-dim: a scalar on CUDA
+        y = x.clone()
+        y[3] = 5  # x[i] = n: a lifted 0-dim copy on CPU, a device fill on CUDA
+    assert ledger.syncs == 0 and ledger.h2d_bytes == 0
+
+
+def test_factory_buffer_filled_with_device_data_is_device_data() -> None:
+    src = torch.randn(5)
+    dev_index = torch.tensor([0, 1, 1, 2, 0])  # made outside a ledger: device data
+    with CostLedger() as ledger:
+        acc = torch.zeros(3).index_add_(0, dev_index, src)
+        acc.tolist()  # device data now: a sync, no upload anywhere
+    assert ledger.sync_kinds == {"tolist": 1}
+    assert ledger.h2d_bytes == 0
+
+
+def test_factory_and_host_taints_are_not_device_data() -> None:
+    with CostLedger():
+        made = torch.zeros(3)
+        host = torch.tensor([1, 2, 3])
+        mixed = made + host  # computed from host data: host
+        plain = made * 2  # computed only from a factory: factory
+    for t in (made, host, mixed, plain):
+        assert not is_device_data(t)
+    x = torch.randn(3)
+    with CostLedger() as ledger:
+        x + mixed  # host data beside device data: uploaded on CUDA
+        x + plain  # factory data: may live on the device
+    assert ledger.sync_kinds == {"h2d_implicit": 1} and ledger.h2d_bytes == 12
+
+
+def test_mark_host_makes_a_cached_index_an_upload() -> None:
+    x = torch.randn(6)
+    cached = torch.tensor([1, 3])  # a plan cached before the block
+    mark_host(cached)
+    with CostLedger() as ledger:
+        x[cached]
+    assert ledger.sync_kinds == {"h2d_implicit": 1}
+
+
+def test_copy_of_host_data_into_device_data_is_a_blocking_upload() -> None:
+    x = torch.randn(3)
+    with CostLedger() as ledger:
+        with ledger.section("host"):
+            x.copy_(torch.tensor([1.0, 2.0, 3.0]), non_blocking=True)  # pageable: waits
+        with ledger.section("factory"):
+            x.copy_(torch.arange(3.0))  # may be device data: not counted
+        with ledger.section("into a factory buffer"):
+            buf = torch.empty(3)
+            buf.copy_(torch.tensor([0.0, 2.0, 1.0]))  # host to host
+            buf.tolist()
+    assert ledger.sections["host"].sync_kinds == {"h2d_copy": 1}
+    assert ledger.sections["host"].h2d_bytes == 12
+    assert ledger.sections["factory"].syncs == 0
+    assert ledger.sections["into a factory buffer"].syncs == 0
+    assert not is_device_data(buf)  # host data written into a factory buffer: host data
+    with CostLedger() as later:
+        x[buf.long()]
+    assert later.sync_kinds == {"h2d_implicit": 1}
+
+
+def test_pool_reload_into_a_factory_buffer_is_device_data() -> None:
+    pool = HostPool(4096)
+    host = pool.acquire((4,), torch.float32)
+    host.copy_(torch.ones(4))
+    x = torch.randn(4)
+    with CostLedger() as ledger:
+        buf = torch.empty(4)
+        buf.copy_(host, non_blocking=True)  # a reload: h2d, no sync (CPU copies by design)
+        x + buf  # device data now, not host data beside device data
+    assert ledger.h2d_bytes == 16 and ledger.syncs == 0
+    assert is_device_data(buf)
+    pool.release(host)
+
+
+def test_upload_patches_are_removed_after_the_block() -> None:
+    originals = (torch.Tensor.to, torch.Tensor.cuda, torch.tensor, torch.as_tensor)
+    with CostLedger():
+        with CostLedger():
+            assert torch.Tensor.to is not originals[0] and torch.tensor is not originals[2]
+        assert torch.Tensor.to is not originals[0]  # the outer ledger still counts
+    assert (torch.Tensor.to, torch.Tensor.cuda, torch.tensor, torch.as_tensor) == originals
+    host = torch.tensor([1, 2])
+    assert host.to(torch.device("cpu")) is host  # torch's own again
+
+
+def test_a_cuda_patched_while_open_is_left_in_place() -> None:
+    original = torch.Tensor.cuda
+
+    def identity(self, *args, **kwargs):
+        return self
+
+    try:
+        with CostLedger():
+            torch.Tensor.cuda = identity  # e.g. a CPU backend installed inside a ledger
+        assert torch.Tensor.cuda is identity
+    finally:
+        torch.Tensor.cuda = original
+
+
+def test_cuda_made_the_identity_uploads_host_data() -> None:
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # a CPU backend's .cuda()
+    try:
+        x = torch.randn(2)
+        with CostLedger() as ledger:
+            batch = torch.tensor([1, 2, 3]).cuda()
+            x.cuda()  # device data already
+        assert ledger.sync_kinds == {"h2d_copy": 1} and is_device_data(batch)
+    finally:
+        torch.Tensor.cuda = original
