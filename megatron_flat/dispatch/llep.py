@@ -343,8 +343,8 @@ class PipelinedLLEP:
             _DTYPES.index(dtype) if dtype in _DTYPES else 99, round(o.alpha * 1e6),
             o.min_tokens_per_gemm, round(o.imbalance_threshold * 1e6),
             sum(math.prod(s) for s, _ in self.signature), o.saved_chunks,
-            int(o.graph_only_recompute), int(o.grouped_calls)],
-            dtype=torch.long, device=device)
+            int(o.graph_only_recompute), int(o.grouped_calls)], dtype=torch.long)
+        mine = upload_together({"settings": mine}, device)["settings"]  # no wait
         every = mine.new_empty(self.ep_size * mine.numel())
         dist.all_gather_into_tensor(every, mine, group=self.group)
         every = every.cpu().view(self.ep_size, -1)

@@ -105,6 +105,7 @@ from megatron_flat.optim.buckets import (
     plan_buckets,
 )
 from megatron_flat.optim.host_state import HostState
+from megatron_flat.runtime.staging import upload_together
 from megatron_flat.runtime.streams import copy
 from megatron_flat.optim.pipeline import Slot, StagingPipeline
 from megatron_flat.runtime import HostPool
@@ -679,13 +680,16 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         Each segment gets its own tensor (the kernel increments them in place; the
         parameter's own counter is incremented once after the pipeline). Fused groups
         keep them on the device in fp32, as torch does — made in one copy here, before
-        the pipeline starts, so that the bucket loop never blocks the host.
+        the pipeline starts, from pinned memory and non-blocking, so that the step never
+        waits for the device's queue to drain (a pageable upload would).
         """
         count = [float(st["step"]) if (st := self.state.get(p)) else 0.0 for p in self._params]
         fused = [bool(resolve_kernel(g, self.device)["fused"]) for g in self.param_groups]
         values = [count[s.param_index] for w in works for gi, segs, _ in w.groups if fused[gi]
                   for s in segs]
-        on_device = iter(torch.tensor(values, dtype=torch.float32, device=self.device).unbind(0)
+        steps_host = torch.tensor(values, dtype=torch.float32)
+        on_device = iter(upload_together({"steps": steps_host}, torch.device(self.device),
+                                         dtype=torch.float32)["steps"].unbind(0)
                          if values else ())
         scalar = _scalar_dtype()
         for work in works:
