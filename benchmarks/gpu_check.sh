@@ -19,6 +19,10 @@
 #  4. sco     benchmarks/checkpoint.py on CUDA (64 MiB boundaries, real copy streams)
 #  5. optim   benchmarks/optimizer.py at ~1B parameters (step time vs the transfer floor,
 #             against Megatron's own --optimizer-cpu-offload HybridDeviceOptimizer)
+#  5b. dispatch-syncs  benchmarks/dispatch_scale.py on CUDA: one rank of EP 64 (the stand-in
+#             group), 384 experts, top-8, K 10: the forward's host syncs counted by the ledger
+#             beside set_sync_debug_mode's warnings, the steady-state backward under
+#             set_sync_debug_mode("error") (one sync fails the stage), host planning time
 #  6. vocab   benchmarks/vocab.py at P = 1 on CUDA (dense vs Ring-DTP blocked)
 #  7. summary OUTDIR/summary.txt and summary.json: stage results, predicted vs measured
 # megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
@@ -77,6 +81,9 @@ run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" 
 run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"
 run_stage optim 150 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --repeats 1 \
   --json "$OUT/optimizer-cuda.json"
+run_stage dispatch-syncs 60 "$PY" benchmarks/dispatch_scale.py --device cuda --ep 64 --experts 384 \
+  --topk 8 --tokens 16384 --chunk-tokens 1639 --hidden 256 --ffn 256 --reps 3 \
+  --json "$OUT/dispatch-scale-cuda.json"
 run_stage vocab 40 "$PY" benchmarks/vocab.py --device cuda --scale 4 --reps 2 --json "$OUT/vocab-cuda.json"
 
 "$PY" - "$OUT" "$DRY" <<'PY' | tee "$OUT/summary.txt"

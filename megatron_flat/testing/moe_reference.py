@@ -13,7 +13,7 @@ rebuild every other rank's inputs without communicating and compute the global r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -158,3 +158,50 @@ def engine_mismatches(full: torch.nn.Module, cases: Sequence[RankCase], rank: in
         for n, w in enumerate(bank.local_weights(j)):
             close(f"expert {first + j} weight {n} grad", w.grad, all_w[(first + j) * per + n])
     return problems, engine.last
+
+
+def engine_syncs(full: torch.nn.Module, case: RankCase, rank: int, ep_size: int, *,
+                 options, topk: int, recompute: bool = False) -> tuple[dict, Any]:
+    """Host syncs (the cost ledger's, CUDA semantics) of one engine forward and backward on
+    this rank, after a warm-up step: ``({"forward": n, "backward": n}, StepStats)``. With
+    ``recompute`` the layer runs inside a reentrant checkpoint (the region ``x + moe(x)``),
+    whose re-run in backward is counted as a forward call."""
+    from megatron_flat.dispatch.llep import PipelinedLLEP
+    from megatron_flat.runtime.ledger import CostLedger
+    from megatron_flat.testing.reentrant import Reentrant
+
+    per = full.num_local_experts // ep_size
+    bank = local_bank_from(full, rank * per, per)
+    engine = PipelinedLLEP(bank, num_experts=full.num_local_experts, topk=topk,
+                           options=options)
+    b = case.build()
+    calls = {"forward": 0, "backward": 0}
+
+    def step(ledger=None):
+        x = b["tokens"].detach().requires_grad_()
+        p = b["route_probs"].detach().requires_grad_()
+        phase = ["forward"]
+
+        def region(x, p):
+            if ledger is None:
+                return x + engine(x, b["route_token"], b["route_expert"], p)
+            with ledger.section(f"call-{phase[0]}"):
+                return x + engine(x, b["route_token"], b["route_expert"], p)
+
+        out = Reentrant.apply(region, x, p) if recompute else region(x, p)
+        phase[0] = "backward"
+        if ledger is None:
+            out.backward(b["grad"])
+            return
+        with ledger.section("backward"):
+            out.backward(b["grad"])
+
+    with CostLedger():
+        step()
+    with CostLedger() as ledger:
+        step(ledger)
+    sec = ledger.sections
+    rerun = sec["call-backward"].syncs if "call-backward" in sec else 0
+    calls["forward"] = sec["call-forward"].syncs + rerun
+    calls["backward"] = sec["backward"].syncs - rerun
+    return calls, engine.last
