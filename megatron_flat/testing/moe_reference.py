@@ -205,3 +205,24 @@ def engine_syncs(full: torch.nn.Module, case: RankCase, rank: int, ep_size: int,
     calls["forward"] = sec["call-forward"].syncs + rerun
     calls["backward"] = sec["backward"].syncs - rerun
     return calls, engine.last
+
+
+def sync_case(profile: str, recompute: bool, *, experts: int, hidden: int,
+              ffn: int) -> dict:
+    """The multi-rank sync-count case of tests/dispatch (any world size): every rank runs the
+    engine on ``24 - rank`` tokens of ``profile`` routing (K = 5 chunks on every rank; LLEP
+    always on for a skewed profile) and reports ``{"forward", "backward"}`` host syncs
+    (:func:`engine_syncs`), its chunk count and whether the plan spilled."""
+    import torch.distributed as dist
+
+    from megatron_flat.dispatch.experts import GLUExperts
+    from megatron_flat.dispatch.llep import DispatchOptions
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = GLUExperts(experts, hidden, ffn, generator=torch.Generator().manual_seed(5))
+    case = RankCase(24 - rank, hidden, experts, 2, profile, seed=70 + rank, shift=rank)
+    options = DispatchOptions(chunk_tokens=5, min_tokens_per_gemm=1,
+                              imbalance_threshold=0.0 if profile != "balanced" else 1.3)
+    syncs, stats = engine_syncs(full, case, rank, world, options=options, topk=2,
+                                recompute=recompute)
+    return {**syncs, "chunks": stats.num_chunks, "spills": bool(stats.plan.weight_transfers)}

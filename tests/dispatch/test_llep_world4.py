@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions
-from megatron_flat.testing.moe_reference import RankCase, engine_mismatches, engine_syncs
+from megatron_flat.testing.moe_reference import RankCase, engine_mismatches, sync_case
 
 pytestmark = pytest.mark.world(4)
 
@@ -70,16 +70,9 @@ def test_helper_gemms_get_m_rows_per_chunk(dist_world):
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("profile", ["balanced", "0.9/1"], ids=["plain-ep", "spills"])
 def test_one_host_sync_per_forward_call_none_in_backward(profile, recompute, dist_world):
-    """Counted with CUDA semantics (reads of device data and blocking uploads): the route
-    counts' copy is the only wait of a call (two calls under full recompute: the forward and
-    the checkpoint's re-run), and backward waits for nothing, with and without spills."""
-    rank = dist.get_rank()
-    full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(5))
-    case = RankCase(24 - rank, H, E, 2, profile, seed=70 + rank, shift=rank)  # K = 5 on all
-    options = DispatchOptions(chunk_tokens=5, min_tokens_per_gemm=1,
-                              imbalance_threshold=0.0 if profile != "balanced" else 1.3)
-    syncs, stats = engine_syncs(full, case, rank, dist.get_world_size(), options=options, topk=2,
-                                recompute=recompute)
-    assert stats.num_chunks == 5
-    assert bool(stats.plan.weight_transfers) is (profile != "balanced")
-    assert syncs == {"forward": 2 if recompute else 1, "backward": 0}
+    """With CUDA semantics (reads of device data, blocking uploads) a call waits once, for
+    the route counts (the forward and, under full recompute, the checkpoint's re-run), and
+    backward never, with and without spills."""
+    got = sync_case(profile, recompute, experts=E, hidden=H, ffn=F)
+    assert got == {"forward": 2 if recompute else 1, "backward": 0, "chunks": 5,
+                   "spills": profile != "balanced"}

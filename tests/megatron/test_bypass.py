@@ -4,7 +4,6 @@ naming the flag, on the installed megatron-core — from Megatron-LM's args (eve
 spelling) and from a real ``TransformerConfig`` (the release's own normalization); the settings
 that stay supported run the flat path. Run under each venv (0.16.1 and 0.19.2)."""
 
-import argparse
 import pathlib
 import re
 import warnings
@@ -13,8 +12,9 @@ import pytest
 import torch
 
 import megatron_flat
-from megatron_flat.config import FlatConfig, add_flat_args
+from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import install as inst
+from megatron_flat.testing.launch_args import megatron_args
 from megatron_flat.megatron.moe_refusals import REFUSALS
 
 PIPELINED = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=5, llep_min_tokens_per_gemm=1)
@@ -26,16 +26,6 @@ def fresh():
     inst._reset_for_tests()
     yield
     inst._reset_for_tests()
-
-
-def megatron_args(*flags, **settings):
-    """Megatron-LM's parsed args as install() sees them, with the ``--flat-*`` flags given."""
-    args = add_flat_args(argparse.ArgumentParser()).parse_args(list(flags))
-    base = dict(num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                recompute_granularity=None, optimizer="adam")
-    for key, value in {**base, **settings}.items():
-        setattr(args, key, value)
-    return args
 
 
 # (settings on Megatron-LM's args, text the refusal must contain). Fields a release lacks are

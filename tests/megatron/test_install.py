@@ -5,8 +5,9 @@ import argparse
 import pytest
 
 import megatron_flat
-from megatron_flat.config import FlatConfig, add_flat_args
+from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import install as inst
+from megatron_flat.testing.launch_args import megatron_args
 
 
 @pytest.fixture(autouse=True)
@@ -14,15 +15,6 @@ def fresh():
     inst._reset_for_tests()
     yield
     inst._reset_for_tests()
-
-
-def megatron_args(*flags, **settings):
-    args = add_flat_args(argparse.ArgumentParser()).parse_args(list(flags))
-    base = dict(num_experts=4, expert_model_parallel_size=2, recompute_granularity=None,
-                optimizer="adam", optimizer_cpu_offload=False)
-    for k, v in {**base, **settings}.items():
-        setattr(args, k, v)
-    return args
 
 
 def test_all_off_changes_nothing_and_is_idempotent():
