@@ -88,19 +88,26 @@ def each_unit(step: "Step", i: int, received: list,
               native: bool = True) -> torch.Tensor:
     """Chunk i's expert outputs in received order, one unit at a time (:func:`units`): the
     received rows and probabilities (``received``: ``[x_recv, p_recv]``, taken) are grouped
-    once, each unit's rows are a slice, ``run(unit, x, p)`` and written into one output
-    buffer, so the working set is one unit's intermediates (one expert's, or the native
-    experts' grouped call) rather than the whole chunk's."""
+    once, each unit's rows are a slice and go through ``run(unit, x, p)``, so the working set
+    is one unit's intermediates (one expert's, or the native experts' grouped call) beside
+    the chunk's inputs and the outputs so far. The outputs are joined once per chunk (one
+    ``cat``, after the grouped inputs are released, so the join's transient takes their
+    place) and put back in received order with one row write (none when that order is
+    already grouped)."""
     xg, pg = grouped(step, i, received)
-    y_recv = None
-    for unit in units(step, i, native):
-        _, start, end, _ = unit
-        y = run(unit, xg[start:end], pg[start:end])
-        if y_recv is None:
-            y_recv = y.new_empty((xg.shape[0],) + tuple(y.shape[1:]))
-        step.put(y_recv, i, start, end, y)
-        del y
-    return xg.new_empty(xg.shape) if y_recv is None else y_recv
+    chunk_units = units(step, i, native)
+    if not chunk_units:
+        return xg.new_empty(xg.shape)
+    rows = xg.shape[0]
+    outs = [run(unit, xg[start:end], pg[start:end]) for unit in chunk_units
+            for _, start, end, _ in [unit]]
+    del xg, pg
+    yg = outs[0] if len(outs) == 1 else torch.cat(outs)
+    outs.clear()
+    if yg.shape[0] != rows:
+        raise RuntimeError(f"PipelinedLLEP bug: chunk {i}'s units gave {yg.shape[0]} rows "
+                           f"for {rows} received")
+    return step.ungroup(yg, i)
 
 
 def gradient_like(step: "Step", x: torch.Tensor,

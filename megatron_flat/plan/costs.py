@@ -46,7 +46,7 @@ UNITS = ("dispatch", "vocab", "boundaries", "optimizer", "parameters")
 # Ops, stock: fitted over E_l in {2, 4, 8}: 43 + 6·E_l per forward pass, 22 + 13·E_l in
 # backward. Flat: benchmarks/moe_ops_fit.py over E_l in {2, 4, 8} x K in {1, 4, 10} (within
 # 8 % at every point), with U = units (expert, chunk) run, K·E_l at real scale:
-#   a valued forward call  F = 46 + 36·K + 7·U
+#   a valued forward call  F = 46 + 38·K + 6·U
 #   a graph-only re-run    G = 47 + 21·K
 #   backward               B = 42 + 14·K + 21·U
 SYNCS_STOCK_PER_PASS = 3
@@ -54,7 +54,7 @@ SYNCS_FLAT_FORWARD = 1
 SYNCS_FLAT_PER_CHUNK = 0
 OPS_STOCK_FORWARD, OPS_STOCK_FORWARD_PER_EXPERT = 43, 6
 OPS_STOCK_BACKWARD, OPS_STOCK_BACKWARD_PER_EXPERT = 22, 13
-OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_UNIT = 46, 36, 7
+OPS_FLAT_FORWARD, OPS_FLAT_FORWARD_PER_CHUNK, OPS_FLAT_FORWARD_PER_UNIT = 46, 38, 6
 OPS_FLAT_BACKWARD, OPS_FLAT_BACKWARD_PER_CHUNK, OPS_FLAT_BACKWARD_PER_UNIT = 42, 14, 21
 OPS_FLAT_GRAPH_ONLY, OPS_FLAT_GRAPH_ONLY_PER_CHUNK = 47, 21  # the chunk schedules, no exchange
 # PipelinedLLEP's host planning per call (between its counts copy and its one upload, the GPU
