@@ -106,14 +106,9 @@ class Step:
         return arrived
 
     # -- rows of a chunk --------------------------------------------------------------
-    def rows(self, t: torch.Tensor, i: int, start: int, end: int) -> torch.Tensor:
-        """Rows ``start:end`` of chunk i's grouped order (one expert's routes), taken from the
-        received buffer ``t`` (a view when the received order is already grouped)."""
-        index = self.recv.group[i]
-        return t[start:end] if index is None else t.index_select(0, index[start:end])
-
     def put(self, dst: torch.Tensor, i: int, start: int, end: int, src: torch.Tensor) -> None:
-        """The inverse of ``rows``: write one expert's rows into a received-order buffer."""
+        """Write one expert's rows (``start:end`` of chunk i's grouped order) into a
+        received-order buffer."""
         index = self.recv.group[i]
         if index is None:
             dst[start:end].copy_(src)
