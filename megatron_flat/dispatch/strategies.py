@@ -99,8 +99,10 @@ def each_unit(step: "Step", i: int, received: list,
     if not chunk_units:
         return xg.new_empty(xg.shape)
     rows = xg.shape[0]
-    outs = [run(unit, xg[start:end], pg[start:end]) for unit in chunk_units
-            for _, start, end, _ in [unit]]
+    outs = []
+    for unit in chunk_units:
+        _, start, end, _ = unit
+        outs.append(run(unit, xg[start:end], pg[start:end]))
     del xg, pg
     yg = outs[0] if len(outs) == 1 else torch.cat(outs)
     outs.clear()
