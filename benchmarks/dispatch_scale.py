@@ -44,6 +44,7 @@ rank's tokens to 16 hot experts: LLEP spills them). About a minute per profile h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 import json
 import os
@@ -130,10 +131,10 @@ class Layer:
             return x + moe(x, p)
 
         self.phase = "forward"
-        with (ledger.section("forward") if ledger else _nothing()):
+        with (ledger.section("forward") if ledger else contextlib.nullcontext()):
             out = Reentrant.apply(region, x, p) if self.args.recompute else region(x, p)
         self.phase = "backward"
-        with (ledger.section("backward") if ledger else _nothing()):
+        with (ledger.section("backward") if ledger else contextlib.nullcontext()):
             if self.args.device == "cuda" and not self.args.recompute:
                 # steady state: backward may not wait for the device even once
                 torch.cuda.set_sync_debug_mode("error")
@@ -164,14 +165,6 @@ class Layer:
                              imbalance_threshold=o.imbalance_threshold)
         incoming = receive_plan(share.receive_counts, share.experts)
         {**share.tables, **incoming.tables()}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def measure(args, profile: str) -> dict:
