@@ -21,7 +21,7 @@ Per variant (routing profile) one record, for this rank's MoE layer forward + ba
 * ``syncs_forward`` / ``syncs_backward``: host syncs with CUDA semantics (the ledger: reads
   of device data and blocking uploads) in the engine's forward calls (two under
   ``--recompute``: the forward and the checkpoint's re-run) and in the rest of backward;
-* ``host_plan_ms``: CPU time of the host planning (``plan_rank`` and ``receive_plan``,
+* ``host_plan_ms``: CPU time of the host planning (``PipelinedLLEP.plan_on_host``,
   everything between the counts copy and the upload), median of ``--reps`` calls;
   ``host_plan_bytes``: the peak of the memory it allocates, the counts' host copy included;
 * ``ops`` / ``ops_predicted``: aten ops of the step (a launch proxy) and
@@ -53,11 +53,10 @@ import time
 
 import torch
 
-from megatron_flat.dispatch.chunk_plan import plan_rank
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.profiles import routing_profile
-from megatron_flat.dispatch.schedule import receive_plan, routes_from_topk, token_chunks
+from megatron_flat.dispatch.schedule import routes_from_topk, token_chunks
 from megatron_flat.plan.costs import moe_layer_counts
 from megatron_flat.runtime.ledger import CostLedger
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
@@ -156,17 +155,6 @@ class Layer:
         mine.index_add_(0, chunk * a.experts + expert, torch.ones_like(chunk))
         return mine.view(1, k, a.experts).expand(a.ep, k, a.experts).contiguous()
 
-    def plan_on_host(self, counts: torch.Tensor) -> None:
-        """The engine's host planning for ``counts`` (what runs between the counts copy and
-        the one upload)."""
-        o = self.options
-        _, share = plan_rank(counts, self.args.rank, alpha=o.alpha,
-                             min_tokens_per_gemm=o.min_tokens_per_gemm,
-                             imbalance_threshold=o.imbalance_threshold)
-        incoming = receive_plan(share.receive_counts, share.experts)
-        {**share.tables, **incoming.tables()}
-
-
 def measure(args, profile: str) -> dict:
     layer = Layer(args, profile)
     with CostLedger():          # warm-up: verifies graph-only; marks state by origin
@@ -184,11 +172,11 @@ def measure(args, profile: str) -> dict:
     times = []
     for _ in range(args.reps):
         start = time.perf_counter()
-        layer.plan_on_host(counts)
+        layer.engine.plan_on_host(counts)
         times.append((time.perf_counter() - start) * 1e3)
     with MemoryMeter() as plan_meter:
         copy = counts.clone()   # the exchange's host copy, [P, K, E] of the [P, K_max·E + 8]
-        layer.plan_on_host(copy)
+        layer.engine.plan_on_host(copy)
         del copy
 
     received = sum(stats.received)

@@ -423,6 +423,17 @@ class PipelinedLLEP:
                 f"{[r for r, w in enumerate(wants) if not w]}")
         return False
 
+    def plan_on_host(self, counts: torch.Tensor):
+        """All of a call's host planning (between the counts' copy and the one upload), from
+        every rank's route counts ``[P, K, E]`` on the host: ``(plan, this rank's share
+        (chunk_plan.RankSchedule), its ReceivePlan, the host tables to upload)``."""
+        o = self.options
+        plan, share = plan_rank(counts, self.rank, alpha=o.alpha,
+                                min_tokens_per_gemm=o.min_tokens_per_gemm,
+                                imbalance_threshold=o.imbalance_threshold)
+        incoming = receive_plan(share.receive_counts, share.experts)
+        return plan, share, incoming, {**share.tables, **incoming.tables()}
+
     def _schedules(self, n: int, route_token: torch.Tensor, route_expert: torch.Tensor,
                    device: torch.device, wants_graph_only: bool = False):
         """The plan, this rank's send and receive schedules and the group's graph-only
@@ -455,12 +466,9 @@ class PipelinedLLEP:
             route_chunk = token_chunk[route_token]
             counts = self._exchange(n, route_expert, route_chunk, k_chunks, k_chunks, device)
         by_chunk = counts[:, :k_chunks * e].view(p, k_chunks, e)
-        plan, share = plan_rank(by_chunk, rank, alpha=o.alpha,
-                                min_tokens_per_gemm=o.min_tokens_per_gemm,
-                                imbalance_threshold=o.imbalance_threshold)
-        incoming = receive_plan(share.receive_counts, share.experts)
+        plan, share, incoming, host_tables = self.plan_on_host(by_chunk)
         # Everything the host planned reaches the device in one non-blocking copy.
-        tables = upload_together({**share.tables, **incoming.tables()}, device)
+        tables = upload_together(host_tables, device)
         dest = route_destinations_on_device(route_expert, route_chunk, tables,
                                             num_experts=e, ep_size=p)
         send = send_schedule(route_token, route_expert, dest, token_chunk,
