@@ -504,6 +504,75 @@ def _tied_embedding_copy_on_cpu() -> None:
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+_ROPE_MODULES = (
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
+
+
+def _cp_rotary_slice_on_cpu() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+    if getattr(original, "_megatron_flat", False):
+        return
+
+    @functools.wraps(original)
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        # Megatron uploads the two chunk indices from pinned host memory (.cuda), which a
+        # CPU-only torch has neither of; the same selection is made from host indices, and
+        # the ledger counts the 16-byte upload a GPU makes.
+        if pos_emb.device.type != "cpu" or cp_group is None:
+            return original(pos_emb, seq_dim, cp_group)
+        size, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * size - rank - 1])
+        ledger.record_transfer(h2d_bytes=index.numel() * index.element_size())
+        shape = pos_emb.shape
+        chunks = pos_emb.view(*shape[:seq_dim], 2 * size, -1, *shape[seq_dim + 1:])
+        picked = chunks.index_select(seq_dim, index)
+        return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+    get_pos_emb_on_this_cp_rank._megatron_flat = True
+    for name in _ROPE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "get_pos_emb_on_this_cp_rank", None) is original:
+            module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def _context_parallel_core_attention() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
+    from megatron_flat.testing.flash_attention import FlashCoreAttention
+
+    original = DotProductAttention.__new__
+    if getattr(original, "_megatron_flat", False):
+        return
+    substituted = (DotProductAttention, FlashCoreAttention)
+
+    def __new__(cls, config=None, *args, **kwargs):
+        # Python then runs the returned object's own __init__ with the same arguments.
+        if cls in substituted and getattr(config, "context_parallel_size", 1) > 1:
+            if not _ANNOUNCED:
+                _ANNOUNCED.append(True)
+                log.warning("megatron-flat CPU backend: core attention with context "
+                            "parallelism %d is ContextParallelCoreAttention (K/V all-gather; "
+                            "Megatron's local attention has no CP)",
+                            config.context_parallel_size)
+            cls = ContextParallelCoreAttention
+        return original(cls)
+
+    __new__._megatron_flat = True
+    DotProductAttention.__new__ = __new__
+
+
+_ANNOUNCED: List[bool] = []
+
+
 def _grouped_reference() -> None:
     from megatron_flat.megatron.cpu_grouped import install_reference_gmm
 
@@ -596,6 +665,19 @@ PATCHES: List[Patch] = [
         "setup_embeddings_and_output_layer moves the last stage's shared output weight with "
         "weight.data.cuda() before the embedding-group all-reduce (PP > 1, tied embeddings).",
         _tied_embedding_copy_on_cpu,
+    ),
+    Patch(
+        "rotary chunks under context parallelism",
+        "get_pos_emb_on_this_cp_rank uploads its chunk indices with pin_memory=True and .cuda(), "
+        "neither of which a CPU-only torch has.",
+        _cp_rotary_slice_on_cpu,
+    ),
+    Patch(
+        "core attention under context parallelism",
+        "DotProductAttention (the local spec's core attention) refuses context_parallel_size > 1 "
+        "(Megatron's CP lives in transformer-engine's attention); under CP it is built as "
+        "megatron.cpu_context_attention.ContextParallelCoreAttention, exact and O(N).",
+        _context_parallel_core_attention,
     ),
     Patch(
         "grouped_gemm reference",

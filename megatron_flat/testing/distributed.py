@@ -49,10 +49,12 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234,
-                    etp: Optional[int] = None) -> Iterator[None]:
+                    etp: Optional[int] = None, cp: int = 1) -> Iterator[None]:
     """Megatron parallel state for one layout over the whole world; DP is what remains.
 
     ``etp``: the experts' tensor-parallel size (Megatron's default, None, is ``tp``).
+    ``cp``: the context-parallel size (the sequence split over CP ranks; Megatron folds CP
+    into the experts' data-parallel dimension, so EP groups may span CP peers).
 
     Seeds Megatron's RNG tracker (data-, model- and expert-parallel states) from ``seed``.
     Raises ``ValueError`` (before any group is created) if the sizes don't divide the world.
@@ -62,14 +64,15 @@ def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234,
 
     world = dist.get_world_size()
     experts = ep * (tp if etp is None else etp) * pp
-    if world % (tp * pp) != 0 or world % experts != 0:
-        raise ValueError(f"layout tp={tp} ep={ep} pp={pp} etp={etp} does not divide world "
-                         f"size {world}")
+    if world % (tp * cp * pp) != 0 or world % experts != 0:
+        raise ValueError(f"layout tp={tp} cp={cp} ep={ep} pp={pp} etp={etp} does not divide "
+                         f"world size {world}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         **({} if etp is None else {"expert_tensor_parallel_size": etp}),
     )
     model_parallel_cuda_manual_seed(seed)

@@ -287,7 +287,8 @@ def run_layout(tiny: TinyMoE, layout: Layout, reference: RunResult, *, steps: in
     on (see ``Trainer``). ``inspect(trainer)`` runs after the last step (to check what the
     run used). Collective over the world.
     """
-    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, etp=layout.etp):
+    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, etp=layout.etp,
+                         cp=layout.cp):
         trainer = Trainer(tiny, layout, config_overrides=config_overrides, wrap_model=wrap_model,
                           init=lambda model: load_full([model], reference.initial_params),
                           flat=flat)

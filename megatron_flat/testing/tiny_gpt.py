@@ -50,7 +50,9 @@ class TinyMoE:
     grouped_gemm: bool = False
     # Core attention: "local" (Megatron's DotProductAttention: N×N scores, softmax and their
     # grad materialised) or "flash" (testing.flash_attention: torch's fused kernel, O(N)
-    # per head, as transformer-engine's fused attention on a GPU).
+    # per head, as transformer-engine's fused attention on a GPU). Under context parallelism
+    # both are built as the CPU backend's ContextParallelCoreAttention (the flash kernel over
+    # the CP group; megatron.cpu_context_attention).
     attention: str = "local"
 
     def __post_init__(self) -> None:
@@ -240,6 +242,28 @@ def global_batch(tiny: TinyMoE, step: int = 0) -> List[MicroBatch]:
                                  generator=gen)
         data = flat.view(shape)
     return [MicroBatch(tokens=d[:, :-1].contiguous(), labels=d[:, 1:].contiguous()) for d in data]
+
+
+def cp_share(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
+    """CP rank ``cp_rank``'s part of a microbatch: Megatron's load-balanced split (the sequence
+    cut into ``2·cp_size`` chunks; this rank keeps chunks ``cp_rank`` and ``2·cp_size−1−
+    cp_rank``), position ids global, as ``get_batch_on_this_cp_rank`` hands it out."""
+    if cp_size == 1:
+        return mb
+    from megatron_flat.megatron.cpu_context_attention import load_balanced_chunks
+
+    seq = mb.tokens.shape[1]
+    if seq % (2 * cp_size):
+        raise ValueError(f"sequence length {seq} does not split into 2·CP = {2 * cp_size} "
+                         f"chunks")
+    keep = load_balanced_chunks(cp_rank, cp_size)
+
+    def part(t: torch.Tensor) -> torch.Tensor:
+        chunks = t.chunk(2 * cp_size, dim=1)
+        return torch.cat([chunks[j] for j in keep], dim=1).contiguous()
+
+    return MicroBatch(tokens=part(mb.tokens), labels=part(mb.labels),
+                      position_ids=part(mb.position_ids))
 
 
 def dp_share(batch: List[MicroBatch], dp_rank: int, dp_size: int) -> List[MicroBatch]:

@@ -20,6 +20,7 @@ from megatron_flat.testing.tiny_gpt import (
     MicroBatch,
     TinyMoE,
     build_tiny_gpt,
+    cp_share,
     dp_share,
     global_batch,
     reset_mtp_tracker,
@@ -44,10 +45,15 @@ class Layout:
     recompute_num_layers: int = 1  # full recompute: layers per checkpointed region (uniform)
     recompute_modules: tuple = ()  # selective recompute: Megatron's module names
     etp: Optional[int] = None  # experts' tensor-parallel size (None: Megatron's default, tp)
+    # Context parallelism: each CP rank holds two load-balanced chunks of every sequence
+    # (tiny_gpt.cp_share) and attends through megatron.cpu_context_attention on CPU.
+    cp: int = 1
 
     @property
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"ep{self.ep}", f"pp{self.pp}", self.dispatcher]
+        if self.cp != 1:
+            parts.insert(1, f"cp{self.cp}")
         if self.etp is not None:
             parts.insert(2, f"etp{self.etp}")
         if self.distributed_optimizer:
@@ -62,14 +68,25 @@ class Layout:
 
 
 def forward_step(data_iterator, model):
-    """Megatron ``forward_step_func``: per-token loss, mean over the microbatch."""
+    """Megatron ``forward_step_func``: per-token loss, mean over the microbatch.
+
+    Under CP the mean is over this rank's chunks: every CP rank holds as many tokens, so the
+    mean of the CP ranks' means is the microbatch mean, and DDP's average over the data-
+    and context-parallel group turns their gradients into its gradient (the K/V all-gather's
+    backward brings each rank the gradient its tokens get from its peers' queries)."""
+    from megatron.core import parallel_state
+
     mb: MicroBatch = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, None, labels=mb.labels)
+    cp = parallel_state.get_context_parallel_world_size()
 
     def loss_func(per_token_loss):
         loss = per_token_loss.float().mean()
+        # The schedule multiplies a (loss, dict) loss by the CP size (Megatron-LM's loss is the
+        # CP group's mean, whose gradient reaches only this rank's tokens); handing it the
+        # local mean / CP backpropagates the local mean, exactly (CP is a power of two).
         # clone: the schedule divides the returned loss in place by the microbatch count.
-        return loss, {"loss": loss.detach().clone()}
+        return loss / cp, {"loss": loss.detach().clone()}
 
     return output, loss_func
 
@@ -104,7 +121,8 @@ class Trainer:
             recompute=layout.recompute, recompute_method=layout.recompute_method,
             recompute_num_layers=layout.recompute_num_layers,
             recompute_modules=layout.recompute_modules,
-            **({} if layout.etp is None else {"expert_tensor_parallel_size": layout.etp}))
+            **({} if layout.etp is None else {"expert_tensor_parallel_size": layout.etp}),
+            **({} if layout.cp == 1 else {"context_parallel_size": layout.cp}))
         settings.update(config_overrides or {})  # the caller's overrides win
         self.config = transformer_config(tiny, **settings)
         self.flat = flat
@@ -161,6 +179,14 @@ class Trainer:
         self._forward_backward = get_forward_backward_func()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+
+    def microbatches(self, step: int) -> List[MicroBatch]:
+        """This rank's microbatches of the step: its data-parallel share of the global batch,
+        each cut to its context-parallel chunks."""
+        mine = dp_share(global_batch(self.tiny, step), self.dp_rank, self.dp_size)
+        return [cp_share(mb, self.cp_rank, self.cp_size) for mb in mine]
 
     def warm_up(self) -> None:
         """One forward-only pass over step 0's batch (no grads, no optimizer state).
@@ -168,7 +194,7 @@ class Trainer:
         Fills Megatron's one-time caches (causal mask, rotary tables) so a meter opened
         afterwards attributes only per-step memory to the components.
         """
-        mine = dp_share(global_batch(self.tiny, 0), self.dp_rank, self.dp_size)
+        mine = self.microbatches(0)
         with self._sco_scope():
             self._forward_backward(
                 forward_step_func=forward_step, data_iterator=iter(mine), model=[self.ddp],
@@ -179,7 +205,7 @@ class Trainer:
     def forward_backward(self, step: int) -> float:
         """Zero grads, run every microbatch of this rank's share; returns the step's mean loss
         over the global batch (known on every rank). Grads are finalized (reduced)."""
-        mine = dp_share(global_batch(self.tiny, step), self.dp_rank, self.dp_size)
+        mine = self.microbatches(step)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         with self._sco_scope():

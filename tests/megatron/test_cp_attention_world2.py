@@ -1,0 +1,80 @@
+"""ContextParallelCoreAttention equals single-rank causal attention, forward and backward.
+
+Every rank computes the reference (plain causal attention over the whole sequence) itself;
+the CP run feeds each rank its two load-balanced chunks and gathers outputs and input
+gradients back into global order for comparison (fp32 rounding: blocks sum in another order).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_flat.megatron.cpu_context_attention import (
+    ContextParallelCoreAttention,
+    load_balanced_chunks,
+)
+from megatron_flat.testing.distributed import megatron_layout
+
+pytestmark = pytest.mark.world(2)
+
+
+def _attention(cp: int, heads: int = 4, groups: int = 4):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads,
+                               num_query_groups=groups, context_parallel_size=cp,
+                               use_cpu_initialization=True, attention_dropout=0.0)
+    return ContextParallelCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                        attention_type="self")
+
+
+def _local(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    chunks = t.chunk(2 * cp, dim=0)
+    return torch.cat([chunks[j] for j in load_balanced_chunks(rank, cp)])
+
+
+def _to_global(parts, cp: int) -> torch.Tensor:
+    chunks = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        for piece, j in zip(part.chunk(2, dim=0), load_balanced_chunks(rank, cp)):
+            chunks[j] = piece
+    return torch.cat(chunks)
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_cp2_equals_single_rank(groups, megatron_cpu):
+    cp = dist.get_world_size()
+    seq, b, heads, dim = 24, 2, 4, 16
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(seq, b, heads, dim, generator=gen)
+    k = torch.randn(seq, b, groups, dim, generator=gen)
+    v = torch.randn(seq, b, groups, dim, generator=gen)
+    grad = torch.randn(seq, b, heads * dim, generator=gen)
+    with megatron_layout(1, 1, 1):
+        single = _attention(1, heads, groups)
+        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = single(*ref_inputs, None)
+        ref.backward(grad)
+    with megatron_layout(1, 1, 1, cp=cp):
+        attn = _attention(cp, heads, groups)
+        rank = dist.get_rank()
+        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
+        out = attn(*inputs, None)
+        out.backward(_local(grad, rank, cp))
+        got = [out.detach()] + [t.grad for t in inputs]
+        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
+            parts = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(parts, mine.contiguous())
+            full = _to_global(parts, cp)
+            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6)
+            assert full.abs().max() > 0
+
+
+def test_refuses_uneven_chunks(megatron_cpu):
+    cp = dist.get_world_size()
+    with megatron_layout(1, 1, 1, cp=cp):
+        attn = _attention(cp)
+        q = torch.randn(3, 1, 4, 16)
+        with pytest.raises(ValueError, match="two equal chunks"):
+            attn(q, q, q, None)
