@@ -58,16 +58,20 @@ def state_mismatches(flat_state, stock_state, atol: float) -> List[str]:
     return out
 
 
-def run_composed(tiny, layout):
+def run_composed(tiny, layout, reference=None, stock=None):
     """Run the layout with every technique off, then on; returns (stock, flat, used), where
-    ``used`` says what the flat run really exercised on this rank."""
+    ``used`` says what the flat run really exercised on this rank. ``reference`` (for its
+    initial weights) and ``stock`` (a run of ``layout`` from them, ``STEPS`` steps) are made
+    here unless given."""
     from megatron_flat.megatron.moe import FlatMoELayer
     from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW, inner_optimizers
     from megatron_flat.megatron.vocab import ring_dtp_output
     from megatron_flat.testing.equivalence import run_layout, run_reference
 
-    reference = run_reference(tiny, steps=1)  # for its initial weights only
-    stock = run_layout(tiny, layout, reference, steps=STEPS)
+    if reference is None:
+        reference = run_reference(tiny, steps=1)  # for its initial weights only
+    if stock is None:
+        stock = run_layout(tiny, layout, reference, steps=STEPS)
     used = {}
 
     def inspect(trainer):
@@ -87,10 +91,10 @@ def run_composed(tiny, layout):
     return stock, flat, used
 
 
-def assert_composed_equal(tiny, layout) -> None:
+def assert_composed_equal(tiny, layout, reference=None, stock=None) -> None:
     from megatron_flat.testing.equivalence import ATOL, mismatches
 
-    stock, flat, used = run_composed(tiny, layout)
+    stock, flat, used = run_composed(tiny, layout, reference, stock)
     # The MTP heads' layers (on the last stage) are MoE layers too.
     mtp_layers = tiny.mtp_num_layers if used["post_process"] else 0
     assert used["flat_moe_layers"] == tiny.num_layers // layout.pp + mtp_layers, used

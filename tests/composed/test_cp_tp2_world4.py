@@ -1,0 +1,45 @@
+"""Context parallelism at 4 ranks: CP 2 × TP 2 with sequence parallelism, experts at
+Megatron's default expert-TP (= TP 2, EP 1), with full recompute. Stock equals the single-rank
+model; Ring-DTP, SCO and OffloadStreamAdamW each equal stock. PipelinedLLEP needs expert-TP 1,
+and TP 2 with expert-TP 1 needs EP > 1 (at EP 1 Megatron does not reduce the replicated
+experts' gradients over the TP peers, which see different tokens: the harness reports their
+replicas disagree), so here it must refuse the layout, once, clearly; it and all four on run
+at CP 2 × TP 2 × EP 2 (``test_cp_tp2_ep2_world4.py``). See ``_cp.py`` for what each test
+proves. (One layout per file: each torchrun process keeps the gloo threads of every group it
+made.)"""
+
+import functools
+import importlib.util
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.world(4)
+
+_spec = importlib.util.spec_from_file_location("_cp", pathlib.Path(__file__).with_name("_cp.py"))
+cp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cp)
+
+LAYOUT = dict(cp=2, tp=2, recompute="full")
+
+
+@functools.lru_cache(maxsize=None)
+def case():
+    from megatron_flat.testing.equivalence import Layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    return cp.CPCase(TinyMoE(), Layout(**LAYOUT))
+
+
+def test_stock_cp_equals_single_rank(megatron_cpu):
+    case().assert_stock_matches_single_rank()
+
+
+@pytest.mark.parametrize("technique", ["ring-dtp", "sco", "offload-adamw"])
+def test_technique_under_cp_equals_stock(megatron_cpu, technique):
+    case().assert_technique_matches_stock(technique)
+
+
+def test_pipelined_llep_refuses_expert_tp(megatron_cpu):
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size"):
+        case().assert_technique_matches_stock("pipelined-llep")
