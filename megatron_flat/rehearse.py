@@ -309,6 +309,17 @@ def what_ran(flat: Run) -> List[str]:
     return lines
 
 
+def cp_attention_note(stock: Run, flat: Run) -> Optional[str]:
+    """Where the CPU backend stood in for transformer-engine's context-parallel attention (in
+    both runs alike, so the comparison stays stock vs flat), one line saying so."""
+    counts = [_modules(run).get("ContextParallelCoreAttention", 0) for run in (stock, flat)]
+    if not any(counts):
+        return None
+    return (f"core attention under context parallelism: the CPU backend's "
+            f"ContextParallelCoreAttention (K/V all-gather, exact; transformer-engine's CP "
+            f"attention on a GPU) in {counts[0]} stock and {counts[1]} flat layer(s) per rank")
+
+
 def missing_techniques(flat: Run) -> List[str]:
     """Techniques the flat line turned on that the flat run's model does not have."""
     if not flat.ranks:
@@ -440,6 +451,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     if ran:
         print("", file=out)
         print("flat run built: " + "; ".join(ran), file=out)
+    cp_note = cp_attention_note(stock, flat)
+    if cp_note:
+        print(cp_note, file=out)
     patches = flat.ranks[0].get("patches", []) if flat.ranks else []
     if patches:
         print("CPU workarounds: " + ", ".join(patches), file=out)

@@ -121,17 +121,23 @@ class _Probe:
 
 
 def _flat_modules(models) -> Dict[str, int]:
-    """What megatron-flat really put into the model chunks (counted by class)."""
+    """What megatron-flat really put into the model chunks (counted by class), and the core
+    attentions the CPU backend built for context parallelism."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
     from megatron_flat.megatron.moe import FlatMoELayer
     from megatron_flat.megatron.vocab import ring_dtp_output
 
-    counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0}
+    counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0,
+              "ContextParallelCoreAttention": 0}
     for model in models:
         for module in model.modules():
             counts["FlatMoELayer"] += isinstance(module, FlatMoELayer)
             counts["MoELayer"] += isinstance(module, MoELayer)
+            # The CPU backend's stand-in for transformer-engine's CP attention (both runs).
+            counts["ContextParallelCoreAttention"] += isinstance(
+                module, ContextParallelCoreAttention) and module.cp_size > 1
         # Ring-DTP's module hangs off the GPTModel, outside its registered submodules.
         counts["RingDTPOutputLoss"] += ring_dtp_output(model) is not None
     return counts

@@ -63,7 +63,8 @@ def _parser():
         ("--seq-length", int, 16), ("--micro-batch-size", int, 2),
         ("--global-batch-size", int, 8), ("--num-experts", int, 4),
         ("--moe-router-topk", int, 2), ("--expert-model-parallel-size", int, 1),
-        ("--tensor-model-parallel-size", int, 1), ("--train-iters", int, 100),
+        ("--tensor-model-parallel-size", int, 1), ("--context-parallel-size", int, 1),
+        ("--train-iters", int, 100),
         ("--log-interval", int, 10), ("--lr", float, 1e-3), ("--seed", int, 1234),
         ("--vocab-size", int, 128), ("--distributed-backend", str, "nccl"),
         ("--recompute-granularity", str, None), ("--recompute-method", str, None),
@@ -121,7 +122,8 @@ def initialize_megatron():
 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size)
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            context_parallel_size=args.context_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     _compile_dependencies()
 
@@ -157,7 +159,8 @@ def build_gpt(args, pre_process=True, post_process=True):
                          recompute_method=args.recompute_method or "uniform",
                          recompute_num_layers=args.recompute_num_layers or 1)
     config = transformer_config(tiny_of(args), tp=args.tensor_model_parallel_size,
-                                ep=args.expert_model_parallel_size, **recompute)
+                                ep=args.expert_model_parallel_size,
+                                context_parallel_size=args.context_parallel_size, **recompute)
     spec = None
     if args.spec:
         spec = getattr(importlib.import_module(args.spec[0]), args.spec[1])
@@ -211,7 +214,7 @@ def _train(model_provider, forward_step_func):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron.training.models import tiny_of
-    from megatron_flat.testing.tiny_gpt import dp_share, global_batch
+    from megatron_flat.testing.tiny_gpt import cp_share, dp_share, global_batch
     from megatron_flat.testing.training import step_loss
 
     args = get_args()
@@ -234,8 +237,11 @@ def _train(model_provider, forward_step_func):
     tiny = tiny_of(args)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_size = parallel_state.get_context_parallel_world_size()
     for iteration in range(1, args.train_iters + 1):
-        mine = dp_share(global_batch(tiny, iteration), dp_rank, dp_size)
+        mine = [cp_share(mb, cp_rank, cp_size)
+                for mb in dp_share(global_batch(tiny, iteration), dp_rank, dp_size)]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         forward_backward = get_forward_backward_func()

@@ -2,6 +2,7 @@
 rehearsals of the synthetic checkout (``rehearsal_checkout``) in both call shapes."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,24 @@ def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
     assert script.read_bytes() == before  # patched in memory only
     for name in ("stock", "flat"):
         assert len(list((work / name).glob("rank*.json"))) == 2
+
+
+def test_rehearsal_of_a_context_parallel_line_finds_flat_equal_to_stock(tmp_path):
+    """CP 2 x EP 2 on 2 ranks: the CPU backend builds its CP core attention in both runs and
+    says so; every technique under CP still equals stock."""
+    script = checkout.write_checkout(tmp_path / "mlm", "0.19")
+    line = list(checkout.LINE) + ["--context-parallel-size", "2"]
+    done, work = _rehearse(tmp_path, script, line + checkout.FLAT, nproc=2)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations"
+    assert ("core attention under context parallelism: the CPU backend's "
+            "ContextParallelCoreAttention") in out
+    assert "in 2 stock and 2 flat layer(s) per rank" in out
+    assert "FlatMoELayer in 2 of 2 MoE layers" in out and "Ring-DTP: on" in out
+    assert "OffloadStreamAdamW: 2 inner optimizer(s)" in out
+    offloaded = re.search(r"SCO: (\d+) of (\d+) boundaries offloaded", out)
+    assert offloaded and int(offloaded.group(1)) > 0, out
 
 
 def test_rehearsal_catches_a_loss_difference(tmp_path):
