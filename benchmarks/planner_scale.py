@@ -18,6 +18,14 @@ the cases, the planner call and the meter). Run::
 
     TORCHDYNAMO_DISABLE=1 python benchmarks/planner_scale.py --json results/planner_scale.json
 
+**CP 2 point.** Under torchrun with two ranks, ``--cp 2`` runs the same model with context
+parallelism 2 (each rank holds two load-balanced chunks, 1,024 of the 2,048 tokens; DP 1;
+attention through the CPU backend's ``ContextParallelCoreAttention``) and compares stock
+Megatron's four terms, worst rank, with the planner's figures for ``Layout(cp=2)``::
+
+    TORCHDYNAMO_DISABLE=1 torchrun --standalone --nproc-per-node 2 \
+        benchmarks/planner_scale.py --cp 2 --json results/planner_scale_cp2.json
+
 Not validated here (GPU-only; on CPU the unfused reference path runs): the fused-kernel
 widths (fused SwiGLU's 4F per route, fused AdamW's and clipping's zero scratch, bf16 logits'
 fp32 copy), overlap (two chunks in flight, the ring's next hop), all-to-all buffers and
@@ -85,10 +93,36 @@ def baseline_rows(base, flat):
             for c in (METER_DISPATCH, METER_VOCAB, METER_BOUNDARIES, METER_OPTIMIZER)]
 
 
+def cp_baseline_rows(base, flat, cp: int):
+    """Stock Megatron's four terms at context parallelism ``cp`` (world = CP), planned and
+    measured (worst rank)."""
+    from megatron_flat.plan import estimate
+    from megatron_flat.plan.peaks import (
+        METER_BOUNDARIES,
+        METER_DISPATCH,
+        METER_OPTIMIZER,
+        METER_VOCAB,
+    )
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.training import Layout as TrainLayout
+    from megatron_flat.testing.training import Trainer, measure_peaks
+
+    tiny = base._tiny(MODEL)
+    with megatron_layout(seed=tiny.seed, cp=cp):
+        measured = measure_peaks(Trainer(tiny, TrainLayout(recompute="full", cp=cp)), steps=1)
+    layout = base.tiny_layout(tiny).with_(cp=cp)
+    report = estimate(tiny.planner_spec(), layout, tiny.seq_length)
+    return [flat.Row(f"{SHAPE}/stock/cp{cp}", c, report.sections[c], measured[c])
+            for c in (METER_DISPATCH, METER_VOCAB, METER_BOUNDARIES, METER_OPTIMIZER)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
     p.add_argument("--only", choices=["baseline", "flat"], default=None)
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size; > 1: only the CP point (stock), run under "
+                        "torchrun with CP ranks")
     args = p.parse_args()
 
     import torch.distributed as dist
@@ -96,26 +130,36 @@ def main() -> int:
     from megatron_flat.megatron.cpu import enable_cpu_backend
     from megatron_flat.testing.distributed import init_distributed
 
-    init_distributed()
+    world = init_distributed()
+    if world != args.cp:
+        p.error(f"--cp {args.cp} runs on {args.cp} rank(s) (torchrun --nproc-per-node "
+                f"{args.cp}); this world has {world}")
     enable_cpu_backend()
     base, flat = _load("test_validation"), _load("test_validation_flat")
     start = time.perf_counter()
     rows = {"baseline": [], "flat": []}
-    if args.only != "flat":
+    if args.cp > 1:
+        rows["baseline"] = cp_baseline_rows(base, flat, args.cp)
+    elif args.only != "flat":
         rows["baseline"] = baseline_rows(base, flat)
-    if args.only != "baseline":
+    if args.only != "baseline" and args.cp == 1:
         for case in flat_cases(flat):
             rows["flat"] += flat.compare(case, flat.plan(case), flat.measure_case(case))
     seconds = time.perf_counter() - start
+
+    if dist.get_rank() != 0:  # rank 0 reports (every figure is already the worst rank's)
+        dist.destroy_process_group()
+        return 0
 
     def ok(kind, row):
         if kind == "baseline":
             return abs(row.error) <= BASELINE_TOLERANCE
         return FLAT_BELOW <= row.error <= FLAT_ABOVE
 
+    where = "world of one" if args.cp == 1 else f"CP {args.cp} over {args.cp} ranks, worst rank"
     print(f"planner vs memory meter at a second scale: {SHAPE} "
           f"({', '.join(f'{k}={v}' for k, v in MODEL.items())}), fp32, full recompute, "
-          "world of one; error = predicted / measured - 1")
+          f"{where}; error = predicted / measured - 1")
     print(f"targets: baseline within ±{BASELINE_TOLERANCE:.0%}, flat within "
           f"{FLAT_BELOW:+.0%}…{FLAT_ABOVE:+.0%}")
     header = f"{'case':56s} {'component':36s} {'predicted':>13s} {'measured':>13s} {'error':>7s}"
@@ -133,7 +177,8 @@ def main() -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPE, "model": MODEL, "seconds": round(seconds, 1),
+            json.dump({"shape": SHAPE, "model": MODEL, "cp": args.cp,
+                       "seconds": round(seconds, 1),
                        "targets": {"baseline": BASELINE_TOLERANCE,
                                    "flat": [FLAT_BELOW, FLAT_ABOVE]},
                        "rows": [dict(kind=kind, case=r.case, component=r.component,

@@ -21,7 +21,7 @@ from the same weights and plots every peak against tokens: measured as solid lin
 planner's prediction for the same layout (``megatron_flat.plan.estimate``, in the same
 definitions: ``PeakReport.sections``) dashed.
 
-Layout: EP=2 (DP=2 for the dense part), full recompute, Megatron's distributed optimizer,
+Layout: EP=2 (DP=2 for the dense part; ``--cp 2``: CP 2, DP 1), full recompute, Megatron's distributed optimizer,
 grouped-GEMM experts (``--no-moe-grouped-gemm``: SequentialMLP), synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
 (chunk-capped expert dispatch), Ring-DTP (the vocabulary projection + loss in strips), SCO
 (checkpoint boundaries in the pinned host pool) and OffloadStreamAdamW (AdamW moments in
@@ -76,10 +76,22 @@ DEMO_FLAT = FlatConfig(
 LAYOUT = Layout(ep=2, distributed_optimizer=True, recompute="full")
 
 
+def layout_for(args) -> Layout:
+    """The demo's layout with ``--cp`` context parallelism (CP 2 at 2 ranks: DP 1, each rank
+    holds two load-balanced chunks of every sequence, the experts' EP 2 spans the CP peers,
+    and the distributed optimizer shards over the data- × context-parallel group)."""
+    import dataclasses
+
+    return dataclasses.replace(LAYOUT, cp=getattr(args, "cp", 1))
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seq-length", type=int, default=DEMO_MODEL.seq_length)
+    p.add_argument("--cp", type=int, default=1, choices=(1, 2),
+                   help="context-parallel size (2: the sequence split over both ranks, "
+                        "attention through the CPU backend's ContextParallelCoreAttention)")
     p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="grouped-GEMM experts in both runs, as most Megatron MoE runs use "
                         "(GroupedMLP on 0.16, TEGroupedMLP on 0.19; on CPU through the "
@@ -110,9 +122,10 @@ def run(tiny, flat, args, rank, label, init=None, quiet=False):
             print(f"{label:8s} step {step + 1:3d} | loss {loss:.6f} | step time "
                   f"{seconds * 1e3:7.1f} ms", flush=True)
 
-    with megatron_layout(LAYOUT.tp, LAYOUT.ep, LAYOUT.pp, seed=tiny.seed):
+    layout = layout_for(args)
+    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, cp=layout.cp):
         load = None if init is None else (lambda model: load_full([model], init))
-        trainer = Trainer(tiny, LAYOUT, lr=args.lr, flat=flat, init=load)
+        trainer = Trainer(tiny, layout, lr=args.lr, flat=flat, init=load)
         initial = full_tensors([trainer.model])
         peaks = measure(trainer, args.steps, on_step=report, timeline=bool(args.timeline))
         del trainer
@@ -140,7 +153,7 @@ def print_table(base, flat) -> None:
               f"{format_bytes(flat.host[name]):>19s}")
 
 
-def plot_timeline(path, base, flat) -> None:
+def plot_timeline(path, base, flat, title="tiny MoE GPT, EP=2, rank 0") -> None:
     """Device memory over time of rank 0, both runs (max per pixel column, so peaks show)."""
     import matplotlib
 
@@ -157,7 +170,7 @@ def plot_timeline(path, base, flat) -> None:
         ax.plot(t, [(x - floor) / 2**20 for x in b], label=label, linewidth=0.8)
     ax.set_xlabel("seconds since the first step")
     ax.set_ylabel("live device MiB above the run's low\n(its maximum: the whole-step peak)")
-    ax.set_title("tiny MoE GPT, EP=2, rank 0")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -191,12 +204,13 @@ SWEEP_PANELS = (("expert dispatch", "expert dispatch"),
                 ("step", "whole step"))
 
 
-def planner_layout():
-    """The demo's layout as the planner sees it: 2 ranks, EP 2 (DP 2 for the dense part),
-    distributed optimizer, fp32 gradients, Megatron's unfused CPU path, nothing overlapping."""
+def planner_layout(cp: int = 1):
+    """The demo's layout as the planner sees it: 2 ranks, EP 2 (DP 2 / CP for the dense part,
+    CP ``cp``), distributed optimizer, fp32 gradients, Megatron's unfused CPU path, nothing
+    overlapping."""
     from megatron_flat.plan import Layout as PlanLayout
 
-    return PlanLayout(ep=2, dp=2, distributed_optimizer=True, fused_kernels=False,
+    return PlanLayout(ep=2, cp=cp, dp=2 // cp, distributed_optimizer=True, fused_kernels=False,
                       overlap=False)
 
 
@@ -226,7 +240,8 @@ def sweep(tiny, flat, args, rank):
         model = tiny.with_(seq_length=seq)
         base, base_losses, initial = run(model, None, one, rank, f"s={seq}", quiet=True)
         on, flat_losses, _ = run(model, flat, one, rank, f"s={seq}", init=initial, quiet=True)
-        predicted = {name: estimate(spec, planner_layout(), seq, cfg).sections
+        predicted = {name: estimate(spec, planner_layout(getattr(args, "cp", 1)), seq,
+                                    cfg).sections
                      for name, cfg in (("stock", None), ("flat", flat))}
         diff = max(abs(a - b) / abs(b) for a, b in zip(flat_losses, base_losses))
         points.append({"seq": seq, "measured": {"stock": base.device, "flat": on.device},
@@ -302,7 +317,7 @@ def main() -> None:
     if rank == 0:
         print(f"megatron-flat demo: MoE GPT {tiny.num_layers} layers, hidden {tiny.hidden_size}, "
               f"{tiny.num_experts} experts top-{tiny.topk}, vocab {tiny.vocab_size}, "
-              f"seq {tiny.seq_length}, {dist.get_world_size()} ranks ({LAYOUT.name})")
+              f"seq {tiny.seq_length}, {dist.get_world_size()} ranks ({layout_for(args).name})")
         print(f"flat run: {flat.describe()}\n", flush=True)
     base, base_losses, initial = run(tiny, None, args, rank, "baseline")
     on, flat_losses, _ = run(tiny, flat, args, rank, "flat", init=initial)
@@ -317,7 +332,8 @@ def main() -> None:
         print(f"\nlosses over {args.steps} steps: {verdict} (largest relative difference "
               f"{worst:.2e}, tolerance {RTOL:g}: fp32 reductions reordered)")
         if args.timeline:
-            plot_timeline(args.timeline, base, on)
+            plot_timeline(args.timeline, base, on, f"tiny MoE GPT, {layout_for(args).name}, "
+                                                   "rank 0")
             print(f"memory timeline: {args.timeline}")
         if points:
             print_sweep(points)
@@ -325,13 +341,13 @@ def main() -> None:
                 plot_sweep(args.sweep_plot, points,
                            f"MoE GPT ({tiny.num_layers} layers, hidden {tiny.hidden_size}, "
                            f"{tiny.num_experts} experts, vocab {tiny.vocab_size}), 2 ranks, "
-                           "EP 2, two steps per point: peak by context, measured (solid) and "
-                           "planned (dashed)")
+                           f"EP 2{', CP 2' if args.cp == 2 else ''}, two steps per point: peak "
+                           "by context, measured (solid) and planned (dashed)")
                 print(f"context sweep: {args.sweep_plot}")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:
-                json.dump({"model": tiny.__dict__, "layout": LAYOUT.name, "flat": flat.to_dict(),
+                json.dump({"model": tiny.__dict__, "layout": layout_for(args).name, "flat": flat.to_dict(),
                            "baseline": base.device, "flat_device": on.device,
                            "flat_host": on.host, "baseline_losses": base_losses,
                            "flat_losses": flat_losses, "largest_loss_rel_diff": worst,

@@ -22,12 +22,16 @@ def _demo():
     return module
 
 
-def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp):
+    """At CP 1 (the demo's layout) and CP 2 (``--cp 2``: each rank holds half of every
+    sequence, attention through the CPU backend's CP attention)."""
     demo = _demo()
     tiny = demo.DEMO_MODEL.with_(num_layers=2, hidden_size=64, ffn_hidden_size=128,
                                  moe_ffn_hidden_size=64, vocab_size=2048, seq_length=128)
     lengths = [128, 256]
-    args = argparse.Namespace(steps=2, lr=1e-3, timeline="", sweep=lengths)
+    args = argparse.Namespace(steps=2, lr=1e-3, timeline="", sweep=lengths, cp=cp)
+    assert demo.layout_for(args).cp == cp
     # The demo's knobs scaled to this model (its fixed buffers would dwarf it otherwise).
     knobs = dataclasses.replace(demo.DEMO_FLAT, dispatch_chunk_tokens=32,
                                 optimizer_bucket_numel=4096, vocab_block_size=512)
