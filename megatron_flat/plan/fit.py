@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from megatron_flat.config import GIB, FlatConfig
 from megatron_flat.plan.baselines import BASELINES, allowed
@@ -323,12 +323,19 @@ def seq_granularity(layout: Layout) -> int:
     return g
 
 
-def _bisect(fits, g: int, limit: int) -> int:
-    """Largest multiple of g (≤ limit) for which the monotone predicate ``fits`` holds."""
-    if not fits(g):
+def bisect_reach(fits: Callable[[int], bool], g: int, limit: int, known: int = 0) -> int:
+    """Largest multiple of ``g`` (≤ ``limit``) for which the monotone predicate ``fits``
+    holds; 0 when not even ``g`` fits. ``known``: a multiple of ``g`` already known to fit
+    (the search starts from it instead of from ``g``)."""
+    if known % g:
+        raise PlanError(f"known length {known} is not a multiple of the granularity {g}")
+    if known:
+        lo = known // g
+    elif not fits(g):
         return 0
-    lo = 1  # fits(lo·g)
-    hi = 2
+    else:
+        lo = 1  # fits(lo·g)
+    hi = 2 * lo
     while hi * g <= limit and fits(hi * g):
         lo, hi = hi, hi * 2
     hi = min(hi, limit // g + 1)  # fits(hi·g) is False or hi·g > limit
@@ -339,6 +346,33 @@ def _bisect(fits, g: int, limit: int) -> int:
         else:
             hi = mid
     return lo * g
+
+
+def reach_predicates(model: ModelSpec, layout: Layout, device_bytes: int,
+                     host_bytes: Optional[int] = None, *, margin: float = 0.1,
+                     host_margin: float = 0.1, skew: float = DEFAULT_SKEW,
+                     min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+                     allow: Sequence[str] = TECHNIQUES) -> Dict[str, Callable[[int], bool]]:
+    """``{run: fits(seq)}`` for ``"flat"`` and every baseline the layout allows: whether that
+    run's step fits ``seq`` tokens (flat: the baseline fits or ``fit`` would succeed).
+
+    Each predicate is monotone in ``seq`` (every term grows with it), which is what
+    ``bisect_reach`` and the layout search's pruning rely on; ``seq`` must be a length the
+    layout can split (a multiple of ``seq_granularity(layout)`` always is).
+    """
+    planner = _Planner(model, layout, device_bytes, host_bytes, margin, host_margin, skew,
+                       min_chunk_tokens, allow)
+
+    def fits_as(name: str) -> Callable[[int], bool]:
+        return lambda seq: planner.ok(planner.estimate(seq, None, baseline=name))
+
+    out: Dict[str, Callable[[int], bool]] = {}
+    base_fits = fits_as("megatron")
+    out["flat"] = lambda seq: base_fits(seq) or planner.first_fitting(seq) is not None
+    for name in BASELINES:
+        if allowed(name, layout) is None:
+            out[name] = fits_as(name)
+    return out
 
 
 def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
@@ -354,22 +388,13 @@ def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
     boundary up to ``limit`` tokens. A baseline fits when its device total and its host
     bytes (times the node's GPUs) fit, as megatron-flat must.
     """
-    planner = _Planner(model, layout, device_bytes, host_bytes, margin, host_margin, skew,
-                       min_chunk_tokens, allow)
     g = granularity or seq_granularity(layout)
     if g % seq_granularity(layout) and granularity is not None:
         raise PlanError(f"granularity {g} must be a multiple of {seq_granularity(layout)} "
                         f"for this layout")
-
-    def fits_as(name: str):
-        return lambda seq: planner.ok(planner.estimate(seq, None, baseline=name))
-
-    base_fits = fits_as("megatron")
-
-    def flat_fits(seq: int) -> bool:
-        return base_fits(seq) or planner.first_fitting(seq) is not None
-
-    reach = {name: _bisect(fits_as(name), g, limit) for name in BASELINES
-             if allowed(name, layout) is None}
-    return Reach(baseline=reach["megatron"], flat=_bisect(flat_fits, g, limit),
-                 granularity=g, baselines=reach)
+    preds = reach_predicates(model, layout, device_bytes, host_bytes, margin=margin,
+                             host_margin=host_margin, skew=skew,
+                             min_chunk_tokens=min_chunk_tokens, allow=allow)
+    reach = {name: bisect_reach(fits, g, limit) for name, fits in preds.items()}
+    flat = reach.pop("flat")
+    return Reach(baseline=reach["megatron"], flat=flat, granularity=g, baselines=reach)
