@@ -1,9 +1,11 @@
 """The peak planner: will a long-context MoE run fit, which term binds, which knobs fit it.
 
-    from megatron_flat.plan import estimate, fit, max_context, preset, default_layout
+    from megatron_flat.plan import estimate, fit, max_context, preset, search_layouts
 
     model = preset("paper-667b")
-    layout = default_layout(model, gpus=64)            # TP 8 x CP 8, EP 64
+    search = search_layouts(model, 64, 141 << 30, 2 << 40, seq_len=1 << 20)
+    layout = search.chosen                             # TP 4 x CP 16, EP 64: searched
+    search.reach["fsdp2-offload"]                      # a baseline's own best layouts
     report = estimate(model, layout, seq_len=1 << 20)  # baseline: flat=None
     report.total, report.binding                       # bytes per GPU, e.g. "optimizer"
     chosen = fit(model, layout, 1 << 20, device_bytes=141 << 30, host_bytes=2 << 40)
@@ -11,8 +13,10 @@
     max_context(model, layout, 141 << 30, 2 << 40)     # Reach(baseline=..., flat=...)
 
 Modules: ``model`` (ModelSpec, Layout, presets, Hugging Face / Megatron-LM inputs),
-``peaks`` (the formulas, one function per term), ``fit`` (knobs and reach), ``units`` (sizes
-like ``1M`` and ``141GiB``), ``cli`` (``python -m megatron_flat plan``).
+``peaks`` (the formulas, one function per term), ``fit`` (knobs and reach), ``layouts``
+(searching TP, CP, PP, DP and EP for flat and each baseline), ``units`` (sizes like ``1M``
+and ``141GiB``), ``cli`` (``python -m megatron_flat plan``). ``default_layout`` is the
+search-free layout (TP in the node, CP the rest).
 """
 
 from megatron_flat.plan.fit import (
@@ -36,13 +40,19 @@ from megatron_flat.plan.model import (
     model_from_megatron_args,
     preset,
 )
+from megatron_flat.plan.layouts import (
+    LayoutSearch,
+    candidate_layouts,
+    parse_layout,
+    search_layouts,
+)
 from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate
 from megatron_flat.plan.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
 __all__ = [
-    "DEFAULT_SKEW", "DoesNotFit", "Fit", "Layout", "ModelSpec", "PRESETS", "PeakReport",
-    "PlanError", "Reach", "TECHNIQUES", "default_layout", "estimate", "fit", "format_bytes",
-    "format_tokens", "layout_from_megatron_args", "load_model", "max_context",
-    "model_from_hf_config", "model_from_megatron_args", "parse_bytes", "parse_tokens", "preset",
-    "tightest_report",
+    "DEFAULT_SKEW", "DoesNotFit", "Fit", "Layout", "LayoutSearch", "ModelSpec", "PRESETS",
+    "PeakReport", "PlanError", "Reach", "TECHNIQUES", "candidate_layouts", "default_layout",
+    "estimate", "fit", "format_bytes", "format_tokens", "layout_from_megatron_args",
+    "load_model", "max_context", "model_from_hf_config", "model_from_megatron_args",
+    "parse_bytes", "parse_layout", "parse_tokens", "preset", "search_layouts", "tightest_report",
 ]

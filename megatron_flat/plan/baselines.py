@@ -53,8 +53,8 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 
-__all__ = ["BASELINES", "DESCRIPTIONS", "ModelState", "allowed", "check_name", "model_state",
-           "param_tensors", "pinned_bytes"]
+__all__ = ["BASELINES", "DESCRIPTIONS", "PAPER_BASELINE", "PAPER_LABEL", "ModelState", "allowed",
+           "check_name", "model_state", "paper_layout", "param_tensors", "pinned_bytes"]
 
 BASELINES = ("megatron", "megatron-cpu-offload", "fsdp2-offload")
 DESCRIPTIONS = {
@@ -189,3 +189,21 @@ def largest_layer_params(model: ModelSpec, layout: Layout, first: int, count: in
             n += model.ffn_matrices * H * model.dense_ffn // layout.tp
         best = max(best, n)
     return best
+
+
+# The baseline as the paper ran it: FSDP2 without sequence sharding. Plain data parallelism
+# over every GPU (TP 1, CP 1, PP 1): each GPU holds a whole sequence. Experts stay expert-
+# parallel as wide as the expert count allows (EP shards the experts, not the sequence); at
+# EP 1 every GPU would gather all of a layer's experts (about 17B parameters for the paper's
+# family: two layers in bf16 and one fp32 gradient, 8 B each, 127 GiB), which fits no length.
+PAPER_BASELINE = "fsdp2-offload"
+PAPER_LABEL = "the baseline as the paper ran it (FSDP2 without sequence sharding)"
+
+
+def paper_layout(model: ModelSpec, gpus: int, **kw) -> Layout:
+    """The layout of ``PAPER_LABEL``: TP 1, CP 1, PP 1, DP = ``gpus``, EP the largest
+    divisor of the expert count that divides ``gpus`` (1 for a dense model)."""
+    ep = 1
+    if model.experts:
+        ep = max(d for d in range(1, gpus + 1) if gpus % d == 0 and model.experts % d == 0)
+    return Layout(tp=1, cp=1, pp=1, dp=gpus, ep=ep, **kw)

@@ -1,15 +1,20 @@
-"""``python -m megatron_flat plan``: will this run fit, and with which knobs?
+"""``python -m megatron_flat plan``: will this run fit, on which layout, with which knobs?
 
-Prints each peak per device without and with megatron-flat, the term that binds, the knobs
-``fit`` chose (and the ``--flat-*`` flags that set them) and the longest context that fits;
-next to each flattened peak, the predicted time cost of those knobs on ``--device`` (the
-step-time model of ``plan.time`` over the per-layer counts of ``plan.costs``, scaled to the
-model's layers on the worst stage); ``--json`` prints the same as one JSON object.
+Searches the layouts (``plan.layouts``: TP, CP, PP, DP and EP for the GPU count, any of them
+fixed with ``--layout`` or ``--tp/--cp/--pp/--ep``) and plans on the chosen one: the fastest
+where megatron-flat fits ``--seq``, else the one reaching the longest context. Prints each
+peak per device on that layout without and with megatron-flat, the term that binds, the
+knobs ``fit`` chose (and the ``--flat-*`` flags that set them); next to each flattened peak,
+the predicted time cost of those knobs on ``--device`` (the step-time model of
+``plan.time`` over the per-layer counts of ``plan.costs``, scaled to the model's layers on
+the worst stage); the best three layouts of every run; the longest context each run
+reaches at its own best layout. ``--json`` prints the same as one JSON object.
 
 "Without megatron-flat" is a baseline (``plan.baselines``): stock Megatron, Megatron's
-optimizer CPU offload, or FSDP2 with CPU offload. Every baseline the layout allows is
-evaluated (peak, host bytes, reach, predicted step); ``--baseline`` picks the one the table
-compares with, by default the strongest: the one reaching the longest context.
+optimizer CPU offload, or FSDP2 with CPU offload. Each is searched like flat and shown at
+its own best layout (a fair comparison), plus FSDP2 as the paper ran it (without sequence
+sharding). ``--baseline`` picks the one the peak table compares with on the chosen layout,
+by default the strongest: the one reaching the longest context at its best layout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megatron_flat.config import FlatConfig
+from megatron_flat.plan.baselines import (
+    BASELINES,
+    DESCRIPTIONS,
+    PAPER_BASELINE,
+    PAPER_LABEL,
+    allowed,
+    paper_layout,
+)
+from megatron_flat.plan.costs import UNITS
 from megatron_flat.plan.fit import (
     TECHNIQUE_NAMES,
     DoesNotFit,
@@ -31,18 +45,20 @@ from megatron_flat.plan.fit import (
     max_context,
     tightest_report,
 )
-from megatron_flat.plan.model import (
-    PAPER_GPUS,
-    Layout,
-    ModelSpec,
-    PlanError,
-    default_layout,
-    load_model,
+from megatron_flat.plan.layouts import (
+    RUNS,
+    SAME_SPEED,
+    LayoutSearch,
+    layout_sizes,
+    layout_text,
+    parse_layout,
+    search_layouts,
+    unit_times,
 )
-from megatron_flat.plan.baselines import BASELINES, DESCRIPTIONS, allowed
-from megatron_flat.plan.costs import UNITS, unit_costs
+from megatron_flat.plan.layouts import step_seconds as _step_seconds
+from megatron_flat.plan.model import PAPER_GPUS, Layout, ModelSpec, PlanError, load_model
 from megatron_flat.plan.peaks import COMPONENTS, DEFAULT_SKEW, PeakReport, estimate, usable
-from megatron_flat.plan.time import DEVICES, Prediction, format_seconds, predict
+from megatron_flat.plan.time import DEVICES, Prediction, format_seconds
 from megatron_flat.plan.time import device as device_model
 from megatron_flat.plan.units import (
     format_bytes,
@@ -61,30 +77,37 @@ ROW_LABELS = {
     "other": "attention/other activations",
     "total": "step peak",
 }
+RUN_LABELS = {"flat": "megatron-flat"}
 
 
 def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Predict the four memory peaks of a long-context MoE step, with and "
-                    "without megatron-flat; name the binding term, choose the knobs, find the "
-                    "longest context that fits.",
+                    "without megatron-flat; search the parallel layout; name the binding "
+                    "term, choose the knobs, find the longest context that fits.",
         epilog="Sizes: tokens take K/M (binary: 1M = 1,048,576); memory takes KiB/MiB/GiB/TiB "
                "(binary) or KB/MB/GB/TB (decimal). The step peak is optimizer/model state + "
                "boundaries + max(dispatch + other, vocab).")
     p.add_argument("--model", required=True,
                    help="preset (paper-120b, paper-241b, paper-667b, gpt-oss-20b, gpt-oss-120b, "
                         "DeepSeek-V3, Qwen3-30B-A3B) or a Hugging Face config.json path")
-    p.add_argument("--seq", required=True, help="sequence length, e.g. 1M or 131072")
+    p.add_argument("--seq", default=None,
+                   help="sequence length, e.g. 1M or 131072 (default: the longest context "
+                        "megatron-flat reaches on the layout that reaches furthest)")
     p.add_argument("--gpus", type=int, default=None,
                    help="GPU count (default for the paper presets: 16, 32, 64)")
     p.add_argument("--gpu-mem", required=True, help="memory per GPU, e.g. 141GiB or 80GB")
     p.add_argument("--host-mem", default=None,
                    help="host memory per node, e.g. 2TiB (default: pinned host not limited)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing a host (default 8)")
+    p.add_argument("--layout", default=None,
+                   help="fix parallel sizes, e.g. tp=8,cp=2,pp=1,ep=64 (any of tp, cp, pp, ep, "
+                        "dp; the others are searched)")
     for dim, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline"), ("cp", "context")):
         p.add_argument(f"--{dim}", type=int, default=None,
-                       help=f"{what}-parallel size (default: chosen for the GPU count)")
+                       help=f"fix the {what}-parallel size (as --layout {dim}=N; default: "
+                            f"searched)")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--skew", type=float, default=DEFAULT_SKEW,
                    help=f"routing skew, max/mean routes per EP rank (default {DEFAULT_SKEW})")
@@ -95,13 +118,18 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
                         "(default: the fewest techniques that fit, at their cheapest settings)")
     p.add_argument("--device", default="H200", choices=sorted(DEVICES),
                    help="GPU the step-time model predicts for (default H200)")
-    p.add_argument("--microbatches", type=int, default=1,
-                   help="microbatches per step on each GPU (global batch / (micro-batch "
-                        "size x DP)), for the predicted step time (default 1)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step on each GPU, for the predicted step time "
+                        "(default 1); with DP searched, the layouts with the fewest DP "
+                        "replicas run this many, the others the same global batch")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step, instead of --microbatches: each layout runs "
+                        "global batch / (micro-batch size x DP) microbatches per replica, so "
+                        "layouts with more DP compare at the same work per step")
     p.add_argument("--baseline", default="auto", choices=("auto",) + BASELINES,
                    help="what the flat column is compared with: megatron (stock), "
                         "megatron-cpu-offload (--optimizer-cpu-offload), fsdp2-offload; "
-                        "default auto: the strongest the layout allows (longest context)")
+                        "default auto: the strongest (longest context at its best layout)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -118,26 +146,20 @@ UNIT_LABELS = {
 }
 
 
-def step_seconds(times: Dict[str, Dict[str, Prediction]], variant: str,
-                 microbatches: int) -> float:
-    """Predicted step: every unit once per microbatch, the optimizer once per step (units
-    are disjoint: experts in dispatch, attention in boundaries, the output layer in vocab;
-    norms, embeddings and the pipeline schedule are left out)."""
-    per_mb = sum(times[u][variant].total_s for u in UNITS if u != "optimizer")
-    return microbatches * per_mb + times["optimizer"][variant].total_s
+def step_seconds(times: Dict[str, Dict[str, Prediction]], variant: str, microbatches: int,
+                 stages: int = 1) -> float:
+    """Predicted step of ``variant`` (``"baseline"`` or ``"flat"``) from ``predict_units``
+    (``layouts.step_seconds``: every unit once per microbatch on the worst stage, PP − 1
+    more for the pipeline's fill and drain, the optimizer once)."""
+    return _step_seconds({u: pair[variant] for u, pair in times.items()}, microbatches, stages)
 
 
-def predict_units(res: "PlanResult", baseline: Optional[PeakReport] = None
-                  ) -> Dict[str, Dict[str, Prediction]]:
-    """Predicted time of each unit, baseline and flat, on ``res.device`` (per microbatch on
-    the worst stage; the optimizer per step). ``baseline``: another baseline's report in
-    place of the table's."""
-    out: Dict[str, Dict[str, Prediction]] = {}
-    for variant, report, flat in (("baseline", baseline or res.baseline, None),
-                                  ("flat", res.flat_report, res.flat)):
-        for unit, (counts, overlap) in unit_costs(res.model, res.layout, report, flat).items():
-            out.setdefault(unit, {})[variant] = predict(counts, overlap, res.device)
-    return out
+def predict_units(res: "PlanResult") -> Dict[str, Dict[str, Prediction]]:
+    """Predicted time of each unit, the table's baseline and flat, on the chosen layout and
+    ``res.device`` (per microbatch on the worst stage; the optimizer per step)."""
+    base = unit_times(res.model, res.layout, res.baseline, None, res.device)
+    flat = unit_times(res.model, res.layout, res.flat_report, res.flat, res.device)
+    return {u: {"baseline": base[u], "flat": flat[u]} for u in UNITS}
 
 
 def _cost(base: float, flat: float) -> str:
@@ -202,48 +224,86 @@ def flat_flags(flat: FlatConfig) -> str:
     return " ".join(out)
 
 
+def _binds(p: Prediction) -> str:
+    parts = {"compute": p.compute_s, "exposed transfers": p.exposed_comm_s + p.exposed_copy_s,
+             "sync stalls and host planning": p.stall_s}
+    if p.launch_bound:
+        parts["launches"] = parts.pop("compute")
+    return max(parts, key=parts.get) if any(parts.values()) else "nothing"
+
+
+@dataclass
+class RunAt:
+    """One baseline on one layout: its peaks at the plan's sequence length (``report``;
+    None with ``why`` when the layout cannot run it or split the length), its ``reach``
+    there and its predicted step with ``microbatches`` per DP replica."""
+
+    name: str
+    layout: Layout
+    report: Optional[PeakReport]
+    reach: int
+    step_s: Optional[float]
+    microbatches: int
+    why: Optional[str] = None
+    at_best: bool = True     # the run's own best layout (False: it fits no length anywhere)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences one predicted step trains (microbatches × micro-batch size × DP)."""
+        return self.microbatches * self.layout.micro_batch_size * self.layout.dp
+
+
 @dataclass
 class PlanResult:
     """Everything the CLI prints (``to_json`` is the ``--json`` object)."""
 
     model: ModelSpec
-    layout: Layout
+    layout: Layout           # the chosen layout (``search.chosen``)
+    search: LayoutSearch
     chosen: List[str]        # layout sizes the planner chose (not given)
     seq_len: int
+    seq_asked: bool          # False: seq_len is flat's reach on the chosen layout
     skew: float
     device_bytes: int
     budget: int              # usable device bytes
     host_bytes: Optional[int]  # per node; None: not limited
-    baseline: PeakReport     # the baseline the table compares with (``baseline_name``)
+    baseline: PeakReport     # the baseline the table compares with, on the chosen layout
     flat_report: PeakReport
     flat: FlatConfig
-    reach: Reach
+    reach: Reach             # every run's reach on the chosen layout
     error: Optional[str]     # why nothing fits (flat_report is then the smallest setting)
     all_on: bool = False     # flat = every technique at its smallest-memory setting
     device: str = "H200"     # what the step-time model predicts for
-    microbatches: int = 1    # per step on each GPU, for the predicted step time
+    microbatches: int = 1    # per step on each GPU of the chosen layout
+    global_batch: int = 1    # sequences per step
     baseline_name: str = "megatron"
-    # every baseline: its report at seq_len (None when the layout cannot run it) and why not
-    baselines: Dict[str, Optional[PeakReport]] = field(default_factory=dict)
-    not_allowed: Dict[str, str] = field(default_factory=dict)
+    # every baseline at its own best layout (at the chosen one when it fits nowhere)
+    runs: Dict[str, RunAt] = field(default_factory=dict)
+    paper: Optional[RunAt] = None   # PAPER_LABEL
+    not_allowed: Dict[str, str] = field(default_factory=dict)  # on the chosen layout
 
     @property
     def strongest(self) -> Optional[str]:
-        return self.reach.strongest()
-
-    def baseline_step_s(self, name: str) -> float:
-        """Predicted step seconds of baseline ``name`` (as ``step_seconds``)."""
-        times = predict_units(self, self.baselines[name])
-        return step_seconds(times, "baseline", self.microbatches)
+        return self.search.strongest()
 
     def fits(self, report: PeakReport) -> bool:
         """The criterion ``fit`` uses: total within the usable device bytes, pinned host
         need within the node's memory less ``HOST_MARGIN``, shared by its GPUs."""
-        host = host_budget_per_device(self.layout, self.host_bytes, HOST_MARGIN)
+        host = host_budget_per_device(report.layout, self.host_bytes, HOST_MARGIN)
         return report.total <= self.budget and (host is None or report.host_per_device <= host)
 
+    def _run_json(self, run: RunAt) -> dict:
+        if run.report is None:
+            return {"allowed": False, "why": run.why, "layout": layout_sizes(run.layout)}
+        return {"layout": layout_sizes(run.layout), "at_best_layout": run.at_best,
+                "total": run.report.total, "fits": self.fits(run.report),
+                "max_context": run.reach, "host_bytes": run.report.host_per_device,
+                "host_pinned_bytes": run.report.host_pinned, "predicted_step_s": run.step_s,
+                "microbatches": run.microbatches, "sequences_per_step": run.sequences,
+                "describes": DESCRIPTIONS[run.name]}
+
     def to_json(self) -> dict:
-        lay, flat, r = self.layout, self.flat, self.flat_report
+        lay, flat, r, search = self.layout, self.flat, self.flat_report, self.search
         knobs = flat.to_dict()
         knobs.update(enabled=[t for t in TECHNIQUE_NAMES if enabled(flat, t)],
                      num_chunks=r.num_chunks, chunk_tokens=r.chunk_tokens,
@@ -255,8 +315,13 @@ class PlanResult:
             "layout": {"gpus": lay.gpus, "tp": lay.tp, "ep": lay.ep, "pp": lay.pp, "cp": lay.cp,
                        "dp": lay.dp, "sp": lay.sp, "micro_batch_size": lay.micro_batch_size,
                        "microbatches_in_flight": lay.in_flight,
-                       "gpus_per_node": lay.gpus_per_node, "chosen": self.chosen},
+                       "gpus_per_node": lay.gpus_per_node, "chosen": self.chosen,
+                       "chosen_by": search.chosen_by, "fixed": search.fixed,
+                       "candidates": search.candidates},
+            "layouts": {run: [x.as_dict() for x in search.reach.get(run, [])] for run in RUNS},
+            "layouts_fastest": [x.as_dict() for x in search.fastest],
             "seq_len": self.seq_len,
+            "seq_len_from": "asked" if self.seq_asked else "flat's max context on the layout",
             "tokens_per_rank": self.baseline.tokens,
             "skew": self.skew,
             "device_bytes": self.device_bytes,
@@ -271,22 +336,18 @@ class PlanResult:
             "knobs": knobs,
             "host_bytes": {"baseline": self.baseline.host_per_node, "flat": r.host_per_node,
                            "flat_per_device": r.host_per_device, "available": self.host_bytes},
-            "max_context": {"baseline": self.reach.baselines.get(self.baseline_name, 0),
-                            "flat": self.reach.flat},
+            "max_context": {"baseline": search.best_reach(self.baseline_name),
+                            "flat": search.best_reach("flat")},
+            "max_context_on_layout": {"baseline": self.reach.baselines.get(self.baseline_name,
+                                                                           0),
+                                      "flat": self.reach.flat},
             "max_context_granularity": self.reach.granularity,
             "baseline_name": self.baseline_name,
-            "baselines": {
-                name: ({"total": rep.total, "fits": self.fits(rep),
-                        "max_context": self.reach.baselines.get(name, 0),
-                        "host_bytes": rep.host_per_device,
-                        "host_pinned_bytes": rep.host_pinned,
-                        "predicted_step_s": self.baseline_step_s(name),
-                        "describes": DESCRIPTIONS[name]}
-                       if rep is not None else {"allowed": False,
-                                                "why": self.not_allowed[name]})
-                for name, rep in self.baselines.items()},
+            "baselines": {name: self._run_json(run) for name, run in self.runs.items()},
+            "paper_baseline": dict(self._run_json(self.paper), name=PAPER_BASELINE,
+                                   label=PAPER_LABEL) if self.paper else None,
             "strongest_baseline": self.strongest,
-            "reach_ratio": self.reach.ratio(),
+            "reach_ratio": search.ratio(),
         }
         times = predict_units(self)
         out["predicted_time"] = {
@@ -297,7 +358,8 @@ class PlanResult:
             "cost_s": {u: pair["flat"].total_s - pair["baseline"].total_s
                        for u, pair in times.items()},
             "microbatches": self.microbatches,
-            "step_s": {v: step_seconds(times, v, self.microbatches)
+            "global_batch": self.global_batch,
+            "step_s": {v: step_seconds(times, v, self.microbatches, lay.pp)
                        for v in ("baseline", "flat")},
         }
         if self.error:
@@ -305,22 +367,75 @@ class PlanResult:
         return out
 
 
+def _fixed_sizes(args: argparse.Namespace) -> Dict[str, int]:
+    """``--tp/--cp/--pp/--ep`` and ``--layout`` merged; ``PlanError`` when they disagree."""
+    fixed = {d: getattr(args, d) for d in ("tp", "cp", "pp", "ep")
+             if getattr(args, d) is not None}
+    for key, value in (parse_layout(args.layout) if args.layout is not None else {}).items():
+        if fixed.get(key, value) != value:
+            raise PlanError(f"--{key} {fixed[key]} and --layout {key}={value} disagree")
+        fixed[key] = value
+    return fixed
+
+
+def _microbatches(global_batch: int, layout: Layout) -> Optional[int]:
+    """Microbatches per replica of ``layout`` for ``global_batch`` sequences per step;
+    None when its micro-batch size × DP does not divide the batch."""
+    per_step = layout.micro_batch_size * layout.dp
+    return global_batch // per_step if global_batch % per_step == 0 else None
+
+
+def _run_at(name: str, model: ModelSpec, layout: Layout, seq: int, reach: int, args,
+            global_batch: int, at_best: bool = True) -> RunAt:
+    """Baseline ``name`` on ``layout`` at ``seq`` tokens: peaks and predicted step. A
+    layout whose DP does not divide the global batch is timed with one microbatch per
+    replica (a step of micro-batch size × DP sequences)."""
+    mb = _microbatches(global_batch, layout) or 1
+    why = allowed(name, layout)
+    if why:
+        return RunAt(name, layout, None, 0, None, mb, why=why, at_best=at_best)
+    try:
+        report = estimate(model, layout, seq, None, skew=args.skew, baseline=name)
+    except PlanError as err:
+        return RunAt(name, layout, None, reach, None, mb, why=str(err), at_best=at_best)
+    times = unit_times(model, layout, report, None, device_model(args.device).name)
+    return RunAt(name, layout, report, reach, _step_seconds(times, mb, layout.pp), mb,
+                 at_best=at_best)
+
+
 def plan(args: argparse.Namespace) -> PlanResult:
-    """Evaluate everything the CLI prints."""
+    """Search the layouts, then evaluate everything the CLI prints on the chosen one."""
     model = load_model(args.model)
-    seq = parse_tokens(args.seq)
+    seq = parse_tokens(args.seq) if args.seq is not None else None
     device = parse_bytes(args.gpu_mem)
     host = parse_bytes(args.host_mem) if args.host_mem is not None else None
-    if args.microbatches < 1:
+    if args.microbatches is not None and args.microbatches < 1:
         raise PlanError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.global_batch is not None:
+        if args.microbatches is not None:
+            raise PlanError("give --microbatches or --global-batch, not both")
+        if args.global_batch < 1:
+            raise PlanError(f"--global-batch must be >= 1, got {args.global_batch}")
     gpus = args.gpus if args.gpus is not None else PAPER_GPUS.get(model.name)
     if gpus is None:
         raise PlanError(f"give --gpus for {model.name} (only the paper presets have a default)")
-    given = {d: getattr(args, d) for d in ("tp", "ep", "pp", "cp")}
-    layout = default_layout(model, gpus, gpus_per_node=args.gpus_per_node,
-                            micro_batch_size=args.micro_batch_size, **given)
-    chosen = [d.upper() for d, v in given.items() if v is None]
+    fixed = _fixed_sizes(args)
     kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew)
+    dev = device_model(args.device).name
+    search = search_layouts(model, gpus, device, host, fixed=fixed, seq_len=seq, device=dev,
+                            microbatches=args.microbatches or 1,
+                            global_batch=args.global_batch, gpus_per_node=args.gpus_per_node,
+                            micro_batch_size=args.micro_batch_size, **kw)
+    layout = search.chosen
+    microbatches = _microbatches(search.global_batch, layout)
+    if microbatches is None:
+        raise PlanError(f"the global batch of {search.global_batch} sequences does not split "
+                        f"over DP {layout.dp} x micro-batch size {layout.micro_batch_size}; "
+                        f"give --global-batch a multiple of {layout.dp * layout.micro_batch_size}")
+    reach = max_context(model, layout, device, host, **kw)
+    seq_asked = seq is not None
+    if seq is None:
+        seq = reach.flat or reach.granularity  # the longest context flat fits here
     error = None
     if args.all_on:
         flat_report = tightest_report(model, layout, seq, host, host_margin=HOST_MARGIN,
@@ -334,49 +449,151 @@ def plan(args: argparse.Namespace) -> PlanResult:
             error = str(err)
             flat_report = err.best
             flat = flat_report.flat or FlatConfig()
-    reach = max_context(model, layout, device, host, **kw)
-    reports: Dict[str, Optional[PeakReport]] = {}
+    on_layout: Dict[str, Optional[PeakReport]] = {}
     not_allowed: Dict[str, str] = {}
+    runs: Dict[str, RunAt] = {}
     for name in BASELINES:
         why = allowed(name, layout)
         if why:
-            reports[name], not_allowed[name] = None, why
+            on_layout[name], not_allowed[name] = None, why
         else:
-            reports[name] = estimate(model, layout, seq, None, skew=args.skew, baseline=name)
+            on_layout[name] = estimate(model, layout, seq, None, skew=args.skew, baseline=name)
+        best = search.best(name)
+        runs[name] = _run_at(name, model, best.layout if best else layout, seq,
+                             best.reach if best else reach.baselines.get(name, 0), args,
+                             search.global_batch, at_best=best is not None)
+    lay_p = paper_layout(model, gpus, gpus_per_node=args.gpus_per_node,
+                         micro_batch_size=args.micro_batch_size)
+    paper = _run_at(PAPER_BASELINE, model, lay_p, seq,
+                    max_context(model, lay_p, device, host, **kw).baselines[PAPER_BASELINE],
+                    args, search.global_batch)
     name = args.baseline
     if name == "auto":
-        name = reach.strongest() or "megatron"
-    elif reports.get(name) is None:
+        name = search.strongest() or "megatron"
+        if on_layout.get(name) is None:
+            name = "megatron"
+    elif on_layout.get(name) is None:
         raise PlanError(f"--baseline {name}: {not_allowed[name]}")
-    return PlanResult(model=model, layout=layout, chosen=chosen, seq_len=seq, skew=args.skew,
-                      device_bytes=device, budget=usable(device, args.margin), host_bytes=host,
-                      baseline=reports[name], flat_report=flat_report, flat=flat, reach=reach,
-                      error=error, all_on=args.all_on, device=device_model(args.device).name,
-                      microbatches=args.microbatches, baseline_name=name, baselines=reports,
-                      not_allowed=not_allowed)
+    return PlanResult(model=model, layout=layout, search=search,
+                      chosen=[d.upper() for d in search.searched], seq_len=seq,
+                      seq_asked=seq_asked, skew=args.skew, device_bytes=device,
+                      budget=usable(device, args.margin), host_bytes=host,
+                      baseline=on_layout[name], flat_report=flat_report, flat=flat, reach=reach,
+                      error=error, all_on=args.all_on, device=dev, microbatches=microbatches,
+                      global_batch=search.global_batch, baseline_name=name, runs=runs,
+                      paper=paper, not_allowed=not_allowed)
 
 
-def _binds(p: Prediction) -> str:
-    parts = {"compute": p.compute_s, "exposed transfers": p.exposed_comm_s + p.exposed_copy_s,
-             "sync stalls and host planning": p.stall_s}
-    if p.launch_bound:
-        parts["launches"] = parts.pop("compute")
-    return max(parts, key=parts.get) if any(parts.values()) else "nothing"
+def _tokens(n: int) -> str:
+    return format_tokens(n) if n else "none"
+
+
+def _chose_why(res: PlanResult) -> str:
+    """Why the chosen layout, for the layout line."""
+    s = res.search
+    n = f"{s.candidates} layout{'s' if s.candidates != 1 else ''} searched"
+    if s.chosen_by == "fastest":
+        return (f"the fastest predicted step where flat fits {format_tokens(res.seq_len)}, "
+                f"longest reach among those within {SAME_SPEED:.0%}; {n}")
+    if s.chosen_by == "reach":
+        where = "nowhere fits " + format_tokens(res.seq_len) + "; " if res.seq_asked else ""
+        return f"{where}flat's longest reach; {n}"
+    return f"nothing fits at any length; the preferred of {n}"
+
+
+def _layouts_section(res: PlanResult) -> List[str]:
+    """The best three layouts of every run (and flat's fastest at the asked length)."""
+    s = res.search
+    fastest = f"{RUN_LABELS['flat']}, fastest at {format_tokens(res.seq_len)}"
+    width = max(len(label) for label in [fastest, *BASELINES]) + 2
+    lines = [f"layouts: {s.candidates} searched for {s.gpus} GPUs"
+             + (f" ({', '.join(f'{k.upper()} {v}' for k, v in s.fixed.items())} fixed)"
+                if s.fixed else "")
+             + "; each run's best three by max context",
+             f"  {'run':{width}s}{'layout':28s}{'max context':>12s}{'predicted step':>16s}"]
+
+    def rows(label: str, ranked, timed: bool = False) -> None:
+        for i, r in enumerate(ranked):
+            step = format_seconds(r.step_s) if timed and r.step_s is not None else ""
+            mark = "  <- this layout" if timed and r.layout == res.layout else ""
+            lines.append(f"  {label if i == 0 else '':{width}s}{layout_text(r.layout):28s}"
+                         f"{_tokens(r.reach):>12s}{step:>16s}{mark}".rstrip())
+
+    for run in RUNS:
+        label = RUN_LABELS.get(run, run)
+        ranked = s.reach.get(run, [])
+        if ranked:
+            rows(label, ranked)
+        else:
+            lines.append(f"  {label:{width}s}fits no length at any layout")
+        if run == "flat" and s.fastest:
+            rows(fastest, s.fastest, timed=True)
+    if s.fastest:
+        lines.append(f"  (fastest: predicted steps of {s.global_batch} sequence"
+                     f"{'s' if s.global_batch != 1 else ''}; steps within {SAME_SPEED:.0%} of "
+                     "the fastest count as equal and the longer reach ranks first, since the "
+                     "step-time model does not price TP's and CP's collectives)")
+    return lines
+
+
+def _baselines_section(res: PlanResult) -> List[str]:
+    """Every baseline at its own best layout, the paper's row, the strongest."""
+    yes = {True: "yes", False: "NO"}
+    s, mc = res.search, res.reach
+    best = s.best("flat")
+    where = f" at its best layout, {layout_text(best.layout)}" if best else ""
+    lines = [f"max context: flat {_tokens(s.best_reach('flat'))}{where}; on this layout "
+             f"{_tokens(mc.flat)} (multiples of {mc.granularity:,} tokens)",
+             "baselines (what runs without megatron-flat), each at its own best layout, at "
+             f"{format_tokens(res.seq_len)}:",
+             f"  {'baseline':22s}{'layout':28s}{'step peak':>11s}{'fits':>6s}{'max context':>13s}"
+             f"{'host/GPU':>12s}{'predicted step':>16s}"]
+
+    def row(label: str, run: RunAt) -> str:
+        if run.report is None:
+            return f"  {label:22s}{layout_text(run.layout):28s}not run here: {run.why}"
+        step = format_seconds(run.step_s) if run.step_s is not None else "n/a"
+        return (f"  {label:22s}{layout_text(run.layout):28s}{format_bytes(run.report.total):>11s}"
+                f"{yes[res.fits(run.report)]:>6s}{_tokens(run.reach):>13s}"
+                f"{format_bytes(run.report.host_per_device):>12s}{step:>16s}")
+
+    nowhere = []
+    for name, run in res.runs.items():
+        lines.append(row(name, run))
+        if not run.at_best:
+            nowhere.append(name)
+    if nowhere:
+        lines.append(f"  ({', '.join(nowhere)}: fits no length at any layout; shown on this "
+                     "layout)")
+    if res.paper is not None:
+        lines.append(f"  {PAPER_LABEL}:")
+        lines.append(row(PAPER_BASELINE, res.paper))
+        if res.paper.sequences != res.global_batch:
+            lines.append(f"  (DP {res.paper.layout.dp}: its predicted step trains "
+                         f"{res.paper.sequences} sequences)")
+    strongest, ratio = s.strongest(), s.ratio()
+    if strongest is not None:
+        text = (f"flat reaches {ratio:.2f}x its context, each at its own best layout"
+                if ratio is not None else "no baseline fits at any length")
+        lines.append(f"  strongest: {strongest}; {text}")
+    return lines
 
 
 def render_table(res: PlanResult) -> str:
     lay, base, r = res.layout, res.baseline, res.flat_report
-    chosen = f" (chose {', '.join(res.chosen)} for {lay.gpus} GPUs)" if res.chosen else ""
+    chosen = f" (chose {', '.join(res.chosen)}: {_chose_why(res)})" if res.chosen else ""
     host = res.host_bytes
+    seq_note = "" if res.seq_asked else ", flat's max context on this layout"
     lines = [
         f"megatron-flat plan: {res.model.name} - {res.model.describe()}",
         f"layout: {lay.describe()}{chosen}",
-        f"sequence: {format_tokens(res.seq_len)} = {res.seq_len:,} tokens ({base.tokens:,} per "
-        f"CP rank, {base.tokens_sp:,} per TP rank); routing skew {res.skew:g}",
+        f"sequence: {format_tokens(res.seq_len)} = {res.seq_len:,} tokens{seq_note} "
+        f"({base.tokens:,} per CP rank, {base.tokens_sp:,} per TP rank); routing skew "
+        f"{res.skew:g}",
         f"device: {format_bytes(res.device_bytes)}, usable {format_bytes(res.budget)}; host: "
         + (f"{format_bytes(host)} per node of {min(lay.gpus_per_node, lay.gpus)} GPUs"
            if host else "not limited"),
-        f"baseline: {res.baseline_name} ({DESCRIPTIONS[res.baseline_name]})",
+        f"baseline: {res.baseline_name} ({DESCRIPTIONS[res.baseline_name]}), on this layout",
         "",
         f"{'peak per GPU':34s}{'baseline':>14s}{'flat':>14s}",
     ]
@@ -411,30 +628,12 @@ def render_table(res: PlanResult) -> str:
     flags = flat_flags(res.flat)
     if flags:
         lines.append("  flags: " + flags)
-    mc = res.reach
-
-    def tokens(n: int) -> str:
-        return format_tokens(n) if n else "none"
-
-    lines.append(f"max context: flat {tokens(mc.flat)} (multiples of {mc.granularity:,} "
-                 "tokens); baselines (what runs without megatron-flat):")
-    lines.append(f"  {'baseline':22s}{'step peak':>12s}{'fits':>6s}{'max context':>13s}"
-                 f"{'host/GPU':>12s}{'predicted step':>16s}")
-    for name, rep in res.baselines.items():
-        if rep is None:
-            lines.append(f"  {name:22s}not for this layout: {res.not_allowed[name]}")
-            continue
-        lines.append(f"  {name:22s}{format_bytes(rep.total):>12s}{yes[res.fits(rep)]:>6s}"
-                     f"{tokens(mc.baselines.get(name, 0)):>13s}"
-                     f"{format_bytes(rep.host_per_device):>12s}"
-                     f"{format_seconds(res.baseline_step_s(name)):>16s}")
-    best, ratio = res.strongest, mc.ratio()
-    if best is not None:
-        reach_text = (f"flat reaches {ratio:.2f}x its context" if ratio is not None
-                      else "no baseline fits at any length")
-        lines.append(f"  strongest: {best}; {reach_text}")
-    if not mc.baselines.get(res.baseline_name) and base.optimizer > res.budget:
-        lines.append(f"  ({res.baseline_name}: the optimizer/model state alone, "
+    lines.append("")
+    lines += _layouts_section(res)
+    lines.append("")
+    lines += _baselines_section(res)
+    if not res.reach.baselines.get(res.baseline_name) and base.optimizer > res.budget:
+        lines.append(f"  ({res.baseline_name} on this layout: the optimizer/model state alone, "
                      f"{format_bytes(base.optimizer)}, exceeds the usable "
                      f"{format_bytes(res.budget)})")
     lines.append("step peak = optimizer/model state + boundaries + max(dispatch + other, vocab)")
@@ -450,7 +649,7 @@ def render_table(res: PlanResult) -> str:
                      f"{format_seconds(pair['flat'].total_s):>12s}   "
                      f"{_cost(pair['baseline'].total_s, pair['flat'].total_s)}, "
                      f"{_binds(pair['flat'])}")
-    step = {v: step_seconds(times, v, res.microbatches) for v in ("baseline", "flat")}
+    step = {v: step_seconds(times, v, res.microbatches, lay.pp) for v in ("baseline", "flat")}
     label = f"step ({res.microbatches} microbatch{'es' if res.microbatches != 1 else ''})"
     lines.append(f"  {label:36s}{format_seconds(step['baseline']):>12s}"
                  f"{format_seconds(step['flat']):>12s}   "

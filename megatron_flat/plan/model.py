@@ -3,8 +3,8 @@
 Both are plain frozen dataclasses. Models come from presets (``preset(name)``), a Hugging Face
 ``config.json`` (``model_from_hf_config``) or Megatron-LM's parsed arguments
 (``model_from_megatron_args``; ``layout_from_megatron_args`` for the layout). ``default_layout``
-picks a layout for a GPU count when the user gives none. Bad input raises ``PlanError`` with a
-message that says what to change.
+is one layout for a GPU count without a search (the CLI searches them: ``plan.layouts``). Bad
+input raises ``PlanError`` with a message that says what to change.
 """
 
 from __future__ import annotations

@@ -25,7 +25,12 @@ def test_table_for_the_paper_family(capsys, name, gpus):
     rc, out, err = run(capsys, ["--model", name] + PAPER + STOCK)
     assert rc == 0, err
     assert f"megatron-flat plan: {name}" in out
-    assert f"{gpus} GPUs = TP 8" in out
+    # The layout is searched, not fixed: the layout line says so and shows the JSON's choice.
+    rc, js, _ = run(capsys, ["--model", name, "--json"] + PAPER + STOCK)
+    lay = json.loads(js)["layout"]
+    assert (f"layout: {gpus} GPUs = TP {lay['tp']} x CP {lay['cp']} x PP {lay['pp']} x DP "
+            f"{lay['dp']}, EP {lay['ep']}") in out
+    assert "(chose TP, CP, PP, EP: the fastest predicted step where flat fits 1M" in out
     for label in ("dispatch (MoE layer transient)", "vocab (projection + loss)",
                   "checkpoint boundaries on device", "optimizer/model state",
                   "attention/other activations", "step peak", "binding term",
@@ -132,7 +137,9 @@ def test_hf_config_path(capsys, tmp_path):
     (["--model", "gpt-oss-20b"] + PAPER, "give --gpus"),
     (["--model", "paper-667b", "--seq", "1MB", "--gpu-mem", "141GiB"], "token count"),
     (["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "lots"], "memory size"),
-    (["--model", "paper-667b", "--seq", "1000", "--gpu-mem", "141GiB"], "multiple of 2·CP"),
+    # A searched layout picks a CP that splits 1000 tokens; a fixed CP 8 cannot.
+    (["--model", "paper-667b", "--seq", "1000", "--gpu-mem", "141GiB", "--cp", "8"],
+     "multiple of 2·CP"),
     (["--model", "missing/config.json"] + PAPER, "does not exist"),
 ])
 def test_bad_input_gives_a_clear_error(capsys, argv, message):
@@ -194,10 +201,12 @@ def test_predicted_time_json_and_device_flag(capsys):
 
 
 def test_predicted_step_time_scales_with_microbatches(capsys):
-    rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json"] + PAPER)
+    # On one layout (the search may pick another for a larger batch, where DP can grow).
+    fixed = ["--layout", "tp=8,cp=8,pp=1,ep=64"]
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json"] + fixed + PAPER)
     one = json.loads(out)["predicted_time"]
     rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on", "--json",
-                              "--microbatches", "4"] + PAPER)
+                              "--microbatches", "4"] + fixed + PAPER)
     four = json.loads(out)["predicted_time"]
     for variant in ("baseline", "flat"):
         opt = one["units"]["optimizer"][variant]["total_s"]
@@ -241,10 +250,16 @@ def test_baseline_flag_and_its_refusal(capsys):
                               "megatron-cpu-offload"] + PAPER)
     data = json.loads(out)
     assert rc == 0 and data["baseline_name"] == "megatron-cpu-offload"
-    assert data["baseline"]["total"] == data["baselines"]["megatron-cpu-offload"]["total"]
-    # Without the distributed optimizer Megatron's CPU offload cannot run.
     from megatron_flat.plan import Layout, estimate, preset
     from megatron_flat.plan.model import PlanError
+
+    # The peak table's column is that baseline on the chosen layout (the baselines table
+    # has it on its own best layout).
+    lay = {k: data["layout"][k] for k in ("tp", "cp", "pp", "dp", "ep")}
+    on_layout = estimate(preset("paper-120b"), Layout(**lay), 1 << 20,
+                         baseline="megatron-cpu-offload")
+    assert data["baseline"]["total"] == on_layout.total
+    # Without the distributed optimizer Megatron's CPU offload cannot run.
 
     with pytest.raises(PlanError, match="distributed optimizer"):
         estimate(preset("paper-120b"), Layout(tp=8, cp=2, ep=16, distributed_optimizer=False),
@@ -253,8 +268,13 @@ def test_baseline_flag_and_its_refusal(capsys):
         estimate(preset("paper-120b"), Layout(tp=8, cp=2, ep=16), 1 << 17, baseline="zero3")
 
 
+def _layout_text(lay):
+    return f"TP {lay['tp']} CP {lay['cp']} PP {lay['pp']} DP {lay['dp']} EP {lay['ep']}"
+
+
 def test_readme_reach_table_is_what_the_planner_prints(capsys):
-    """README "The paper's three configurations at 1M tokens": every row is the planner's."""
+    """README "The paper's three configurations at 1M tokens": every row is the planner's,
+    each run on its own layout."""
     import pathlib
     import re
 
@@ -263,28 +283,58 @@ def test_readme_reach_table_is_what_the_planner_prints(capsys):
     text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text.split("### The paper's three configurations at 1M tokens", 1)[1]
     rows = [line for line in section.split("\n\n", 3)[2].splitlines() if line.startswith("|")]
+    assert rows[0].count("|") == 9 and "layout" in rows[0]
     table, model = {}, None
     for line in rows[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0]:
             model = cells[0].split(",")[0]
-        table[(model, cells[1].strip("*"))] = cells[2:]
-    assert len(table) == 12
+        table[(model, cells[1].replace("*", ""))] = cells[2:]
+
+    def tokens(n):
+        return format_tokens(n) if n else "none"
+
+    def check(row, layout, entry):
+        lay, peak, fits, reach, host, step = row
+        assert lay == _layout_text(layout)
+        assert peak == format_bytes(entry["total"])
+        assert fits == ("yes" if entry["fits"] else "no")
+        assert reach == tokens(entry["max_context"])
+        assert host == format_bytes(entry["host_bytes"])
+        assert step == f"{entry['predicted_step_s']:.2f} s"
+
+    seen = 0
     for name in ("paper-120b", "paper-241b", "paper-667b"):
         rc, out, _ = run(capsys, ["--model", name, "--json"] + PAPER)
         data = json.loads(out)
         for baseline, entry in data["baselines"].items():
-            peak, fits, reach, host, step = table[(name, baseline)]
-            assert peak == format_bytes(entry["total"])
-            assert fits == ("yes" if entry["fits"] else "no")
-            assert reach == (format_tokens(entry["max_context"]) if entry["max_context"]
-                             else "none")
-            assert host == format_bytes(entry["host_bytes"])
-            assert step == f"{entry['predicted_step_s']:.2f} s"
-        peak, fits, reach, host, step = table[(name, "megatron-flat")]
+            check(table[(name, baseline)], entry["layout"], entry)
+        check(table[(name, "fsdp2-offload, as the paper ran it")],
+              data["paper_baseline"]["layout"], data["paper_baseline"])
+        seen += len(data["baselines"]) + 1
+        # flat on the chosen layout; its reach (bold, with the ratio) on its best layout
+        best = data["layouts"]["flat"][0]
+        same = all(best[k] == data["layout"][k] for k in ("tp", "cp", "pp", "dp", "ep"))
+        row = table[(name, "megatron-flat" if same else "megatron-flat, fastest at 1M")]
+        lay, peak, fits, reach, host, step = row
+        assert lay == _layout_text(data["layout"])
         assert peak == format_bytes(data["flat"]["total"]) and fits == "yes"
-        flat_reach = re.match(r"\*\*(\S+) \(([\d.]+)×\)\*\*", reach)
-        assert flat_reach.group(1) == format_tokens(data["max_context"]["flat"])
-        assert float(flat_reach.group(2)) == pytest.approx(data["reach_ratio"], abs=0.005)
         assert host == format_bytes(data["host_bytes"]["flat_per_device"])
         assert step == f"{data['predicted_time']['step_s']['flat']:.2f} s"
+        if not same:
+            assert reach == tokens(data["max_context_on_layout"]["flat"])
+            fixed = ",".join(f"{k}={best[k]}" for k in ("tp", "cp", "pp", "ep"))
+            rc, out, _ = run(capsys, ["--model", name, "--json", "--layout", fixed] + PAPER)
+            at_best = json.loads(out)
+            row = table[(name, "megatron-flat, longest reach")]
+            lay, peak, fits, reach, host, step = row
+            assert lay == _layout_text(best)
+            assert peak == format_bytes(at_best["flat"]["total"]) and fits == "yes"
+            assert host == format_bytes(at_best["host_bytes"]["flat_per_device"])
+            assert step == f"{at_best['predicted_time']['step_s']['flat']:.2f} s"
+            seen += 1
+        flat_reach = re.match(r"\*\*(\S+) \(([\d.]+)×\)\*\*$", reach)
+        assert flat_reach.group(1) == format_tokens(data["max_context"]["flat"])
+        assert float(flat_reach.group(2)) == pytest.approx(data["reach_ratio"], abs=0.005)
+        seen += 1
+    assert len(table) == seen
