@@ -99,3 +99,24 @@ def benchmark_script():
         return module
 
     return load
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tear the process groups down before the interpreter exits.
+
+    Every Megatron layout a test visits leaves gloo groups whose transport threads would
+    otherwise still be running while the interpreter finalises, which can abort the process
+    ("terminate called without an active exception") after every test has passed. Local
+    only: no collective, so a rank whose peers already left does not wait for them.
+    """
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if "megatron.core.parallel_state" in sys.modules:
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+    dist.destroy_process_group()
