@@ -43,7 +43,8 @@ def _to_global(parts, cp: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("groups", [4, 2])
-def test_cp2_equals_single_rank(groups, megatron_cpu):
+def test_cp_equals_single_rank(groups, megatron_cpu):
+    """CP = the world (2 here; 4 in the world-4 file, which runs this same test)."""
     cp = dist.get_world_size()
     seq, b, heads, dim = 24, 2, 4, 16
     gen = torch.Generator().manual_seed(7)
