@@ -11,7 +11,9 @@ backend, at the tiny shape ARGS give:
 * **flat**: ARGS as given.
 
 Both runs get the same overrides, printed before they start: ``--train-iters`` (``--iters``),
-``--log-interval 1``, ``--distributed-backend gloo``; ``--save`` / ``--load`` and logging
+``--log-interval 1``, ``--distributed-backend gloo``, and under context parallelism
+``--attention-dropout 0`` (the CPU backend's CP core attention has no dropout; Megatron-LM's
+default is 0.1); ``--save`` / ``--load`` and logging
 destinations are dropped, so a production line can be rehearsed as it is (given tiny shapes
 and ``--mock-data``); SCO's host budget is capped (``--host-budget-gib``), because the CPU
 allocates it as plain memory.
@@ -94,6 +96,34 @@ def strip_options(args: Sequence[str], arities: Dict[str, int]) -> Tuple[List[st
     return kept, removed
 
 
+def _last_value(args: Sequence[str], name: str) -> Optional[str]:
+    """The value the last ``name`` in ``args`` gives (argparse's rule), or None if absent."""
+    value = None
+    for i, token in enumerate(args):
+        option, inline = _split_option(token)
+        if option == name:
+            value = inline if inline is not None else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def _context_parallel(args: Sequence[str]) -> int:
+    try:
+        return int(_last_value(args, "--context-parallel-size") or 1)
+    except ValueError:
+        return 1
+
+
+MEGATRON_ATTENTION_DROPOUT = 0.1  # Megatron-LM's --attention-dropout default
+
+
+def _attention_dropout(args: Sequence[str]) -> float:
+    value = _last_value(args, "--attention-dropout")
+    try:
+        return MEGATRON_ATTENTION_DROPOUT if value is None else float(value)
+    except ValueError:
+        return MEGATRON_ATTENTION_DROPOUT
+
+
 def flat_config_of(args: Sequence[str]) -> FlatConfig:
     """The FlatConfig ``args`` ask for (other flags ignored); raises RehearsalError if bad."""
     parser = add_flat_args(argparse.ArgumentParser(add_help=False))
@@ -122,6 +152,12 @@ def launch_lines(args: Sequence[str], *, iters: int, host_budget_gib: float) -> 
     if iters > 0:
         overrides = ["--train-iters", str(iters)] + overrides
     notes.append("added to both runs: " + " ".join(overrides))
+    if _context_parallel(common) > 1 and _attention_dropout(common) != 0.0:
+        # The CPU backend's CP core attention (ContextParallelCoreAttention) has no attention
+        # dropout; transformer-engine's, which a GPU run uses, has. Both runs lose it alike.
+        overrides += ["--attention-dropout", "0"]
+        notes.append("added to both runs: --attention-dropout 0 (the CPU backend's context-"
+                     "parallel attention has no dropout; transformer-engine's on a GPU has)")
     common = list(common) + overrides
     flat = flat_config_of(common)
     flat_args = list(common)

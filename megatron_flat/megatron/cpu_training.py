@@ -94,6 +94,8 @@ class _CpuViewFinder(importlib.abc.MetaPathFinder):
         def exec_module(module):
             execute(module)
             _give_cpu_view(module)
+            for fix in _IMPORT_FIXES:
+                fix(module)
 
         loader.exec_module = exec_module
         return spec
@@ -110,12 +112,33 @@ def _give_cpu_view(module) -> None:
             module.torch = cpu._torch_proxy()
 
 
-def _cpu_view_everywhere() -> None:
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.") and module is not None:
-            _give_cpu_view(module)
+def _megatron_modules():
+    return [m for name, m in list(sys.modules.items())
+            if name.startswith("megatron.") and m is not None]
+
+
+def _install_finder() -> None:
     if not any(isinstance(f, _CpuViewFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _CpuViewFinder())
+
+
+def _cpu_view_everywhere() -> None:
+    for module in _megatron_modules():
+        _give_cpu_view(module)
+    _install_finder()
+
+
+# Per-module fixes run on every megatron.* module loaded so far and on each one loaded later,
+# right after it executes (before anything imports names from it).
+_IMPORT_FIXES: List = []
+
+
+def _on_import(fix) -> None:
+    if fix not in _IMPORT_FIXES:
+        _IMPORT_FIXES.append(fix)
+    for module in _megatron_modules():
+        fix(module)
+    _install_finder()
 
 
 def _cuda_identity() -> None:
@@ -174,6 +197,42 @@ def _no_fused_kernels() -> None:
     fused_kernels.load = lambda *args, **kwargs: None
 
 
+# ---------------------------------------------------------------------------- validation
+# What get_device_arch_version() answers on the CPU: the first architecture (Blackwell) without
+# the one-hardware-queue requirement (CUDA_DEVICE_MAX_CONNECTIONS=1) that validate_args asserts
+# for TP > 1 or CP > 1; a CPU has no such queues.
+CPU_ARCH_VERSION = 10
+
+
+def _has_training_code() -> bool:
+    # find_spec of megatron.training imports only its parent: the training package itself must
+    # not be imported here (its import binds get_forward_backward_func, which the rehearsal's
+    # probe wraps later).
+    return _has_module("megatron.training")
+
+
+def _cpu_get_device_arch_version():
+    """The CPU's answer (``CPU_ARCH_VERSION``); Megatron reads cuda:0's properties."""
+    return CPU_ARCH_VERSION
+
+
+_cpu_get_device_arch_version._megatron_flat = True
+
+
+def _answer_arch_in(module) -> None:
+    # Defined in megatron.training.utils (0.16) or .utils.common_utils (0.19) and bound by name
+    # wherever it is imported (arguments.py): every binding is replaced as its module loads.
+    if not module.__name__.startswith("megatron.training"):
+        return
+    found = getattr(module, "get_device_arch_version", None)
+    if callable(found) and not getattr(found, "_megatron_flat", False):
+        module.get_device_arch_version = _cpu_get_device_arch_version
+
+
+def _cpu_arch_version() -> None:
+    _on_import(_answer_arch_in)
+
+
 PATCHES: List[Patch] = [
     Patch("typing.override", "Megatron-LM's training code from 0.19 on imports Python 3.12's "
           "typing.override; on Python 3.11 it is an identity decorator.",
@@ -191,6 +250,11 @@ PATCHES: List[Patch] = [
           _compile_helpers_here, _builds_dataset_helper),
     Patch("no fused kernels", "megatron.legacy.fused_kernels.load builds CUDA extensions.",
           _no_fused_kernels, _has_fused_kernels),
+    Patch("device architecture on CPU", "validate_args asks get_device_arch_version() "
+          "(cuda:0's properties) whenever TP or CP > 1, to require "
+          "CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell; the CPU answers "
+          f"{CPU_ARCH_VERSION}, an architecture without that requirement.",
+          _cpu_arch_version, _has_training_code),
 ]
 
 

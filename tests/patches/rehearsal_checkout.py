@@ -64,6 +64,7 @@ def _parser():
         ("--global-batch-size", int, 8), ("--num-experts", int, 4),
         ("--moe-router-topk", int, 2), ("--expert-model-parallel-size", int, 1),
         ("--tensor-model-parallel-size", int, 1), ("--context-parallel-size", int, 1),
+        ("--attention-dropout", float, 0.0),
         ("--train-iters", int, 100),
         ("--log-interval", int, 10), ("--lr", float, 1e-3), ("--seed", int, 1234),
         ("--vocab-size", int, 128), ("--distributed-backend", str, "nccl"),
@@ -149,7 +150,8 @@ def tiny_of(args):
                    topk=args.moe_router_topk, moe_ffn_hidden_size=args.hidden_size,
                    vocab_size=args.vocab_size, seq_length=args.seq_length,
                    micro_batch_size=args.micro_batch_size,
-                   global_batch_size=args.global_batch_size, seed=args.seed, data="zipf")
+                   global_batch_size=args.global_batch_size, seed=args.seed, data="zipf",
+                   attention_dropout=args.attention_dropout)
 
 
 def build_gpt(args, pre_process=True, post_process=True):

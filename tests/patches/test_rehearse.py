@@ -53,6 +53,26 @@ def test_launch_lines_leave_a_small_budget_and_the_iterations_alone():
     assert not any("capped" in n for n in lines.notes)
 
 
+def test_launch_lines_turn_attention_dropout_off_under_context_parallelism():
+    """The CPU backend's CP core attention has no dropout: a CP line without
+    --attention-dropout (Megatron-LM's default is 0.1) or with a non-zero one gets 0 in both
+    runs, said in the notes; without CP, or with dropout already 0, nothing is added."""
+    for extra in ([], ["--attention-dropout", "0.1"], ["--attention-dropout=0.2"]):
+        line = checkout.LINE + ["--context-parallel-size", "2"] + extra + checkout.FLAT
+        lines = rehearse.launch_lines(line, iters=3, host_budget_gib=1.0)
+        for args in (lines.stock, lines.flat):
+            last = len(args) - 1 - args[::-1].index("--attention-dropout")
+            assert args[last + 1] == "0"
+        assert any("--attention-dropout 0 (the CPU backend's context-parallel attention"
+                   in n for n in lines.notes)
+    for line in (checkout.LINE + checkout.FLAT,
+                 checkout.LINE + ["--context-parallel-size", "2", "--attention-dropout", "0.0"],
+                 checkout.LINE + ["--context-parallel-size=1"]):
+        lines = rehearse.launch_lines(line, iters=3, host_budget_gib=1.0)
+        assert lines.stock.count("--attention-dropout") == line.count("--attention-dropout")
+        assert not any("attention-dropout" in n for n in lines.notes)
+
+
 def test_bad_flat_flags_are_refused_before_launch(tmp_path, capsys):
     script = checkout.write_checkout(tmp_path / "mlm", "0.16")
     code = rehearse.main(["--", str(script), "--flat-dispatch", "sideways"])
