@@ -9,6 +9,9 @@
 # trees go to WORK (default: a temporary directory); nothing is written to the clone.
 # Rehearsal: 2 ranks, EP 2, 2 MoE layers with the flat layer spec, full recompute, the
 # distributed optimizer, mock data, --flat-preset paper; flat losses must equal stock.
+# CP=2 (default: unset) adds --context-parallel-size 2: CP 2 x EP 2 on the same 2 ranks (DP 1),
+# the CPU backend's ContextParallelCoreAttention in both runs (the rehearsal sets
+# --attention-dropout 0 for it: it has no attention dropout).
 set -uo pipefail
 
 REPO=${1:?usage: $0 MEGATRON_LM_GIT_DIR REF...}
@@ -29,6 +32,9 @@ LINE=(
     --spec megatron_flat.megatron.spec flat_gpt_layer_spec
     --flat-preset paper
 )
+if [[ -n "${CP:-}" ]]; then
+    LINE+=(--context-parallel-size "$CP")
+fi
 
 echo "| Megatron-LM | commit | megatron-core | apply | check | rehearse | revert (byte-identical) |"
 echo "|---|---|---|---|---|---|---|"
