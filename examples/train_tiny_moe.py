@@ -347,7 +347,8 @@ def main() -> None:
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:
-                json.dump({"model": tiny.__dict__, "layout": layout_for(args).name, "flat": flat.to_dict(),
+                json.dump({"model": tiny.__dict__, "layout": layout_for(args).name,
+                           "flat": flat.to_dict(),
                            "baseline": base.device, "flat_device": on.device,
                            "flat_host": on.host, "baseline_losses": base_losses,
                            "flat_losses": flat_losses, "largest_loss_rel_diff": worst,

@@ -1,8 +1,8 @@
-"""Context parallelism at 4 ranks: CP 2 × PP 2 with 1F1B (Ring-DTP on the last stage only) and Megatron's distributed optimizer, with full recompute. Stock equals the single-rank
-model; each technique, and all four, equal stock. See ``_cp.py`` for what each test proves.
-(One layout per file: each torchrun process keeps the gloo threads of every group it made.)"""
+"""Context parallelism at 4 ranks: CP 2 × PP 2 with 1F1B (Ring-DTP on the last stage only) and
+Megatron's distributed optimizer, with full recompute. Stock equals the single-rank model; each
+technique, and all four, equal stock. See ``_cp.py`` for what each test proves. (One layout per
+file: each torchrun process keeps the gloo threads of every group it made.)"""
 
-import functools
 import importlib.util
 import pathlib
 
@@ -14,25 +14,5 @@ _spec = importlib.util.spec_from_file_location("_cp", pathlib.Path(__file__).wit
 cp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cp)
 
-LAYOUT = dict(cp=2, pp=2, recompute="full", distributed_optimizer=True)
-
-
-@functools.lru_cache(maxsize=None)
-def case():
-    from megatron_flat.testing.equivalence import Layout
-    from megatron_flat.testing.tiny_gpt import TinyMoE
-
-    return cp.CPCase(TinyMoE(), Layout(**LAYOUT))
-
-
-def test_stock_cp_equals_single_rank(megatron_cpu):
-    case().assert_stock_matches_single_rank()
-
-
-@pytest.mark.parametrize("technique", list(cp.TECHNIQUES))
-def test_technique_under_cp_equals_stock(megatron_cpu, technique):
-    case().assert_technique_matches_stock(technique)
-
-
-def test_all_four_under_cp_equal_stock(megatron_cpu):
-    case().assert_all_four_match_stock()
+globals().update(cp.layout_tests(dict(cp=2, pp=2, recompute="full",
+                                           distributed_optimizer=True)))

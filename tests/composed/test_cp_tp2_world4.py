@@ -8,7 +8,6 @@ at CP 2 × TP 2 × EP 2 (``test_cp_tp2_ep2_world4.py``). See ``_cp.py`` for what
 proves. (One layout per file: each torchrun process keeps the gloo threads of every group it
 made.)"""
 
-import functools
 import importlib.util
 import pathlib
 
@@ -20,26 +19,11 @@ _spec = importlib.util.spec_from_file_location("_cp", pathlib.Path(__file__).wit
 cp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cp)
 
-LAYOUT = dict(cp=2, tp=2, recompute="full")
-
-
-@functools.lru_cache(maxsize=None)
-def case():
-    from megatron_flat.testing.equivalence import Layout
-    from megatron_flat.testing.tiny_gpt import TinyMoE
-
-    return cp.CPCase(TinyMoE(), Layout(**LAYOUT))
-
-
-def test_stock_cp_equals_single_rank(megatron_cpu):
-    case().assert_stock_matches_single_rank()
-
-
-@pytest.mark.parametrize("technique", ["ring-dtp", "sco", "offload-adamw"])
-def test_technique_under_cp_equals_stock(megatron_cpu, technique):
-    case().assert_technique_matches_stock(technique)
+TESTS = cp.layout_tests(dict(cp=2, tp=2, recompute="full"),
+                        techniques=("ring-dtp", "sco", "offload-adamw"))
+globals().update(TESTS)
 
 
 def test_pipelined_llep_refuses_expert_tp(megatron_cpu):
     with pytest.raises(ValueError, match="expert_tensor_parallel_size"):
-        case().assert_technique_matches_stock("pipelined-llep")
+        TESTS["case"]().assert_technique_matches_stock("pipelined-llep")
