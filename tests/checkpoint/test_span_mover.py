@@ -37,3 +37,25 @@ def test_released_bytes_are_reused_only_after_their_reload_landed():
     assert delayed_copy_count() - before >= 3      # the copies really were late
     assert torch.equal(got, a)
     assert pool.used_bytes == 0
+
+
+def test_synchronize_means_every_copy_has_landed():
+    """After ``synchronize`` a span's host bytes hold the offloaded data and a reload's buffer
+    holds the span's, with no event waited on by the caller; without the side streams'
+    synchronisation both would still be poison under delayed copies."""
+    pool = HostPool(4 * N, alignment=N)
+    mover = SpanMover(pool)
+    a = torch.arange(N, dtype=torch.int64).remainder(241).to(torch.uint8)
+    b = torch.arange(N, dtype=torch.int64).remainder(239).to(torch.uint8)
+    with delayed_copies():
+        span_a, span_b = mover.offload(a), mover.offload(b)
+        assert span_a is not None and span_b is not None
+        buffer, _ = mover.reload(span_a)
+        mover.synchronize()
+        host_b, got = span_b.host.clone(), buffer.clone()
+        mover.release(span_a)
+        mover.release(span_b)
+        mover.synchronize()
+    assert torch.equal(host_b, b)
+    assert torch.equal(got, a)
+    assert pool.used_bytes == 0
