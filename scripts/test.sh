@@ -32,6 +32,15 @@ rc=$?
 [ $rc -eq 5 ] && [ $# -gt 0 ] && rc=0
 check "delayed-copies tests" $rc
 
+# The mutation suite: each CPU-killable mutant (a wait removed, a record dropped, ...; see
+# scripts/mutants.py) applied to a copy of the tree must make its test selection fail. Only for
+# the whole suite (a -k selection skips it).
+if [ $# -eq 0 ]; then
+  echo "== mutation suite (scripts/mutants.py)"
+  "$PY" scripts/mutants.py
+  check "mutation suite" $?
+fi
+
 # One torchrun per multi-rank test file (files end in _world2.py / _world4.py): every
 # Megatron layout creates fresh gloo process groups, whose transport threads live as long
 # as the process, so one process per file keeps their number (and the CPU they steal) small.
