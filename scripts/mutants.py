@@ -133,6 +133,16 @@ MUTANTS: List[Mutant] = [
            "        pass  # mutant: caller does not wait for the write-back\n", OPT_RACES),
 ]
 
+# The skip decision: every rank agrees on a non-finite gradient before the offloaded step.
+MUTANTS += [
+    Mutant("optimizer.non-finite-check-reads-grad", "megatron_flat/megatron/optimizer.py",
+           '    attr = getattr(inner, "grad_attr", "grad")  # precision-aware: decoupled_grad\n',
+           '    attr = "grad"  # mutant: decoupled_grad ignored\n',
+           ("tests/optim/test_megatron_offload_world2.py::"
+            "test_inf_gradient_skips_the_step_everywhere[distopt-bf16]",), world=2,
+           delayed=False),
+]
+
 # Waits and synchronisations in the covered packages that have no mutant, and why.
 NO_MUTANT: Dict[str, str] = {
     "megatron_flat/runtime/streams.py": "the stream/event layer itself: every call above goes "
