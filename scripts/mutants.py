@@ -60,6 +60,11 @@ def _drop(line: str) -> str:
     return f"{indent}pass  # mutant: {line.strip()}"
 
 
+def drop(name: str, path: str, line: str, tests: Tuple[str, ...], **kw) -> Mutant:
+    """The mutant that removes ``line`` (one whole line, as it stands in ``path``)."""
+    return Mutant(name, path, line + "\n", _drop(line) + "\n", tests, **kw)
+
+
 SPAN_MOVER = ("tests/checkpoint/test_span_mover.py",)
 SCO_RACES = ("tests/checkpoint/test_races.py", "tests/checkpoint/test_span_mover.py")
 OPT_RACES = ("tests/optim/test_races.py",)
@@ -82,27 +87,21 @@ MUTANTS: List[Mutant] = [
     Mutant("transfer.drain-wait-skipped", TRANSFER,
            "            if wait:\n                event.synchronize()\n",
            "            if wait:\n                pass  # mutant: no synchronize\n", SPAN_MOVER),
-    Mutant("transfer.offload-ignores-producer", TRANSFER,
-           "        d2h.wait_stream(current_stream(src.device))\n",
-           _drop("        d2h.wait_stream(current_stream(src.device))") + "\n", SCO_RACES,
-           gpu_only=_INLINE_PRODUCER),
-    Mutant("transfer.offload-source-not-recorded", TRANSFER,
-           "        record_stream(src, d2h)\n", _drop("        record_stream(src, d2h)") + "\n",
-           SCO_RACES, gpu_only=_ALLOCATOR),
-    Mutant("transfer.reload-ignores-consumer", TRANSFER,
-           "        h2d.wait_stream(current_stream(span.device))\n",
-           _drop("        h2d.wait_stream(current_stream(span.device))") + "\n", SCO_RACES,
-           gpu_only="the reload buffer is new; on CPU nothing on the current stream can "
-                    "still be using it"),
-    Mutant("transfer.reload-before-offload-landed", TRANSFER,
-           "        h2d.wait_event(span.offloaded)\n",
-           _drop("        h2d.wait_event(span.offloaded)") + "\n", SCO_RACES),
-    Mutant("transfer.reload-buffer-not-recorded", TRANSFER,
-           "        record_stream(buffer, h2d)\n",
-           _drop("        record_stream(buffer, h2d)") + "\n", SCO_RACES, gpu_only=_ALLOCATOR),
-    Mutant("transfer.release-ignores-reload", TRANSFER,
-           "            span.last_copy = event\n",
-           _drop("            span.last_copy = event") + "\n", SPAN_MOVER),
+    drop("transfer.offload-ignores-producer", TRANSFER,
+         "        d2h.wait_stream(current_stream(src.device))", SCO_RACES,
+         gpu_only=_INLINE_PRODUCER),
+    drop("transfer.offload-source-not-recorded", TRANSFER,
+         "        record_stream(src, d2h)", SCO_RACES, gpu_only=_ALLOCATOR),
+    drop("transfer.reload-ignores-consumer", TRANSFER,
+         "        h2d.wait_stream(current_stream(span.device))", SCO_RACES,
+         gpu_only="the reload buffer is new; on CPU nothing on the current stream can "
+                  "still be using it"),
+    drop("transfer.reload-before-offload-landed", TRANSFER,
+         "        h2d.wait_event(span.offloaded)", SCO_RACES),
+    drop("transfer.reload-buffer-not-recorded", TRANSFER,
+         "        record_stream(buffer, h2d)", SCO_RACES, gpu_only=_ALLOCATOR),
+    drop("transfer.release-ignores-reload", TRANSFER,
+         "            span.last_copy = event", SPAN_MOVER),
     Mutant("transfer.synchronize-skips-side-streams", TRANSFER,
            "            d2h.synchronize()\n            h2d.synchronize()\n",
            "            pass  # mutant: side streams not synchronized\n", SCO_RACES),
@@ -113,21 +112,17 @@ MUTANTS: List[Mutant] = [
            "        with torch.no_grad():\n            return rebuild(",
            ("tests/checkpoint/test_races.py",)),
     # -- optim/pipeline.py: OffloadStreamAdamW's slots --------------------------------------
-    Mutant("pipeline.streams-ignore-caller", PIPELINE,
-           "            stream.wait_stream(caller)\n",
-           _drop("            stream.wait_stream(caller)") + "\n", OPT_RACES,
-           gpu_only="on CPU the caller's work (the gradients) is complete when step() starts"),
-    Mutant("pipeline.upload-into-busy-slot", PIPELINE,
-           "                self.upload.wait_event(slot.free)\n",
-           _drop("                self.upload.wait_event(slot.free)") + "\n", OPT_RACES),
-    Mutant("pipeline.update-before-upload", PIPELINE,
-           "                self.compute.wait_event(slot.uploaded)\n",
-           _drop("                self.compute.wait_event(slot.uploaded)") + "\n", OPT_RACES),
-    Mutant("pipeline.writeback-before-update", PIPELINE,
-           "                self.writeback.wait_event(slot.updated)\n",
-           _drop("                self.writeback.wait_event(slot.updated)") + "\n", OPT_RACES,
-           gpu_only="only copies are delayed on CPU; the update runs inline, so the write-back "
-                    "always reads the updated slot"),
+    drop("pipeline.streams-ignore-caller", PIPELINE,
+         "            stream.wait_stream(caller)", OPT_RACES,
+         gpu_only="on CPU the caller's work (the gradients) is complete when step() starts"),
+    drop("pipeline.upload-into-busy-slot", PIPELINE,
+         "                self.upload.wait_event(slot.free)", OPT_RACES),
+    drop("pipeline.update-before-upload", PIPELINE,
+         "                self.compute.wait_event(slot.uploaded)", OPT_RACES),
+    drop("pipeline.writeback-before-update", PIPELINE,
+         "                self.writeback.wait_event(slot.updated)", OPT_RACES,
+         gpu_only="only copies are delayed on CPU; the update runs inline, so the write-back "
+                  "always reads the updated slot"),
     Mutant("pipeline.caller-ignores-writeback", PIPELINE,
            "        caller.wait_stream(self.writeback)\n        self.writeback.synchronize()\n",
            "        pass  # mutant: caller does not wait for the write-back\n", OPT_RACES),
