@@ -514,6 +514,8 @@ _ROPE_MODULES = (
 def _cp_rotary_slice_on_cpu() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
+    from megatron_flat.megatron.cpu_context_attention import load_balanced_chunks
+
     original = rope_utils.get_pos_emb_on_this_cp_rank
     if getattr(original, "_megatron_flat", False):
         return
@@ -525,8 +527,8 @@ def _cp_rotary_slice_on_cpu() -> None:
         # the ledger counts the 16-byte upload a GPU makes.
         if pos_emb.device.type != "cpu" or cp_group is None:
             return original(pos_emb, seq_dim, cp_group)
-        size, rank = cp_group.size(), cp_group.rank()
-        index = torch.tensor([rank, 2 * size - rank - 1])
+        size = cp_group.size()
+        index = torch.tensor(load_balanced_chunks(cp_group.rank(), size))
         ledger.record_transfer(h2d_bytes=index.numel() * index.element_size())
         shape = pos_emb.shape
         chunks = pos_emb.view(*shape[:seq_dim], 2 * size, -1, *shape[seq_dim + 1:])

@@ -58,14 +58,35 @@ def state_mismatches(flat_state, stock_state, atol: float) -> List[str]:
     return out
 
 
+def what_ran(trainer) -> dict:
+    """What a trainer's run really exercised on this rank: flat MoE layers, the most chunks a
+    dispatch used, graph-only recomputes, the Ring-DTP module, boundaries SCO offloaded,
+    whether every inner optimizer is OffloadStreamAdamW, and the CP size."""
+    from megatron_flat.megatron.moe import FlatMoELayer
+    from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW, inner_optimizers
+    from megatron_flat.megatron.vocab import ring_dtp_output
+
+    model = trainer.model
+    layers = [m for m in model.modules() if isinstance(m, FlatMoELayer)]
+    return {
+        "flat_moe_layers": len(layers),
+        "chunks": max((m.flat_dispatch.last.num_chunks for m in layers), default=0),
+        "graph_only_calls": sum(m.flat_dispatch.verdict.graph_only_calls for m in layers),
+        "ring_dtp": ring_dtp_output(model) is not None,
+        "post_process": bool(model.post_process),
+        "boundaries_offloaded": 0 if trainer.sco is None
+        else trainer.sco.stats.boundaries_offloaded,
+        "offload_inners": all(isinstance(o, MegatronOffloadStreamAdamW)
+                              for o in inner_optimizers(trainer.optimizer)),
+        "cp_size": trainer.cp_size,
+    }
+
+
 def run_composed(tiny, layout, reference=None, stock=None):
     """Run the layout with every technique off, then on; returns (stock, flat, used), where
     ``used`` says what the flat run really exercised on this rank. ``reference`` (for its
     initial weights) and ``stock`` (a run of ``layout`` from them, ``STEPS`` steps) are made
     here unless given."""
-    from megatron_flat.megatron.moe import FlatMoELayer
-    from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW, inner_optimizers
-    from megatron_flat.megatron.vocab import ring_dtp_output
     from megatron_flat.testing.equivalence import run_layout, run_reference
 
     if reference is None:
@@ -74,20 +95,8 @@ def run_composed(tiny, layout, reference=None, stock=None):
         stock = run_layout(tiny, layout, reference, steps=STEPS)
     used = {}
 
-    def inspect(trainer):
-        model = trainer.model
-        used["flat_moe_layers"] = sum(isinstance(m, FlatMoELayer) for m in model.modules())
-        used["chunks"] = max((m.flat_dispatch.last.num_chunks for m in model.modules()
-                              if isinstance(m, FlatMoELayer)), default=0)
-        used["graph_only_calls"] = sum(m.flat_dispatch.verdict.graph_only_calls
-                                       for m in model.modules() if isinstance(m, FlatMoELayer))
-        used["ring_dtp"] = ring_dtp_output(model) is not None
-        used["post_process"] = bool(model.post_process)
-        used["boundaries_offloaded"] = trainer.sco.stats.boundaries_offloaded
-        inners = inner_optimizers(trainer.optimizer)
-        used["offload_inners"] = all(isinstance(o, MegatronOffloadStreamAdamW) for o in inners)
-
-    flat = run_layout(tiny, layout, reference, steps=STEPS, flat=FLAT, inspect=inspect)
+    flat = run_layout(tiny, layout, reference, steps=STEPS, flat=FLAT,
+                      inspect=lambda trainer: used.update(what_ran(trainer)))
     return stock, flat, used
 
 

@@ -71,26 +71,6 @@ def bitwise_mismatches(got, want) -> List[str]:
     return out
 
 
-def _used(trainer) -> dict:
-    from megatron_flat.megatron.moe import FlatMoELayer
-    from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW, inner_optimizers
-    from megatron_flat.megatron.vocab import ring_dtp_output
-
-    model = trainer.model
-    layers = [m for m in model.modules() if isinstance(m, FlatMoELayer)]
-    return {
-        "flat_moe_layers": len(layers),
-        "chunks": max((m.flat_dispatch.last.num_chunks for m in layers), default=0),
-        "ring_dtp": ring_dtp_output(model) is not None,
-        "post_process": bool(model.post_process),
-        "boundaries_offloaded": 0 if trainer.sco is None
-        else trainer.sco.stats.boundaries_offloaded,
-        "offload_inners": all(isinstance(o, MegatronOffloadStreamAdamW)
-                              for o in inner_optimizers(trainer.optimizer)),
-        "cp_size": trainer.cp_size,
-    }
-
-
 def _check_used(name: str, used: dict, layout) -> None:
     assert used["cp_size"] == layout.cp, used
     if name == "pipelined-llep":
@@ -143,7 +123,7 @@ class CPCase:
         used = {}
         flat = run_layout(self.tiny, self.layout, self.reference, steps=STEPS,
                           flat=technique["flat"],
-                          inspect=lambda trainer: used.update(_used(trainer)))
+                          inspect=lambda trainer: used.update(composed.what_ran(trainer)))
         _check_used(name, used, self.layout)
         if technique["exact"]:
             problems = bitwise_mismatches(flat, self.stock)
