@@ -22,6 +22,14 @@ from megatron_flat.testing.training import LR, Layout, Trainer
 # buckets and parameters are split across bucket boundaries.
 FLAT = FlatConfig(optimizer_offload=True, optimizer_bucket_numel=10_000, optimizer_num_slots=2)
 BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+FP16 = dict(fp16=True, params_dtype=torch.float16, pipeline_dtype=torch.float16)
+# fp16's loss scaling: Megatron's DynamicGradScaler (OptimizerConfig.loss_scale=None). The
+# initial scale keeps the tiny model's scaled fp16 gradients (max ~250) far from fp16's
+# 65504, so no step of these runs overflows by itself (with Megatron's default 2**32 every
+# early step would, and be skipped until the scale had backed off); hysteresis 1 backs the
+# scale off on the first overflow, so a skipped step shows in the scale.
+FP16_SCALER = dict(loss_scale=None, initial_loss_scale=2.0 ** 12, min_loss_scale=1.0,
+                   loss_scale_window=1000, hysteresis=1)
 WEIGHT_DECAY = 0.1
 
 LAYOUTS = {
@@ -31,12 +39,17 @@ LAYOUTS = {
 
 
 def make_trainer(tiny, layout: Layout, *, offload: bool, bf16: bool = False,
+                 fp16: bool = False,
                  init: Optional[Dict[str, torch.Tensor]] = None) -> Trainer:
     """A Trainer whose optimizer has Megatron's stock inner optimizer or the offloaded one.
 
     bf16: the model in bf16 and Megatron's optimizer built for it (``OptimizerConfig.bf16``,
     so fp32 main params: Float16OptimizerWithFloat16Params or the distributed optimizer's
-    fp32 shards). ``init``: full initial weights to load.
+    fp32 shards). fp16: the same for an fp16 model, with Megatron's loss scaling: a
+    DynamicGradScaler (``FP16_SCALER``) that the optimizer unscales and checks the
+    gradients with, and the loss scaled before backward as Megatron-LM's training loop
+    does (``config.grad_scale_func = optimizer.scale_loss``). ``init``: full initial
+    weights to load.
     """
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -44,14 +57,24 @@ def make_trainer(tiny, layout: Layout, *, offload: bool, bf16: bool = False,
     from megatron_flat.testing.equivalence import load_full
 
     load = None if init is None else (lambda model: load_full([model], init))
-    if not bf16:
+    if bf16 and fp16:
+        raise ValueError("bf16 or fp16, not both")
+    if not (bf16 or fp16):
         return Trainer(tiny, layout, init=load, flat=FLAT if offload else None)
-    trainer = Trainer(tiny, layout, init=load, config_overrides=BF16)
-    config = dataclasses.replace(trainer.optimizer.chained_optimizers[0].config, bf16=True,
-                                 params_dtype=torch.bfloat16)
+    trainer = Trainer(tiny, layout, init=load, config_overrides=BF16 if bf16 else FP16)
+    precision = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else \
+        dict(fp16=True, params_dtype=torch.float16, **FP16_SCALER)
+    config = dataclasses.replace(trainer.optimizer.chained_optimizers[0].config, **precision)
     trainer.optimizer = (get_megatron_offload_optimizer(config, [trainer.ddp], FLAT) if offload
                          else get_megatron_optimizer(config, [trainer.ddp]))
+    if fp16:  # the schedule scales the loss before backward (Megatron-LM's training loop)
+        trainer.config.grad_scale_func = trainer.optimizer.scale_loss
     return trainer
+
+
+def loss_scale(trainer: Trainer) -> float:
+    """The optimizer's current loss scale (1.0 without a grad scaler)."""
+    return float(trainer.optimizer.get_loss_scale().item())
 
 
 def schedule(trainer: Trainer, step: int) -> None:

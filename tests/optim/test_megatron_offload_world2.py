@@ -5,9 +5,11 @@ or apex), from the same initial weights, with a per-step lr and weight-decay sch
 written into the param groups as Megatron's scheduler does:
 
 * the distributed optimizer (each rank streams only its shard) and the non-distributed
-  Float16/FP32 wrappers, fp32 and bf16 models, and dense + expert sub-optimizers at EP=2:
-  losses, model params, main params and moments are bitwise equal;
-* an inf gradient on one rank skips the step on both, leaving every byte unchanged;
+  Float16/FP32 wrappers, fp32, bf16 and fp16 models (fp16 with Megatron's dynamic loss
+  scaling), and dense + expert sub-optimizers at EP=2: losses, model params, main params
+  and moments are bitwise equal;
+* an inf gradient on one rank skips the step on both, leaving every byte unchanged (fp16:
+  found by Megatron's grad scaler, whose loss scale backs off as stock's does);
 * Megatron checkpointing — ``torch_dist`` distributed checkpoints (``sharded_state_dict``,
   the distributed optimizer's default ``dp_reshardable`` format) and the legacy format
   (``state_dict`` plus, for the distributed optimizer, ``save/load_parameter_state``):
@@ -33,19 +35,23 @@ FLAT, LAYOUTS = runs.FLAT, runs.LAYOUTS
 dist_checkpointing_on_cpu, equal_tensors, everywhere = (
     runs.dist_checkpointing_on_cpu, runs.equal_tensors, runs.everywhere)
 inner_optimizers, make_trainer = runs.inner_optimizers, runs.make_trainer
-model_bytes = runs.model_bytes
+loss_scale, model_bytes = runs.loss_scale, runs.model_bytes
 remove_shared, same_bytes, schedule = runs.remove_shared, runs.same_bytes, runs.schedule
 shared_tmpdir, state_bytes, train = runs.shared_tmpdir, runs.state_bytes, runs.train
 
 pytestmark = pytest.mark.world(2)
 
 STEPS = 4
-CASES = {  # name -> (layout, bf16)
-    "distopt-fp32": ("distopt", False),
-    "distopt-bf16": ("distopt", True),
-    "no-distopt-fp32": ("no-distopt", False),
-    "no-distopt-bf16": ("no-distopt", True),
+CASES = {  # name -> (layout, model dtype)
+    "distopt-fp32": ("distopt", "fp32"),
+    "distopt-bf16": ("distopt", "bf16"),
+    "distopt-fp16": ("distopt", "fp16"),
+    "no-distopt-fp32": ("no-distopt", "fp32"),
+    "no-distopt-bf16": ("no-distopt", "bf16"),
+    "no-distopt-fp16": ("no-distopt", "fp16"),
 }
+# make_trainer's arguments per model dtype (fp16: with Megatron's dynamic loss scaling).
+PRECISION = {"fp32": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 
 
 @pytest.fixture(scope="module")
@@ -88,24 +94,27 @@ def test_trains_bitwise_like_stock(case, tiny, initial, uninterrupted):
     )
     from megatron_flat.testing.equivalence import full_tensors
 
-    name, bf16 = CASES[case]
+    name, dtype = CASES[case]
     layout, parallel = _layout(name)
     runs = {}
     with parallel:
         for offload in (False, True):
-            trainer = make_trainer(tiny, layout, offload=offload, bf16=bf16, init=initial)
+            trainer = make_trainer(tiny, layout, offload=offload, **PRECISION[dtype], init=initial)
             losses = train(trainer, range(STEPS))
             runs[offload] = (losses, full_tensors([trainer.ddp]), state_bytes(trainer))
             if offload:
                 inners = inner_optimizers(trainer)
-                # bf16 with the distributed optimizer: the fp32 master is in host memory
-                # too (precision-aware path: the inner optimizer holds the bf16 shards).
-                kind = MegatronMasterOffloadAdamW if bf16 and layout.distributed_optimizer \
+                # bf16/fp16 with the distributed optimizer: the fp32 master is in host
+                # memory too (precision-aware path: the inner optimizer holds the
+                # low-precision shards).
+                low = dtype != "fp32"
+                kind = MegatronMasterOffloadAdamW if low and layout.distributed_optimizer \
                     else MegatronOffloadStreamAdamW
                 assert inners and all(type(o) is kind for o in inners)
                 if kind is MegatronMasterOffloadAdamW:
+                    model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
                     shards = [(o, p) for o in inners for g in o.param_groups
-                              for p in g["params"] if p.dtype == torch.bfloat16]
+                              for p in g["params"] if p.dtype == model_dtype]
                     assert shards
                     for o, p in shards:  # a separate fp32 master, not the param
                         master = o.state[p]["master_param"]
@@ -173,31 +182,54 @@ def _overflow(trainer):
     raise AssertionError("no parameter to overflow")
 
 
-# distopt-bf16 is the layout whose fp32 master lives on the host: its check must read the
-# shards' decoupled_grad (the grad buffer), not .grad (None there).
-@pytest.mark.parametrize("case", ["distopt-fp32", "distopt-bf16", "no-distopt-fp32",
-                                  "no-distopt-bf16"])
+# distopt-bf16/fp16 are the layouts whose fp32 master lives on the host: their check must
+# read the shards' decoupled_grad (the grad buffer), not .grad (None there).
+@pytest.mark.parametrize("case", list(CASES))
 def test_inf_gradient_skips_the_step_everywhere(case, tiny, initial):
+    """An inf in the reduced gradients (one rank's shard with the distributed optimizer):
+    Megatron reports the step skipped on every rank, and no byte of the model or the
+    optimizer state changes; the next finite step trains.
+
+    fp32/bf16 have no grad scaler: the check is the one the offloaded wrappers add. fp16
+    has Megatron's DynamicGradScaler, whose own unscale-and-check must find the inf: there
+    a stock run does the same steps, and the loss scale backs off as it does there, and
+    the next step (under the reduced scale) leaves the same bytes as stock's."""
     from megatron_flat.testing.equivalence import full_tensors
 
-    name, bf16 = CASES[case]
+    name, dtype = CASES[case]
     layout, parallel = _layout(name)
+    scaled = dtype == "fp16"
+    seen = {}
     with parallel:
-        trainer = make_trainer(tiny, layout, offload=True, bf16=bf16, init=initial)
-        train(trainer, range(2))
-        before_state, before_model = state_bytes(trainer), model_bytes(trainer)
-        before_full = full_tensors([trainer.ddp])
-        schedule(trainer, 2)
-        trainer.forward_backward(2)
-        _overflow(trainer)
-        ok, grad_norm, _ = trainer.optimizer.step()
-        assert ok is False and grad_norm is None  # Megatron's own skip report
-        assert everywhere(same_bytes(state_bytes(trainer), before_state))
-        assert everywhere(same_bytes(model_bytes(trainer), before_model))
-        assert equal_tensors(full_tensors([trainer.ddp]), before_full) == []
-        # The next finite step trains normally.
-        train(trainer, [3])
-        assert not everywhere(same_bytes(model_bytes(trainer), before_model))
+        for offload in (False, True) if scaled else (True,):
+            trainer = make_trainer(tiny, layout, offload=offload, **PRECISION[dtype],
+                                   init=initial)
+            # With a scaler, Megatron's check (not the added one) is the one that runs.
+            assert all((getattr(w, "grad_scaler", None) is not None) == scaled
+                       for w in trainer.optimizer.chained_optimizers)
+            train(trainer, range(2))
+            before_state, before_model = state_bytes(trainer), model_bytes(trainer)
+            before_full, before_scale = full_tensors([trainer.ddp]), loss_scale(trainer)
+            schedule(trainer, 2)
+            trainer.forward_backward(2)
+            _overflow(trainer)
+            ok, grad_norm, _ = trainer.optimizer.step()
+            assert ok is False and grad_norm is None  # Megatron's own skip report
+            assert everywhere(same_bytes(state_bytes(trainer), before_state))
+            assert everywhere(same_bytes(model_bytes(trainer), before_model))
+            assert equal_tensors(full_tensors([trainer.ddp]), before_full) == []
+            skipped_scale = loss_scale(trainer)
+            # The next finite step trains normally.
+            train(trainer, [3])
+            assert not everywhere(same_bytes(model_bytes(trainer), before_model))
+            seen[offload] = (before_scale, skipped_scale, state_bytes(trainer),
+                             full_tensors([trainer.ddp]))
+    if scaled:
+        (before, after, state, params), stock = seen[True], seen[False]
+        assert after < before  # backed off (hysteresis 1), as stock's did:
+        assert (before, after) == stock[:2]
+        assert everywhere(same_bytes(state, stock[2]))
+        assert equal_tensors(params, stock[3]) == []
 
 
 CHECKPOINTS = [  # (case, format, which inner optimizer saved it, which one loads it)
@@ -264,11 +296,11 @@ def test_checkpoint_round_trip_continues_bitwise(case, fmt, saver, loader, tiny,
     offloaded one, and the other way round (the offloaded run is bitwise the stock one)."""
     from megatron_flat.testing.equivalence import full_tensors
 
-    name, bf16 = CASES[case]
+    name, dtype = CASES[case]
     if case not in uninterrupted:  # normally left by test_trains_bitwise_like_stock
         layout, parallel = _layout(name)
         with parallel:
-            trainer = make_trainer(tiny, layout, offload=True, bf16=bf16, init=initial)
+            trainer = make_trainer(tiny, layout, offload=True, **PRECISION[dtype], init=initial)
             train(trainer, range(STEPS))
             uninterrupted[case] = (full_tensors([trainer.ddp]), state_bytes(trainer))
     want_params, want_state = uninterrupted[case]
@@ -276,13 +308,13 @@ def test_checkpoint_round_trip_continues_bitwise(case, fmt, saver, loader, tiny,
     path = shared_tmpdir()
     try:
         with parallel:
-            first = make_trainer(tiny, layout, offload=saver == "offload", bf16=bf16,
+            first = make_trainer(tiny, layout, offload=saver == "offload", **PRECISION[dtype],
                                  init=initial)
             train(first, range(2))
             _save(first, fmt, path)
             dist.barrier()
             other = {k: v + 0.25 for k, v in initial.items()}  # loading must replace all
-            resumed = make_trainer(tiny, layout, offload=loader == "offload", bf16=bf16,
+            resumed = make_trainer(tiny, layout, offload=loader == "offload", **PRECISION[dtype],
                                    init=other)
             _load(resumed, fmt, path)
             train(resumed, range(2, STEPS))
@@ -314,14 +346,15 @@ def test_checkpoint_contents_are_stock_megatrons(fmt, tiny, initial):
     what the offloaded optimizer writes for a checkpoint (torch_dist: its sharded state dict,
     dp_reshardable; legacy: the tensors of its state dict and the gathered parameter state
     file) has the stock optimizer's keys, dtypes and bytes, fp32 masters included."""
-    name, bf16 = CASES["distopt-bf16"]
+    name, dtype = CASES["distopt-bf16"]
     layout, parallel = _layout(name)
     written = {}
     path = shared_tmpdir()
     try:
         with parallel:
             for offload in (False, True):
-                trainer = make_trainer(tiny, layout, offload=offload, bf16=bf16, init=initial)
+                trainer = make_trainer(tiny, layout, offload=offload, **PRECISION[dtype],
+                                       init=initial)
                 train(trainer, range(2))
                 if fmt == "torch_dist":
                     model_sd = trainer.model.sharded_state_dict()
@@ -371,13 +404,13 @@ def test_model_only_load_then_reload_model_params(case, tiny, initial):
     so there is nothing that could go stale.)"""
     from megatron_flat.testing.equivalence import full_tensors, load_full
 
-    name, bf16 = CASES[case]
+    name, dtype = CASES[case]
     layout, parallel = _layout(name)
     shift, bound = 0.25, 0.05  # one Adam step moves an element by about lr = 1e-3
     results = {}
     with parallel:
         for offload in (False, True):
-            trainer = make_trainer(tiny, layout, offload=offload, bf16=bf16, init=initial)
+            trainer = make_trainer(tiny, layout, offload=offload, **PRECISION[dtype], init=initial)
             train(trainer, range(2))
             loaded = _shifted(trainer, shift)
             load_full([trainer.model], loaded)  # model weights only
@@ -390,7 +423,7 @@ def test_model_only_load_then_reload_model_params(case, tiny, initial):
         if case == "no-distopt-bf16":
             # Control: without reload_model_params the stale fp32 masters win — the check
             # above would catch a silent revert.
-            trainer = make_trainer(tiny, layout, offload=True, bf16=bf16, init=initial)
+            trainer = make_trainer(tiny, layout, offload=True, **PRECISION[dtype], init=initial)
             train(trainer, range(2))
             loaded = _shifted(trainer, shift)
             load_full([trainer.model], loaded)
