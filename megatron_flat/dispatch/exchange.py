@@ -9,10 +9,13 @@ movement: nothing here computes or changes a value.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_flat.runtime.deferred import defer
 
 __all__ = ["Pending", "all_to_all", "columns", "drain", "group_geometry"]
 
@@ -58,12 +61,20 @@ def all_to_all(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits
     for t in tensors:
         t = t.contiguous()
         out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-        works.append(dist.all_to_all_single(out, t, out_splits, in_splits, group=group,
-                                            async_op=async_op))
+        # Delayed-copies mode (tests): an all-to-all in flight runs at its wait.
+        later = defer(partial(_all_to_all_now, out, t, out_splits, in_splits, group),
+                      [out]) if async_op else None
+        works.append(later or dist.all_to_all_single(out, t, out_splits, in_splits,
+                                                     group=group, async_op=async_op))
         outputs.append(out)
         inputs.append(t)
     unpack = None if widths is None else (lambda outs: columns(outs[0], widths))
     return Pending(outputs, works, inputs if async_op else None, unpack)
+
+
+def _all_to_all_now(out, t, out_splits, in_splits, group) -> None:
+    """The all-to-all of a deferred :class:`Pending` (posted in flight, waited at once)."""
+    dist.all_to_all_single(out, t, out_splits, in_splits, group=group, async_op=True).wait()
 
 
 def columns(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 from megatron_flat.runtime import ledger
 
 __all__ = ["Event", "Stream", "copy", "current_stream", "delayed_copies", "delayed_copy_count",
-           "record_stream", "use_stream"]
+           "delaying", "poison", "record_stream", "use_stream"]
 
 DeviceLike = Union[str, int, torch.device, None]
 
@@ -62,11 +62,7 @@ class _CopyQueue:
         self.issued += 1
         self.pending.append((self.issued, dst, src))
         _BUSY.add(self)  # queued work outlives its Stream object, as on a GPU
-        with torch.no_grad():
-            if dst.is_floating_point() or dst.is_complex():
-                dst.fill_(float("nan"))
-            else:  # uint8 spans of any dtype's bytes: 0xFF reads as NaN in every float
-                dst.fill_(255 if dst.dtype == torch.uint8 else -1)
+        poison(dst)
 
     def complete(self, upto: Optional[int] = None) -> None:
         upto = self.issued if upto is None else upto
@@ -77,6 +73,22 @@ class _CopyQueue:
             self.done = seq
         if not self.pending:
             _BUSY.discard(self)
+
+
+def poison(dst: torch.Tensor) -> None:
+    """Fill ``dst`` with what an unfinished transfer leaves there: NaN (floats), -1 (integers),
+    0xFF (bytes; uint8 spans of any dtype's bytes read as NaN in every float)."""
+    with torch.no_grad():
+        if dst.is_floating_point() or dst.is_complex():
+            dst.fill_(float("nan"))
+        else:
+            dst.fill_(255 if dst.dtype == torch.uint8 else -1)
+
+
+def delaying() -> bool:
+    """True inside :func:`delayed_copies` (so exchanges can defer themselves too:
+    :mod:`megatron_flat.runtime.deferred`)."""
+    return bool(_MODE["on"])
 
 
 class _Delayed(threading.local):

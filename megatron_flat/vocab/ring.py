@@ -11,7 +11,8 @@ first waits for the compute stream, so the buffers being sent are complete; the 
 are recorded on that stream so the caching allocator does not hand them out again before
 the transfer ends, and :meth:`Hop.wait` makes the compute stream (not the host) wait for
 the transfer. The next strip's matmul, queued on the compute stream meanwhile, overlaps it.
-On CPU the streams are inline and only gloo's own threads overlap.
+On CPU the streams are inline and only gloo's own threads overlap. With delayed copies
+(tests) a hop or relay runs at its wait (:mod:`megatron_flat.runtime.deferred`).
 
 :meth:`Ring.relay` passes an accumulator on in place: the rank sends its buffer's rows to
 the next rank and receives the previous rank's into the same buffer, a piece at a time
@@ -27,8 +28,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_flat.runtime import Stream, current_stream, record_stream, use_stream
+from megatron_flat.runtime.deferred import defer
 
 __all__ = ["Ring", "Hop"]
+
+
+def _exchange(ops: list) -> None:
+    """Post ``ops`` and wait for them (a deferred hop, run at its wait)."""
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 _TAGS_PER_CHANNEL = 16
 # torch >= 2.12 names it all_gather_single (all_gather_into_tensor warns as deprecated).
@@ -70,6 +78,12 @@ class Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
         self.stream = Stream(self.device) if self.device.type == "cuda" else None
 
+    def _post(self, ops: list, received: Sequence[torch.Tensor]) -> list:
+        """``batch_isend_irecv(ops)``; with delayed copies (CPU tests) one deferred work that
+        exchanges at its wait, ``received`` poison until then."""
+        later = defer(lambda: _exchange(ops), received) if self.stream is None else None
+        return [later] if later is not None else dist.batch_isend_irecv(ops)
+
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """All ranks' ``row`` (int64 ``[F]``) as ``[P, F]`` on CPU: one small all-gather."""
         local = row.to(self.device)
@@ -86,12 +100,12 @@ class Ring:
         if self.stream is not None:
             self.stream.wait_stream(current_stream(self.device))
         ops = []
+        for i, (send, recv) in enumerate(zip(sends, recvs)):
+            tag = channel * _TAGS_PER_CHANNEL + i
+            ops.append(dist.P2POp(dist.isend, send, self.next, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
         with use_stream(self.stream):
-            for i, (send, recv) in enumerate(zip(sends, recvs)):
-                tag = channel * _TAGS_PER_CHANNEL + i
-                ops.append(dist.P2POp(dist.isend, send, self.next, self.group, tag))
-                ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
-            works = dist.batch_isend_irecv(ops)
+            works = self._post(ops, recvs)
         if self.stream is not None:
             for tensor in (*sends, *recvs):
                 record_stream(tensor, self.stream)
@@ -116,9 +130,8 @@ class Ring:
                              f"do not fit a buffer of {buffer.shape[0]} rows")
         total = max(send_rows, recv_rows)
         slot = buffer.new_empty((min(piece_rows, recv_rows),) + tuple(buffer.shape[1:]))
-        if self.stream is not None:
-            self.stream.wait_stream(current_stream(self.device))
-        with use_stream(self.stream):
+
+        def pieces() -> None:
             for j, start in enumerate(range(0, total, piece_rows)):
                 tag = channel * _TAGS_PER_CHANNEL + j % _TAGS_PER_CHANNEL
                 sent, got = min(start + piece_rows, send_rows), min(start + piece_rows, recv_rows)
@@ -129,10 +142,20 @@ class Ring:
                 if got > start:
                     ops.append(dist.P2POp(dist.irecv, slot[: got - start], self.prev,
                                           self.group, tag))
-                for work in dist.batch_isend_irecv(ops):
+                for work in self._post(ops, [slot[: got - start]] if got > start else []):
                     work.wait()  # on the side stream (CUDA); the rows sent are free now
                 if got > start:
                     buffer[start:got].copy_(slot[: got - start])
+
+        # Delayed-copies mode: the whole relay runs at the wait, reading the rows it sends
+        # then (a write into the buffer before the wait is sent, as on a GPU it may be).
+        later = defer(pieces) if self.stream is None else None
+        if later is not None:
+            return Hop([later], [buffer[:recv_rows]], [slot], None, self.device)
+        if self.stream is not None:
+            self.stream.wait_stream(current_stream(self.device))
+        with use_stream(self.stream):
+            pieces()
         if self.stream is not None:
             record_stream(buffer, self.stream)
             record_stream(slot, self.stream)
