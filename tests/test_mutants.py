@@ -1,5 +1,7 @@
 """The mutation suite (scripts/mutants.py) follows the code: every anchor matches exactly once,
-every mutant changes its line and names existing tests, and a moved anchor is reported."""
+every mutant changes its line and names existing tests, a moved anchor is reported, and every
+wait, stream ordering, record_stream, synchronize and collective in the covered packages has a
+mutant or a stated reason (a new one without either is reported)."""
 
 import importlib.util
 import pathlib
@@ -29,5 +31,37 @@ def test_every_cpu_mutant_has_a_selection_and_every_gpu_one_a_reason():
     for m in mutants.MUTANTS:
         assert m.tests, m.name
         assert m.gpu_only == "" or len(m.gpu_only) > 20, m.name
-    # the suite only grows: nine CPU-killable mutants when it was written
-    assert sum(not m.gpu_only for m in mutants.MUTANTS) >= 9
+        # a GPU-only mutant names its CUDA selection, or says why it has none
+        assert not m.gpu_only or m.gpu_tests or "two GPUs" in m.gpu_only, m.name
+    # the suite only grows: 32 CPU-killable mutants, 12 GPU-only ones
+    assert sum(not m.gpu_only for m in mutants.MUTANTS) >= 32
+    assert sum(bool(m.gpu_only) for m in mutants.MUTANTS) >= 12
+
+
+def test_every_site_has_a_mutant_or_a_reason():
+    found = mutants.sites()
+    assert len(found) >= 50 and {s.call for s in found} >= {
+        "wait", "wait_stream", "wait_event", "record_stream", "synchronize",
+        "all_gather_into_tensor", "all_to_all_single", "batch_isend_irecv"}
+    assert mutants.uncovered() == []
+    assert mutants.stale_reasons() == []
+
+
+def test_a_new_wait_without_a_mutant_is_reported(tmp_path):
+    package = tmp_path / "megatron_flat" / "vocab"
+    package.mkdir(parents=True)
+    (package / "new.py").write_text(
+        "class Relay:\n    def land(self, work):\n        work.wait()\n")
+    missing = mutants.uncovered(mutants.MUTANTS, root=tmp_path, reasons={})
+    assert [(s.path, s.line, s.function, s.call) for s in missing] == [
+        ("megatron_flat/vocab/new.py", 3, "Relay.land", "wait")]
+    reasons = {"megatron_flat/vocab/new.py: Relay": "a reason", "megatron_flat/gone.py": "x"}
+    assert mutants.uncovered(mutants.MUTANTS, root=tmp_path, reasons=reasons) == []
+    assert mutants.stale_reasons(tmp_path, reasons) == ["megatron_flat/gone.py"]
+
+
+def test_only_megatron_mutants_depend_on_the_version():
+    by = {m.name: m for m in mutants.MUTANTS}
+    assert mutants.touches_megatron(by["optimizer.non-finite-check-reads-grad"])
+    assert not mutants.touches_megatron(by["ring.hop-not-waited"])
+    assert not mutants.touches_megatron(by["transfer.drain-wait-skipped"])
