@@ -10,7 +10,9 @@
 #             OffloadStreamAdamW on streams, the ledger against set_sync_debug_mode)
 #  1b. races  the optim and checkpoint suites again with a sleep kernel before every
 #             side-stream copy (FLAT_CUDA_COPY_SLEEP_CYCLES): late copies, missing waits fail
-#  1c. tier   benchmarks/gpu_host_tier.py: the host tier pins exactly the bytes asked for
+#  1c. mutants scripts/mutants.py --gpu: the mutants only a GPU can kill (a producer stream
+#             not waited, a record_stream dropped, ...) must fail their CUDA selections
+#  1d. tier   benchmarks/gpu_host_tier.py: the host tier pins exactly the bytes asked for
 #             (cudaHostRegister) where torch's caching host allocator rounds up
 #  2. meter   benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations
 #  3. ledger  benchmarks/gpu_ledger.py: per technique, the ledger's counts with the CUDA
@@ -75,6 +77,9 @@ run_stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/o
 # copy (each copy lands ~20 ms late), so a missing wait fails bitwise (CPU: delayed copies).
 run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q -p no:cacheprovider \
   tests/optim tests/checkpoint --junitxml="$OUT/cuda-races.xml"
+# The GPU-only mutants (scripts/mutants.py --gpu): each wait the CPU model cannot test is
+# removed in a copy of the tree, and its CUDA selection must fail under the late copies.
+run_stage mutants 240 "$PY" scripts/mutants.py --gpu --jobs 1 --timeout 100
 run_stage tier 30 "$PY" benchmarks/gpu_host_tier.py --json "$OUT/host-tier-cuda.json"
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
 run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --json "$OUT/ledger-gpu.json"

@@ -30,7 +30,7 @@ def test_dry_run_plans_every_stage_and_runs_the_ledger_on_cpu(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dry_run"] is True
     stages = summary["stages"]
-    assert list(stages) == ["tests", "races", "tier", "meter", "ledger", "sco", "optim",
+    assert list(stages) == ["tests", "races", "mutants", "tier", "meter", "ledger", "sco", "optim",
                             "dispatch-syncs", "vocab"]
     assert stages["ledger"]["rc"] == "0"
     assert all(s["rc"] == "planned" for n, s in stages.items() if n != "ledger")
