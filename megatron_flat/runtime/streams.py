@@ -13,7 +13,9 @@ recorded after it, ``wait_stream``/``synchronize`` of its stream), in issue orde
 reading its source then. Compute runs when issued. So code that reads a copy's destination
 without waiting for it, or overwrites a copy's source before it is done, computes with poison
 or wrong data and fails a bitwise test, deterministically — what a late copy engine would do
-on a GPU, only every time.
+on a GPU, only every time. A copy's source is held as the CUDA caching allocator holds it: if
+every tensor on its storage is gone before the copy runs, the copy reads nothing and its
+destination stays poison, unless :func:`record_stream` put the source on the copy's stream.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from megatron_flat.runtime import ledger
 
 __all__ = ["Event", "Stream", "copy", "current_stream", "delayed_copies", "delayed_copy_count",
-           "delaying", "poison", "record_stream", "use_stream"]
+           "delaying", "lost_copy_count", "poison", "record_stream", "use_stream"]
 
 DeviceLike = Union[str, int, torch.device, None]
 
@@ -49,28 +51,60 @@ def _resolve_device(device: DeviceLike) -> torch.device:
 
 
 # ---------------------------------------------------------------------------- delayed copies
+class _Source:
+    """A delayed copy's source, held as the CUDA caching allocator holds a block: not at all.
+    Once every tensor on its storage is gone the block may serve the next allocation, so a copy
+    that runs later reads garbage (here: nothing; its destination stays poison), unless
+    :func:`record_stream` put the source on the copy's stream (the queue then keeps it)."""
+
+    def __init__(self, src: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.storage = StorageWeakRef(src.untyped_storage())
+        self.geometry = (src.dtype, src.storage_offset(), tuple(src.shape), src.stride())
+
+    def get(self) -> Optional[torch.Tensor]:
+        if self.storage.expired():
+            return None
+        storage = torch.UntypedStorage._new_with_weak_ptr(self.storage.cdata)
+        dtype, offset, shape, stride = self.geometry
+        return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
 class _CopyQueue:
     """One CPU side stream's copies not yet done (delayed-copies mode)."""
 
     def __init__(self) -> None:
-        self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.pending: List[Tuple[int, torch.Tensor, _Source]] = []
+        self.recorded: List[Tuple[int, torch.Tensor]] = []  # record_stream: kept until done
         self.issued = 0
         self.done = 0
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         _MODE["delayed"] += 1
         self.issued += 1
-        self.pending.append((self.issued, dst, src))
+        self.pending.append((self.issued, dst, _Source(src)))
         _BUSY.add(self)  # queued work outlives its Stream object, as on a GPU
         poison(dst)
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """``record_stream``: ``tensor`` stays alive until the copies queued so far are done."""
+        if self.pending:
+            self.recorded.append((self.issued, tensor))
 
     def complete(self, upto: Optional[int] = None) -> None:
         upto = self.issued if upto is None else upto
         while self.pending and self.pending[0][0] <= upto:
-            seq, dst, src = self.pending.pop(0)
-            with torch.no_grad():
-                dst.copy_(src)
+            seq, dst, source = self.pending.pop(0)
+            src = source.get()
+            if src is None:
+                _MODE["lost"] += 1  # freed before its copy ran: the destination stays poison
+            else:
+                with torch.no_grad():
+                    dst.copy_(src)
+            del src
             self.done = seq
+        self.recorded = [(seq, t) for seq, t in self.recorded if seq > self.done]
         if not self.pending:
             _BUSY.discard(self)
 
@@ -96,7 +130,8 @@ class _Delayed(threading.local):
 
 
 _DELAYED = _Delayed()
-_MODE = {"on": 0, "delayed": 0}  # nesting depth; copies delayed since the process started
+# nesting depth; copies delayed since the process started; of them, sources freed too early
+_MODE = {"on": 0, "delayed": 0, "lost": 0}
 _BUSY: set = set()  # queues with copies pending
 
 
@@ -112,6 +147,12 @@ def delayed_copies() -> Iterator[None]:
         if not _MODE["on"]:
             for queue in list(_BUSY):
                 queue.complete()
+
+
+def lost_copy_count() -> int:
+    """Delayed copies whose source was freed before they ran (no ``record_stream``): their
+    destinations stayed poison, as a GPU copy would have read a reused block."""
+    return _MODE["lost"]
 
 
 def delayed_copy_count() -> int:
@@ -337,6 +378,9 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
     ``non_blocking`` copies is tracked by the host allocator itself).
     """
     if tensor.device.type != "cuda":
+        queue = stream._queue if stream.cuda_stream is None else None
+        if queue is not None:  # delayed copies: the source outlives its copy, as on a GPU
+            queue.record(tensor)
         return
     if stream.cuda_stream is None:
         raise ValueError("a CUDA tensor can only be recorded on a CUDA stream")

@@ -64,3 +64,29 @@ def test_pending_copies_are_done_when_the_mode_ends():
             copy(dst, src)
     assert torch.equal(dst, src)
     assert Event("cpu").query()
+
+
+def test_a_source_freed_before_its_copy_ran_is_lost_unless_recorded():
+    """The caching allocator's rule: a source whose last tensor is gone may be reused before
+    a late copy reads it (the destination stays poison); ``record_stream`` on the copy's
+    stream keeps it until the copies queued so far are done. A view dying alone is harmless:
+    its storage is still held."""
+    from megatron_flat.runtime.streams import lost_copy_count, record_stream
+
+    side = Stream("cpu")
+    with delayed_copies():
+        lost = lost_copy_count()
+        kept, dropped, viewed = torch.empty(4), torch.empty(4), torch.empty(2)
+        base = torch.arange(4.0)
+        with use_stream(side):
+            src = torch.arange(4.0) + 1
+            copy(kept, src)
+            record_stream(src, side)
+            copy(dropped, torch.arange(4.0) + 2)  # a temporary, never recorded
+            copy(viewed, base[1:3])  # the view dies, ``base`` holds the storage
+        del src
+        side.synchronize()
+        assert torch.equal(kept, torch.arange(4.0) + 1)
+        assert torch.isnan(dropped).all()
+        assert torch.equal(viewed, base[1:3])
+        assert lost_copy_count() == lost + 1
