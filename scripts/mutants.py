@@ -227,15 +227,15 @@ MUTANTS += [
          RING_DTP, world=2),
     Mutant("ce.shard-sum-written-before-relay-sent", CROSS_ENTROPY,
            "travel.target(k, q) if travel is not None else None,\n"
-           "                   before_write=travel.arrived if travel is not None else None)",
+           "                   before_write=travel.arrived if travel is not None else None,",
            "travel.target(k, q) if travel is not None else None,\n"
-           "                   before_write=None)  # mutant: relay still reading the buffer",
+           "                   before_write=None,  # mutant: relay still reading the buffer\n",
            RING_DTP4, world=4),
     Mutant("ce.token-sum-written-before-relay-sent", CROSS_ENTROPY,
            "travel.target(k, s) if travel is not None else None, dw,\n"
-           "                   before_write=travel.arrived if travel is not None else None)",
+           "                   before_write=travel.arrived if travel is not None else None,",
            "travel.target(k, s) if travel is not None else None, dw,\n"
-           "                   before_write=None)  # mutant: relay still reading the buffer",
+           "                   before_write=None,  # mutant: relay still reading the buffer\n",
            RING_DTP4, world=4),
     # Collective decision: a rank whose inputs are bad must stop every rank before the ring.
     drop("ce.peer-errors-ignored", CROSS_ENTROPY, "        planning.raise_for_peer_errors(table)",

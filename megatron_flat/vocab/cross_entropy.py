@@ -51,7 +51,8 @@ def _forward_weights(plan: RingPlan, ring: Optional[Ring], x, w, labels, acc) ->
         nxt = (q - 1) % p
         hop = (ring.shift([w_cur], [w.new_empty(plan.rows[nxt], plan.hidden)], _W)
                if k < p - 1 else None)
-        state = fold_shard(state, x, w_cur, labels, plan.starts[q], plan.blocks(q))
+        state = fold_shard(state, x, w_cur, labels, plan.starts[q], plan.blocks(q),
+                           plan.tile_rows(q))
         if hop is not None:
             (w_cur,), q = hop.wait(), nxt
     return state
@@ -74,7 +75,7 @@ def _forward_activations(plan: RingPlan, ring: Ring, x, w, labels, acc) -> LSESt
                                [x.new_empty(n[prv], plan.hidden), labels.new_empty(n[prv])], _W)
                     if k < p - 1 else None)
         local = fold_shard(init_state(n[s], x.device, acc), x_cur, w, lab_cur,
-                           plan.starts[r], plan.blocks(r))
+                           plan.starts[r], plan.blocks(r), plan.tile_rows(r))
         if state_hop is not None:
             (packed,) = state_hop.wait()
             local = merge(LSEState.unpack(packed), local)
@@ -138,7 +139,8 @@ def _backward_blocked(plan: RingPlan, x, w, labels, lse, coef, dw_home):
     dx = torch.zeros(x.shape[0], plan.hidden, dtype=acc, device=x.device) if plan.needs_dx else None
     direct = plan.needs_dw and dw_home is None
     dw = torch.zeros_like(w) if direct else dw_home if plan.needs_dw else None
-    grad_shard(x, w, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw, dw_direct=direct)
+    grad_shard(x, w, labels, lse, coef, plan.starts[q], plan.blocks(q), dx, dw, dw_direct=direct,
+               tile_rows=plan.tile_rows(q))
     return dx, dw
 
 
@@ -164,7 +166,8 @@ def _backward_weights(plan: RingPlan, ring: Ring, x, w, labels, lse, coef, dw_ho
                  if k < p - 1 else None)
         grad_shard(x, w_cur, labels, lse, coef, plan.starts[q], plan.blocks(q), dx,
                    travel.target(k, q) if travel is not None else None,
-                   before_write=travel.arrived if travel is not None else None)
+                   before_write=travel.arrived if travel is not None else None,
+                   tile_rows=plan.tile_rows(q))
         if travel is not None and k > 0:
             travel.pass_on(q)
         if w_hop is not None:
@@ -199,7 +202,8 @@ def _backward_activations(plan: RingPlan, ring: Ring, x, w, labels, lse, coef, d
              aux_cur.new_empty(2, n[prv])], _W) if k < p - 1 else None)
         grad_shard(x_cur, w, lab_cur, aux_cur[0], aux_cur[1], plan.starts[r], plan.blocks(r),
                    travel.target(k, s) if travel is not None else None, dw,
-                   before_write=travel.arrived if travel is not None else None)
+                   before_write=travel.arrived if travel is not None else None,
+                   tile_rows=plan.tile_rows(r))
         if travel is not None and k > 0:
             travel.pass_on(s)
         if data_hop is not None:
@@ -387,6 +391,7 @@ def ring_dtp_cross_entropy(
     vocab_size: Optional[int] = None,
     *,
     block_size: Optional[int] = None,
+    tile_bytes: Optional[int] = None,
     debug_checks: bool = False,
     plan_key: Optional[Hashable] = None,
     return_top1: bool = False,
@@ -414,6 +419,10 @@ def ring_dtp_cross_entropy(
             the last shard (no padding).
         block_size: vocab rows per strip (keyword only). Default: ``DEFAULT_BLOCK_SIZE``
             for P = 1, the whole shard for P > 1. Smaller strips lower the peak further.
+        tile_bytes: token tiles (keyword only): each strip is computed a tile of tokens at a
+            time, as many as fit ``tile_bytes`` (accumulation dtype; strips are narrowed to
+            fit one token when even that would not), so the live strip no longer grows with
+            N. Default None: whole strips. Every rank of the ring must pass the same value.
 
     Returns: loss ``[...]`` (labels' shape), fp32 (fp64 for fp64 inputs); differentiable
     w.r.t. ``hidden`` and ``weight_shard`` (the shard's gradient sums all ranks' tokens).
@@ -422,7 +431,7 @@ def ring_dtp_cross_entropy(
     accuracy or MTP acceptance count needs, without any logits.
 
     Raises ValueError, on every rank of the group alike and before any ring hop, when some
-    rank's inputs are malformed, ranks disagree on H/dtype/mode/vocab_size/block_size or
+    rank's inputs are malformed, ranks disagree on H/dtype/mode/vocab_size/block_size/tile_bytes or
     the shards do not tile ``[0, vocab_size)``. The check costs one all-gather of a few
     integers per rank, issued first: a rank that found a problem still joins it, so every
     rank learns of the problem and raises instead of leaving its neighbours waiting in a
@@ -454,6 +463,7 @@ def ring_dtp_cross_entropy(
                 hidden.reshape(-1, hidden.shape[-1]), weight_shard, labels.reshape(-1),
                 active.reshape(-1), mode=mode, vocab_start=vocab_start,
                 vocab_size=vocab_size, block_size=block_size, check_labels=debug_checks,
+                tile_bytes=tile_bytes,
             )
         except (TypeError, ValueError) as exc:
             error = str(exc)

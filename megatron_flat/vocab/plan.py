@@ -49,6 +49,7 @@ _FIELDS = (
     "label_max",  # largest active label (or -1)
     "needs_dx",
     "needs_dw",
+    "tile_bytes",  # bytes of one token tile of a strip, 0 = untiled (whole strips)
     "error",  # 1 = this rank found its own inputs malformed (it raises its own message)
 )
 _NO_LABEL_MIN = 2**62
@@ -65,6 +66,7 @@ def describe_rank(
     vocab_size: Optional[int],
     block_size: Optional[int],
     check_labels: bool = True,
+    tile_bytes: Optional[int] = None,
 ) -> torch.Tensor:
     """This rank's row of the plan table (int64 ``[len(_FIELDS)]``, on CPU).
 
@@ -81,6 +83,8 @@ def describe_rank(
         )
     if block_size is not None and (isinstance(block_size, bool) or int(block_size) < 1):
         raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+    if tile_bytes is not None and (isinstance(tile_bytes, bool) or int(tile_bytes) < 1):
+        raise ValueError(f"tile_bytes must be a positive int or None, got {tile_bytes!r}")
     if vocab_start is not None and int(vocab_start) < 0:
         raise ValueError(f"vocab_start must be >= 0 or None, got {vocab_start!r}")
     if vocab_size is not None and int(vocab_size) < 1:
@@ -103,6 +107,7 @@ def describe_rank(
         hi,
         int(hidden.requires_grad),
         int(weight_shard.requires_grad),
+        0 if tile_bytes is None else int(tile_bytes),
         0,
     ]
     return torch.tensor(row, dtype=torch.int64)
@@ -174,6 +179,16 @@ class RingPlan:
     block_size: int  # strip width in vocab rows
     needs_dx: bool  # some rank wants d hidden
     needs_dw: bool  # some rank wants d weight
+    tile_bytes: int = 0  # a token tile of a strip at most this big (0: whole strips)
+    acc_bytes: int = 4  # bytes per element of a strip (fp32; fp64 inputs: 8)
+
+    def tile_rows(self, shard: int) -> Optional[int]:
+        """Tokens per tile of ``shard``'s strips (None: untiled): as many as fit
+        ``tile_bytes`` at the shard's widest strip, at least one."""
+        if not self.tile_bytes:
+            return None
+        width = max((b1 - b0 for b0, b1 in self.blocks(shard)), default=1)
+        return max(1, self.tile_bytes // (width * self.acc_bytes))
 
     def valid_rows(self, shard: int) -> int:
         """Rows of ``shard`` that are real vocabulary (the rest is padding)."""
@@ -207,14 +222,16 @@ def make_plan(table: torch.Tensor, rank: int, ignore_index: int = IGNORE_INDEX) 
     """The plan from the gathered table (``[P, fields]``, row i from group rank i).
 
     Raises ``ValueError`` (identically on every rank, since every rank sees the same
-    table) for: ranks that disagree on H, dtype, mode, vocab_size or block_size;
+    table) for: ranks that disagree on H, dtype, mode, vocab_size, block_size or tile_bytes;
     shards whose real vocab ranges overlap or leave a gap in ``[0, vocab_size)``;
     active labels outside ``[0, vocab_size)`` (padded rows included), on any rank.
     """
     col = {f: table[:, i].tolist() for i, f in enumerate(_FIELDS)}
     world = table.shape[0]
     hidden = _agree(table, "hidden")
-    _agree(table, "dtype")  # checked only
+    dtype = _DTYPES[_agree(table, "dtype")]
+    tile_bytes = _agree(table, "tile_bytes")
+    acc_bytes = 8 if dtype == torch.float64 else 4
     mode = MODES[_agree(table, "mode")]
     block_size = _agree(table, "block_size")
     given_v = _agree(table, "vocab_size")
@@ -264,6 +281,8 @@ def make_plan(table: torch.Tensor, rank: int, ignore_index: int = IGNORE_INDEX) 
 
     if block_size == 0:
         block_size = DEFAULT_BLOCK_SIZE if world == 1 else max(max(rows), 1)
+    if tile_bytes:  # a tile of one token must fit too: strips no wider than the tile
+        block_size = min(block_size, max(1, tile_bytes // acc_bytes))
     return RingPlan(
         mode=resolve_mode(mode, max(col["n_tokens"]), max(rows), world),
         world=world,
@@ -276,4 +295,6 @@ def make_plan(table: torch.Tensor, rank: int, ignore_index: int = IGNORE_INDEX) 
         block_size=block_size,
         needs_dx=any(col["needs_dx"]),
         needs_dw=any(col["needs_dw"]),
+        tile_bytes=tile_bytes,
+        acc_bytes=acc_bytes,
     )
