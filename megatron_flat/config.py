@@ -92,6 +92,16 @@ class FlatConfig:
         default=8192, metadata={"help": "Vocabulary strip width: rows of the projection "
                                         "folded at a time (within each rank's V/P shard)."}
     )
+    # 64 MiB: at the paper's shape (H 7168, strips of 8192 rows) a tile is 2,048 tokens, whose
+    # GEMM (2·2048·8192·7168 = 240 GFLOP, ~0.25 ms on an H200) re-reads one 117 MB weight
+    # block: 2,048 FLOP per byte re-read, ten times the H200's ridge, so the re-reads and the
+    # tile's ~14 launches hide under the GEMM; the working set is 64 MiB whatever N is.
+    vocab_tile_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata={"help": "Token tiles of Ring-DTP's strips: bytes of one tile (fp32), so the "
+                          "vocabulary working set does not grow with the tokens (0: whole "
+                          "strips)."}
+    )
 
     # SCO: the checkpoint-boundary peak.
     sco: bool = field(
@@ -164,6 +174,8 @@ class FlatConfig:
             self._bad("llep_alpha", self.llep_alpha, "must be > 0")
         if self.llep_imbalance_threshold < 0:
             self._bad("llep_imbalance_threshold", self.llep_imbalance_threshold, "must be >= 0")
+        if self.vocab_tile_bytes < 0:
+            self._bad("vocab_tile_bytes", self.vocab_tile_bytes, "must be >= 0 (0: whole strips)")
         if self.sco_host_budget_gib < 0:
             self._bad("sco_host_budget_gib", self.sco_host_budget_gib, "must be >= 0")
         if self.host_mem_per_node_gib < 0:
@@ -212,7 +224,10 @@ class FlatConfig:
             parts.append(f"{name} (chunk cap {self.dispatch_chunk_tokens} tokens, "
                          f"<= {self.dispatch_max_chunks} chunks{kept})")
         if self.vocab:
-            parts.append(f"Ring-DTP (mode {self.vocab_mode}, block {self.vocab_block_size})")
+            tiles = (f", tiles of {self.vocab_tile_bytes / 2**20:g} MiB" if self.vocab_tile_bytes
+                     else "")
+            parts.append(f"Ring-DTP (mode {self.vocab_mode}, block {self.vocab_block_size}"
+                         f"{tiles})")
         if self.sco:
             parts.append(f"SCO (host budget {self.sco_host_budget_gib:g} GiB, "
                          f"prefetch {self.sco_prefetch})")

@@ -136,8 +136,9 @@ class RingDTPOutputLoss(torch.nn.Module):
     """
 
     def __init__(self, tp_group, *, sequence_parallel: bool, mode: str = "auto",
-                 block_size: Optional[int] = None, logit_scale: float = 1.0,
-                 ignore_index: int = IGNORE_INDEX, debug_checks: bool = False) -> None:
+                 block_size: Optional[int] = None, tile_bytes: Optional[int] = None,
+                 logit_scale: float = 1.0, ignore_index: int = IGNORE_INDEX,
+                 debug_checks: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -145,6 +146,7 @@ class RingDTPOutputLoss(torch.nn.Module):
         self.sequence_parallel = bool(sequence_parallel) and self.tp > 1
         self.mode = mode
         self.block_size = block_size
+        self.tile_bytes = tile_bytes or None  # 0: whole strips
         self.logit_scale = float(logit_scale)
         self.ignore_index = ignore_index
         self.debug_checks = bool(debug_checks)
@@ -155,11 +157,11 @@ class RingDTPOutputLoss(torch.nn.Module):
         return cls(model.pg_collection.tp,
                    sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
                    mode=flat.vocab_mode, block_size=flat.vocab_block_size,
-                   logit_scale=compat.logit_multiplier(config), debug_checks=flat.debug_checks)
+                   tile_bytes=flat.vocab_tile_bytes, logit_scale=compat.logit_multiplier(config), debug_checks=flat.debug_checks)
 
     def extra_repr(self) -> str:
         return (f"tp={self.tp}, sequence_parallel={self.sequence_parallel}, mode={self.mode}, "
-                f"block_size={self.block_size}")
+                f"block_size={self.block_size}, tile_bytes={self.tile_bytes}")
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 loss_mask: Optional[torch.Tensor] = None, *, with_top1: bool = False):
@@ -189,11 +191,12 @@ class RingDTPOutputLoss(torch.nn.Module):
             x, weight, labels[rows], group=self.tp_group if self.tp > 1 else None,
             mode=self.mode, loss_mask=None if mask is None else mask[rows],
             ignore_index=self.ignore_index,
-            block_size=self.block_size, debug_checks=self.debug_checks,
+            block_size=self.block_size, tile_bytes=self.tile_bytes,
+            debug_checks=self.debug_checks,
             # Every TP rank's share and settings follow from these, alike on every rank.
             plan_key=("megatron-output", tuple(labels.shape), tuple(x.shape),
                       tuple(weight.shape), x.dtype, x.requires_grad, weight.requires_grad,
-                      mask is not None, self.mode, self.block_size),
+                      mask is not None, self.mode, self.block_size, self.tile_bytes),
             return_top1=with_top1,
         )
         if with_top1:  # one gather for both: [s, b, 2] = (loss, top-1 as 0/1)
@@ -290,12 +293,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def enable_ring_dtp(model: torch.nn.Module, flat: Optional[FlatConfig] = None, *,
-                    mode: Optional[str] = None, block_size: Optional[int] = None
-                    ) -> torch.nn.Module:
+                    mode: Optional[str] = None, block_size: Optional[int] = None,
+                    tile_bytes: Optional[int] = None) -> torch.nn.Module:
     """Turn Ring-DTP on for one ``GPTModel`` (possibly wrapped); returns ``model``.
 
     ``flat`` gives the mode and the P = 1 block size (default ``FlatConfig(vocab=True)``);
-    ``mode``/``block_size`` override it. Usable as the equivalence harness's ``wrap_model``.
+    ``mode``/``block_size``/``tile_bytes`` override it (tiles are on by default: 64 MiB). Usable as the equivalence harness's ``wrap_model``.
     A model that is not a pipeline's last stage is left as it is (it has no output layer).
     """
     from megatron.core.models.gpt import GPTModel
@@ -307,8 +310,8 @@ def enable_ring_dtp(model: torch.nn.Module, flat: Optional[FlatConfig] = None, *
     if problems:
         raise ValueError("Ring-DTP cannot run this model:\n  - " + "\n  - ".join(problems))
     flat = flat if flat is not None else FlatConfig(vocab=True)
-    overrides = {k: v for k, v in (("vocab_mode", mode), ("vocab_block_size", block_size))
-                 if v is not None}
+    overrides = {k: v for k, v in (("vocab_mode", mode), ("vocab_block_size", block_size),
+                                   ("vocab_tile_bytes", tile_bytes)) if v is not None}
     if overrides:
         flat = FlatConfig(**{**flat.to_dict(), **overrides})
     _patch_gpt_postprocess()

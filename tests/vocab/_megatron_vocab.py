@@ -86,7 +86,8 @@ def megatron_side(x, w_shard, labels, grad, mask, tp_group):
     return loss.detach(), dx, w.grad
 
 
-def check_against_megatron(case_name: str, mode: str, tp: int) -> None:
+def check_against_megatron(case_name: str, mode: str, tp: int,
+                           tile_bytes: Optional[int] = None) -> None:
     """Run one case at the current Megatron layout (TP = ``tp``) on this rank and compare."""
     from megatron.core import parallel_state
 
@@ -100,7 +101,8 @@ def check_against_megatron(case_name: str, mode: str, tp: int) -> None:
     w_shard = w[r * case.rows: (r + 1) * case.rows]
     want_loss, want_dx, want_dw = megatron_side(x, w_shard, labels, grad, mask, group)
 
-    module = RingDTPOutputLoss(group, sequence_parallel=case.sequence_parallel, mode=mode)
+    module = RingDTPOutputLoss(group, sequence_parallel=case.sequence_parallel, mode=mode,
+                               tile_bytes=tile_bytes)
     if case.sequence_parallel:
         per = case.seq // tp
         mine = slice(r * per, (r + 1) * per)
@@ -130,7 +132,8 @@ def check_against_megatron(case_name: str, mode: str, tp: int) -> None:
 
 
 # --------------------------------------------------------------------------- GPT step
-def ring_wrapper(mode: str = "auto", block_size: Optional[int] = None, seen: list = None):
+def ring_wrapper(mode: str = "auto", block_size: Optional[int] = None, seen: list = None,
+                 tile_bytes: Optional[int] = None):
     """A harness ``wrap_model`` turning Ring-DTP on; records, per model chunk, its Ring-DTP
     module (None off the last pipeline stage), calls of it and of the stock output layer
     (must stay 0 in a step with labels), whether it is a last stage, and its output weight
@@ -139,7 +142,8 @@ def ring_wrapper(mode: str = "auto", block_size: Optional[int] = None, seen: lis
     from megatron_flat.megatron.vocab import enable_ring_dtp, ring_dtp_output
 
     flat = FlatConfig(vocab=True, vocab_mode=mode,
-                      **({} if block_size is None else {"vocab_block_size": block_size}))
+                      **({} if block_size is None else {"vocab_block_size": block_size}),
+                      **({} if tile_bytes is None else {"vocab_tile_bytes": tile_bytes}))
 
     def wrap(model):
         enable_ring_dtp(model, flat)
@@ -163,11 +167,12 @@ def ring_wrapper(mode: str = "auto", block_size: Optional[int] = None, seen: lis
 
 
 def gpt_step(tiny, reference, layout_kwargs: dict, mode: str = "auto",
-             block_size: Optional[int] = None):
-    """Run the harness with Ring-DTP on; returns (result, [(ring module or None, calls)])."""
+             block_size: Optional[int] = None, tile_bytes: Optional[int] = None):
+    """Run the harness with Ring-DTP on (``tile_bytes``: FlatConfig's default when None);
+    returns (result, [(ring module or None, calls, last stage, output weight)])."""
     from megatron_flat.testing.equivalence import Layout, run_layout
 
     seen: list = []
     result = run_layout(tiny, Layout(**layout_kwargs), reference,
-                        wrap_model=ring_wrapper(mode, block_size, seen))
+                        wrap_model=ring_wrapper(mode, block_size, seen, tile_bytes))
     return result, seen

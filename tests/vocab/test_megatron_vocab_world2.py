@@ -25,13 +25,14 @@ _spec.loader.exec_module(helpers)
 MODES = ("weights", "activations", "auto")
 
 
+@pytest.mark.parametrize("tile_bytes", [None, 512], ids=["whole-strips", "tiles"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(helpers.CASES))
-def test_output_loss_matches_megatron_tp2(megatron_cpu, case, mode):
+def test_output_loss_matches_megatron_tp2(megatron_cpu, case, mode, tile_bytes):
     from megatron_flat.testing.distributed import megatron_layout
 
     with megatron_layout(tp=2):
-        helpers.check_against_megatron(case, mode, tp=2)
+        helpers.check_against_megatron(case, mode, tp=2, tile_bytes=tile_bytes)
 
 
 # ---------------------------------------------------------------------------- whole model
@@ -45,11 +46,14 @@ def references(megatron_cpu):
 
 
 STEPS = {
-    # name: (layout, mode, block size); 16 tokens x 2 per micro-batch: TP=2 gives each rank
-    # 16 tokens against 64 vocab rows (auto -> activations).
-    "tp2-sp-weights": (dict(tp=2), "weights", None),
-    "tp2-sp-activations": (dict(tp=2), "activations", None),
-    "dp2-blocked": (dict(), "auto", 48),  # 128 rows in strips of 48, 48, 32
+    # name: (layout, mode, block size, tile bytes); 16 tokens x 2 per micro-batch: TP=2 gives
+    # each rank 16 tokens against 64 vocab rows (auto -> activations). Tiles of 1 KiB: 4
+    # tokens of a 64-row strip (5 of a 48-row one), so the default tiled path really tiles;
+    # "whole-strips" is --flat-vocab-tile-bytes 0.
+    "tp2-sp-weights": (dict(tp=2), "weights", None, 1024),
+    "tp2-sp-activations": (dict(tp=2), "activations", None, 1024),
+    "tp2-sp-whole-strips": (dict(tp=2), "activations", None, 0),
+    "dp2-blocked": (dict(), "auto", 48, 1024),  # 128 rows in strips of 48, 48, 32
 }
 
 
@@ -59,8 +63,8 @@ def test_gpt_step_matches_stock_model(references, name, tied):
     from megatron_flat.testing.equivalence import assert_equivalent
 
     tiny, reference = references[tied]
-    layout, mode, block = STEPS[name]
-    result, seen = helpers.gpt_step(tiny, reference, layout, mode, block)
+    layout, mode, block, tile = STEPS[name]
+    result, seen = helpers.gpt_step(tiny, reference, layout, mode, block, tile)
     assert_equivalent(result, reference)
     assert result.grads is not None
     assert result.losses[1] != result.losses[0]
@@ -69,6 +73,7 @@ def test_gpt_step_matches_stock_model(references, name, tied):
     # The shard's gradient went straight into DDP's main_grad (Megatron's fused way).
     assert weight.grad_added_to_main_grad is True
     assert ring is not None and ring.tp == layout.get("tp", 1) and ring.mode == mode
+    assert ring.tile_bytes == (tile or None)
     # Every micro-batch went through Ring-DTP; the stock output layer never ran.
     micro = tiny.global_batch_size // tiny.micro_batch_size // (2 // ring.tp)
     assert calls == {"stock": 0, "ring": 2 * micro}
@@ -121,13 +126,13 @@ def test_gpt_step_with_mtp_heads_matches_stock_model(mtp_references, name, tied)
     from megatron_flat.testing.equivalence import assert_equivalent
 
     tiny, reference = mtp_references[tied]
-    layout, mode, block = STEPS[name]
+    layout, mode, block, tile = STEPS[name]
     heads = []
     original = RingDTPHeads.loss
     RingDTPHeads.loss = lambda self, labels, hidden: (
         heads.append(labels is not self._labels) or original(self, labels, hidden))
     try:
-        result, seen = helpers.gpt_step(tiny, reference, layout, mode, block)
+        result, seen = helpers.gpt_step(tiny, reference, layout, mode, block, tile)
     finally:
         RingDTPHeads.loss = original
     assert_equivalent(result, reference)
