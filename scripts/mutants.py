@@ -87,8 +87,11 @@ PIPELINE = "megatron_flat/optim/pipeline.py"
 # alive while Python holds it; only the CUDA caching allocator reuses its memory early.
 _INLINE_PRODUCER = ("the producer stream is inline on CPU: the copy always reads the finished "
                     "tensor")
-_ALLOCATOR = ("CPU memory is not reused while Python holds the tensor; on a GPU the caching "
-              "allocator hands the block to the next allocation")
+# Delayed copies model a source freed early (transfer.offload-source-not-recorded is a CPU
+# kill) but not a destination handed out again while its copy still writes into it.
+_ALLOCATOR = ("a destination freed before its copy lands has no later tensor in its memory on "
+              "CPU to corrupt; on a GPU the caching allocator hands the block to the next "
+              "allocation mid-copy")
 
 MUTANTS: List[Mutant] = [
     # -- checkpoint/transfer.py: SCO's SpanMover -------------------------------------------
