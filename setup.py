@@ -27,5 +27,8 @@ setup(
         # GPU-only accelerations, picked up when importable.
         "gpu": ["transformer-engine", "triton"],
         "apex": [],  # NVIDIA apex is built from source; listed for discoverability.
+        # benchmarks/vocab.py's peers (never imported by the package). scripts/bootstrap.sh
+        # installs these pins with --no-deps: they need only torch and triton.
+        "bench-peers": ["liger-kernel==0.8.5", "cut-cross-entropy==25.1.1"],
     },
 )

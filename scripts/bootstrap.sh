@@ -37,6 +37,11 @@ case "$MCORE" in
 esac
 # The project itself; torch is already satisfied so nothing heavier is pulled.
 "${PIP[@]}" --no-build-isolation -e ".[test,demo]"
+# benchmarks/vocab.py's peers (setup.py's bench-peers extra), without deps: they need only
+# torch and triton, and must not pull another torch.
+if "$VENV/bin/python" -c "import triton" 2>/dev/null; then
+  "${PIP[@]}" --no-deps liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+fi
 # 0.19 appends the git commit of the working directory (+abc1234) to its version.
 PYTHONWARNINGS=ignore "$VENV/bin/python" - <<PY
 import torch, megatron.core

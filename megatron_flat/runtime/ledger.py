@@ -169,6 +169,7 @@ __all__ = [
     "mark_host",
     "mark_host_memory",
     "record_flops",
+    "foreign_kernel",
     "record_sync",
     "record_transfer",
     "count",
@@ -591,6 +592,20 @@ def record_flops(flops: int) -> None:
     """Add FLOPs of a kernel the dispatcher does not see to every open ledger here."""
     for target in _open_targets():
         target.flops += int(flops)
+
+
+@contextmanager
+def foreign_kernel(flops: int = 0, mem_bytes: int = 0) -> Iterator[None]:
+    """Run one kernel the dispatcher does not see (a Triton kernel): it counts as one op
+    with the given FLOPs and bytes in every open ledger here, and the torch ops run inside
+    the block are not counted (on CPU, the Triton interpreter's own copies of the kernel's
+    arguments are an artifact of emulation, not work a GPU does)."""
+    for target in _open_targets():
+        target.ops += 1
+        target.flops += int(flops)
+        target.mem_bytes += int(mem_bytes)
+    with _quietly():
+        yield
 
 
 # -- Python-level syncs and uploads: calls that never reach the dispatcher on CPU --
