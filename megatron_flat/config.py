@@ -92,12 +92,13 @@ class FlatConfig:
         default=8192, metadata={"help": "Vocabulary strip width: rows of the projection "
                                         "folded at a time (within each rank's V/P shard)."}
     )
-    # 64 MiB: at the paper's shape (H 7168, strips of 8192 rows) a tile is 2,048 tokens, whose
-    # GEMM (2·2048·8192·7168 = 240 GFLOP, ~0.25 ms on an H200) re-reads one 117 MB weight
-    # block: 2,048 FLOP per byte re-read, ten times the H200's ridge, so the re-reads and the
-    # tile's ~14 launches hide under the GEMM; the working set is 64 MiB whatever N is.
+    # 128 MiB: the smallest power of two whose tile keeps its extra launches and re-reads
+    # each under 10 % of its GEMM time at the paper's shape (H 7168, bf16, strips of 6,250
+    # rows at TP 8 or 8,192 at TP 1: 5,368 / 4,096 tokens a tile; 6 % and 5-7 % on the
+    # H200 model; 64 MiB: 12 % and 10-13 %). plan.costs.tile_overhead computes it from the
+    # ledger-measured per-tile counts (tests/plan/test_tile_costs.py checks both).
     vocab_tile_bytes: int = field(
-        default=64 * 1024 * 1024,
+        default=128 * 1024 * 1024,
         metadata={"help": "Token tiles of Ring-DTP's strips: bytes of one tile (fp32), so the "
                           "vocabulary working set does not grow with the tokens (0: whole "
                           "strips)."}

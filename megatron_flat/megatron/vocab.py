@@ -298,7 +298,7 @@ def enable_ring_dtp(model: torch.nn.Module, flat: Optional[FlatConfig] = None, *
     """Turn Ring-DTP on for one ``GPTModel`` (possibly wrapped); returns ``model``.
 
     ``flat`` gives the mode and the P = 1 block size (default ``FlatConfig(vocab=True)``);
-    ``mode``/``block_size``/``tile_bytes`` override it (tiles are on by default: 64 MiB). Usable as the equivalence harness's ``wrap_model``.
+    ``mode``/``block_size``/``tile_bytes`` override it (tiles are on by default: 128 MiB). Usable as the equivalence harness's ``wrap_model``.
     A model that is not a pipeline's last stage is left as it is (it has no output layer).
     """
     from megatron.core.models.gpt import GPTModel

@@ -30,8 +30,14 @@ from typing import Dict, Optional, Tuple
 from megatron_flat.config import FlatConfig
 from megatron_flat.plan import baselines
 from megatron_flat.plan.model import Layout, ModelSpec, stage_layers
-from megatron_flat.plan.peaks import PeakReport, _skew_baseline, _skew_llep, stage_params
-from megatron_flat.plan.time import Overlap, overlap_for
+from megatron_flat.plan.peaks import (
+    PeakReport,
+    _skew_baseline,
+    _skew_llep,
+    stage_params,
+    strip_geometry,
+)
+from megatron_flat.plan.time import DeviceModel, Overlap, overlap_for
 
 __all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops"]
 
@@ -69,6 +75,13 @@ EXCHANGE_FLAGS = 7
 OPS_RING_PER_STRIP = 12
 OPS_RING_BACKWARD_PER_STRIP = 24
 OPS_VOCAB_STOCK = 40
+# Ring-DTP's token tiles: each tile of a strip beyond its first adds OPS_RING_PER_TILE ops
+# and reads the strip's w x H weight block again in the forward, recomputed and dX GEMMs
+# (3·b bytes per element) and reads and writes its fp32 block gradient in the dW GEMM
+# (8 bytes): TILE_REREAD_FP32_BYTES + 3·b per element of the block. Both measured with the
+# ledger (fp32, one rank: tests/plan/test_tile_costs.py).
+OPS_RING_PER_TILE = 39
+TILE_REREAD_FP32_BYTES = 8
 # AdamW, per bucket (flat: upload, update, write back) or per parameter tensor (stock).
 OPS_ADAM_PER_TENSOR = 12
 OPS_ADAM_PER_BUCKET = 20
@@ -185,9 +198,14 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
             "collective_calls": calls, "syncs": syncs, "ops": ops, "host_plan_s": host_plan_s}
 
 
+def tile_reread_bytes(width: int, hidden: int, bytes_per_value: int) -> int:
+    """Bytes one more token tile of a ``width``-row strip moves (``OPS_RING_PER_TILE``)."""
+    return width * hidden * (3 * bytes_per_value + TILE_REREAD_FP32_BYTES)
+
+
 def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_value: int,
                  sequence_parallel: bool, flat: bool = False, mode: str = "activations",
-                 strips: int = 1) -> dict:
+                 strips: int = 1, tiles: int = 1, width: int = 0) -> dict:
     """Counts of the output projection + loss, one microbatch, forward + backward.
 
     ``tokens``: this rank's N_sp (the sequence-parallel share; N = TP·N_sp). Stock
@@ -207,6 +225,11 @@ def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_val
                      + (P − 1)·4·H·N_sp fp32 dX sums (relayed in pieces)
         weights:     forward (P − 1)·(V/P)·H·b; backward (P − 1)·(V/P)·H·b
                      + (P − 1)·4·(V/P)·H fp32 shard-gradient sums (relayed in pieces)
+
+    Token tiles (``tiles`` per strip of ``width`` rows, each shard's ``strips`` strips on
+    each of the P hops): ``(tiles − 1)·strips·P`` more tiles, each ``OPS_RING_PER_TILE`` ops
+    and ``tile_reread_bytes(width, H, b)`` bytes (``mem_bytes``); FLOPs and ring bytes are
+    the same.
 
     Checked exactly against the ledger at TP = 2 (``tests/runtime/test_ledger_world2.py``).
     """
@@ -239,8 +262,33 @@ def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_val
             + (P - 1) * n_sp * (H * b + 16) + (P - 1) * 4 * H * n_sp
         calls = 2 * (P - 1) + P + 3 * (P - 1) + (P - 1) * pieces
     ops = strips * P * (OPS_RING_PER_STRIP + OPS_RING_BACKWARD_PER_STRIP)
-    return {"flops": flops, "other_collective_bytes": ring, "ops": ops,
+    extra_tiles = max(tiles - 1, 0) * strips * P
+    ops += extra_tiles * OPS_RING_PER_TILE
+    mem = extra_tiles * tile_reread_bytes(width or math.ceil(shard / strips), H, b)
+    return {"flops": flops, "other_collective_bytes": ring, "ops": ops, "mem_bytes": mem,
             "collective_calls": {"send": calls}}
+
+
+def tile_overhead(*, hidden: int, width: int, tile_bytes: int, bytes_per_value: int,
+                  device: Optional[DeviceModel] = None) -> dict:
+    """What one token tile of a ``width``-row strip costs beside its work, on ``device``
+    (the H200 model by default), as fractions of the tile's GEMM time: ``launch``, the host
+    time of its ``OPS_RING_PER_TILE`` launches (hidden while below 1: the GPU is still busy
+    with the tile before); ``reread``, the time of the bytes it moves again
+    (``tile_reread_bytes``: hidden under a compute-bound GEMM, added serially by the step-time
+    model). The tile's work is its forward, recomputed, dX and dW GEMMs: 8·c·w·H FLOPs for
+    ``c = tile_bytes // (4·w)`` tokens. ``FlatConfig.vocab_tile_bytes``'s default is the
+    smallest power of two keeping both under 10 % at the paper's shape."""
+    from megatron_flat.plan.time import device as named_device
+
+    dev = device or named_device("H200")
+    rows = max(1, tile_bytes // (4 * width))
+    gemm_s = 8 * rows * width * hidden / (dev.flops * dev.matmul_efficiency)
+    launch_s = OPS_RING_PER_TILE * dev.launch_s
+    reread_s = tile_reread_bytes(width, hidden, bytes_per_value) / (
+        dev.hbm_bytes_per_s * dev.hbm_efficiency)
+    return {"tile_rows": rows, "gemm_s": gemm_s, "launch": launch_s / gemm_s,
+            "reread": reread_s / gemm_s}
 
 
 def _moe_layers(model: ModelSpec, layout: Layout, stage: int) -> int:
@@ -301,11 +349,16 @@ def _vocab(model: ModelSpec, layout: Layout, report: PeakReport,
         return {}, overlap_for("vocab", "stock")
     on = flat is not None and flat.vocab
     shard = math.ceil(model.vocab / layout.tp)
-    strips = math.ceil(shard / flat.vocab_block_size) if on else 1
+    strips, tiles, width = 1, 1, shard
+    if on:
+        width, rows = strip_geometry(shard, report.tokens_sp, flat.vocab_block_size,
+                                     flat.vocab_tile_bytes)
+        strips = math.ceil(shard / width)
+        tiles = math.ceil(report.tokens_sp / rows) if rows else 1
     counts = vocab_counts(hidden=model.hidden, vocab=model.vocab, tokens=report.tokens_sp,
                           tp=layout.tp, bytes_per_value=model.bytes_per_value,
                           sequence_parallel=bool(layout.sp), flat=on, mode=report.vocab_mode,
-                          strips=strips)
+                          strips=strips, tiles=tiles, width=width)
     # Every MTP head is one more projection + loss of the same shape.
     counts = _scale(counts, 1 + model.mtp_layers)
     return counts, overlap_for("vocab", "flat" if on else "stock", layout.tp if on else 1)

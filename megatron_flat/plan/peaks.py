@@ -436,12 +436,14 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
     one fp32 copy (plus the model-dtype logits), which is what is measured.
 
     Ring-DTP over a ring of P = TP ranks (``flat.vocab``; each rank has its own N_sp tokens;
-    each V/P shard folded in strips of w = ceil(V/P / ceil(V/P / vocab_block_size)) rows).
+    each V/P shard folded in strips of w = ceil(V/P / ceil(V/P / vocab_block_size)) rows,
+    ``vocab_tile_bytes`` > 0: c = min(N_sp, tile / (4·w)) tokens at a time, else c = N_sp;
+    ``strip_geometry``), so the strips' term stays two tiles whatever N is.
     The shard's weight gradient accumulates straight into DDP's ``main_grad`` (held by the
     gradient buffer, not here); one travelling fp32 sum is relayed in place with a slot of
     1/8 of it::
 
-        strips = 2·4·N_sp·w              the strip being folded + the next one in flight (fp32)
+        strips = 2·4·c·w                 the tile being folded + the next one in flight (fp32)
         state  = 4·N_sp·(3 + H)          (m, z, t) and the fp32 dX accumulator
         ring   = weights mode:     2·(V/P)·H·b + 4·(V/P + ⌈V/P / 8⌉)·H   shards in flight,
                                                         the travelling dW sum and its slot
@@ -450,17 +452,18 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
         vocab  = strips + state + ring + 29·N_sp
 
     Ring-DTP on one rank (P = 1: the blocked version, nothing moves; ``vocab_block_size`` B
-    gives ceil(V/B) strips of equal width w = ceil(V / ceil(V/B))). One strip is live at a
-    time; the weight gradient goes into ``main_grad`` strip by strip, and the backward
-    returns DDP's placeholder (a zero gradient that autograd materialises as the weight's
-    ``.grad`` for DDP's hook, which drops it: Megatron's fused accumulation does the same)::
+    gives ceil(V/B) strips of equal width w = ceil(V / ceil(V/B)), computed c tokens at a
+    time as above; in the strip terms below N is c). One strip tile is live at a time; the
+    weight gradient goes into ``main_grad`` strip by strip, and the backward returns DDP's
+    placeholder (a zero gradient that autograd materialises as the weight's ``.grad`` for
+    DDP's hook, which drops it: Megatron's fused accumulation does the same)::
 
-        strip = 4·N·w + [b<4, unfused]·b·N·w/4   fp32 strip (+ its half-precision product,
+        strip = 4·c·w + [b<4, unfused]·b·c·w/4   fp32 strip (+ its half-precision product,
                                                  made a quarter of the rows at a time)
         fwd   = strip + 29·N                     strip + online state (m, z, t), loss, masks
         loop  = 4·N·H                            the fp32 dX accumulator
-                + 4·N·w + 29·N                   one recomputed strip, lse, coefficients
-                + [b<4]·(b·N·w/4 + p·w·H)        half inputs: a quarter-strip of dlogits in
+                + 4·c·w + 29·N                   one recomputed strip, lse, coefficients
+                + [b<4]·(b·c·w/4 + p·w·H)        half inputs: a quarter-strip of dlogits in
                                                  the input dtype and the strip's dW product
                                                  (p = 4 with fp32-output matmuls, else b)
         bwd   = max(loop, b·V·H)                 the loop, or the placeholder after it (the
@@ -483,14 +486,15 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
         return {"value": max(fwd + heads * saved, (1 + heads) * saved + bwd),
                 "section": max(fwd, bwd), "mode": "none"}
     if P == 1:
-        term = _blocked_vocab(model, layout, n, flat.vocab_block_size)
+        term = _blocked_vocab(model, layout, n, flat.vocab_block_size, flat.vocab_tile_bytes)
         term["value"] += model.mtp_layers * MTP_SAVED_PER_TOKEN * n
         return term
     shard = math.ceil(V / P)
-    # Each V/P shard is folded in strips of at most vocab_block_size rows, of equal width.
-    width = math.ceil(shard / math.ceil(shard / flat.vocab_block_size))
+    # Each V/P shard is folded in strips of at most vocab_block_size rows, of equal width,
+    # a token tile at a time.
+    width, rows = strip_geometry(shard, n_sp, flat.vocab_block_size, flat.vocab_tile_bytes)
     mode = _ring_mode(flat, n_sp, shard)
-    strips = 2 * 4 * n_sp * width
+    strips = 2 * 4 * rows * width
     state = 4 * n_sp * (3 + H)
     from megatron_flat.vocab.plan import relay_piece_rows
 
@@ -503,18 +507,35 @@ def vocab_term(model: ModelSpec, layout: Layout, n: int, n_sp: int,
             "mode": mode}
 
 
-def _blocked_vocab(model: ModelSpec, layout: Layout, n: int, block: int) -> Dict[str, float]:
-    """Ring-DTP on one rank (``vocab_term``): strips of ``block`` rows at most, no ring."""
+def strip_geometry(shard: int, tokens: int, block: int, tile_bytes: int) -> tuple[int, int]:
+    """(strip width w, tokens per tile) of Ring-DTP over a ``shard`` of vocabulary rows and
+    ``tokens`` tokens, as ``megatron_flat.vocab.plan`` picks them: strips of at most
+    ``block`` rows of equal width, narrowed so one token's strip fits a tile
+    (``tile_bytes`` / 4, fp32), and tiles of ``tile_bytes // (4·w)`` tokens (all the tokens
+    when ``tile_bytes`` is 0 or the strip fits)."""
+    if tile_bytes:
+        block = min(block, max(1, tile_bytes // 4))
+    width = math.ceil(shard / math.ceil(shard / block))
+    rows = tokens
+    if tile_bytes:
+        rows = min(tokens, max(1, tile_bytes // (4 * width)))
+    return width, max(rows, 0)
+
+
+def _blocked_vocab(model: ModelSpec, layout: Layout, n: int, block: int,
+                   tile_bytes: int = 0) -> Dict[str, float]:
+    """Ring-DTP on one rank (``vocab_term``): strips of ``block`` rows at most, a token
+    tile of ``tile_bytes`` at a time, no ring."""
     b, H, V = model.bytes_per_value, model.hidden, model.vocab
-    width = math.ceil(V / math.ceil(V / block))
+    width, rows = strip_geometry(V, n, block, tile_bytes)
     half = b < 4
-    strip = 4 * n * width
-    fwd = strip + (b * n * width // 4 if half and not layout.fused_kernels else 0) \
+    strip = 4 * rows * width
+    fwd = strip + (b * rows * width // 4 if half and not layout.fused_kernels else 0) \
         + CE_BYTES_PER_TOKEN * n
     loop = 4 * n * H + strip + CE_BYTES_PER_TOKEN * n
     if half:
         product = 4 if layout.fused_kernels else b
-        loop += b * n * width // 4 + product * width * H
+        loop += b * rows * width // 4 + product * width * H
     bwd = max(loop, b * V * H)
     # Reported as "weights": the blocked version is the weights schedule's loop on one
     # rank (``vocab.plan`` calls it "blocked").
