@@ -236,7 +236,19 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
     Loss per microbatch is the mean token loss; a step's loss is the mean over
     microbatches (what Megatron's schedule and DP averaging compute). The optimizer is
     ``torch.optim.AdamW`` with Megatron's hyperparameters and global-norm clipping.
+
+    With ``config_overrides={"calculate_per_token_loss": True}`` the step's loss is the
+    masked token-loss sum over the global batch's unmasked token count (``TinyMoE.
+    masked_fraction``'s masks, passed to the model too), each microbatch backpropagating
+    its sum over that count; the MTP heads' losses are the model's own per-token form
+    (release-specific) scaled by the same 1 / count, as ``finalize_model_grads`` scales them.
     """
+    per_token = bool((config_overrides or {}).get("calculate_per_token_loss"))
+    if tiny.masked_fraction and not per_token:
+        raise ValueError("TinyMoE.masked_fraction needs calculate_per_token_loss: the mean-loss "
+                         "reference counts every token")
+    if per_token:
+        return _run_reference_per_token(tiny, steps, config_overrides)
     with megatron_layout(1, 1, 1, seed=tiny.seed):
         torch.manual_seed(tiny.seed)
         config = transformer_config(tiny, **(config_overrides or {}))
@@ -257,6 +269,41 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
                 (loss / len(batch)).backward()
                 total += loss.item()
             losses.append(total / len(batch))
+            if step == 0:
+                grads = full_tensors([model], grads=True, gather=False)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+            opt.step()
+        params = full_tensors([model], gather=False)
+    return RunResult(losses, grads, params, initial)
+
+
+def _run_reference_per_token(tiny: TinyMoE, steps: int, config_overrides: dict) -> RunResult:
+    """``run_reference`` for ``calculate_per_token_loss`` (see there)."""
+    with megatron_layout(1, 1, 1, seed=tiny.seed):
+        torch.manual_seed(tiny.seed)
+        config = transformer_config(tiny, **config_overrides)
+        model = build_tiny_gpt(tiny, config)
+        initial = full_tensors([model], gather=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=0.0)
+        losses, grads = [], None
+        for step in range(steps):
+            batch = global_batch(tiny, step)
+            masks = [torch.ones(mb.labels.shape) if mb.loss_mask is None else mb.loss_mask
+                     for mb in batch]
+            count = sum(float(m.sum()) for m in masks)
+            if count == 0:
+                raise ValueError(f"step {step}: every token of the global batch is masked")
+            opt.zero_grad(set_to_none=False)
+            total = 0.0
+            _set_mtp_scale(config, 1.0 / count)
+            for mb, mask in zip(batch, masks):
+                per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                                  loss_mask=mb.loss_mask)
+                loss_sum = (per_token.float() * mask).sum()
+                (loss_sum / count).backward()
+                total += loss_sum.item()
+            losses.append(total / count)
             if step == 0:
                 grads = full_tensors([model], grads=True, gather=False)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)

@@ -54,6 +54,11 @@ class TinyMoE:
     # both are built as the CPU backend's ContextParallelCoreAttention (the flash kernel over
     # the CP group; megatron.cpu_context_attention).
     attention: str = "local"
+    # Each label position's loss mask is 0 with this probability (drawn from the seed apart
+    # from the tokens, so the tokens do not change): microbatches then count different
+    # numbers of tokens, as SFT's padding and prompt masking make them. Only a per-token
+    # loss (``calculate_per_token_loss``) takes masks; the mean-loss harness refuses them.
+    masked_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -71,6 +76,8 @@ class TinyMoE:
             raise ValueError(f"unknown synthetic data {self.data!r}: use 'random' or 'zipf'")
         if self.attention not in ("local", "flash"):
             raise ValueError(f"unknown attention {self.attention!r}: use 'local' or 'flash'")
+        if not 0.0 <= self.masked_fraction < 1.0:
+            raise ValueError(f"masked_fraction {self.masked_fraction} must be in [0, 1)")
 
     def with_(self, **changes) -> "TinyMoE":
         return replace(self, **changes)
@@ -218,6 +225,7 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, s]
     labels: torch.Tensor  # [b, s]
     position_ids: torch.Tensor = field(default=None)
+    loss_mask: Optional[torch.Tensor] = None  # [b, s] float 0/1; None: every token counts
 
     def __post_init__(self):
         if self.position_ids is None:
@@ -229,7 +237,8 @@ def global_batch(tiny: TinyMoE, step: int = 0) -> List[MicroBatch]:
     """The step's global batch as ``global_batch_size / micro_batch_size`` microbatches.
 
     Deterministic in (seed, step) and independent of the layout: a layout takes its data-
-    parallel share with ``dp_share``.
+    parallel share with ``dp_share``. With ``tiny.masked_fraction`` each microbatch also
+    carries a loss mask (its own generator: the tokens are those of the unmasked batch).
     """
     gen = torch.Generator().manual_seed(tiny.seed * 1000 + step)
     n_micro = tiny.global_batch_size // tiny.micro_batch_size
@@ -241,7 +250,13 @@ def global_batch(tiny: TinyMoE, step: int = 0) -> List[MicroBatch]:
         flat = torch.multinomial(weights, shape[0] * shape[1] * shape[2], replacement=True,
                                  generator=gen)
         data = flat.view(shape)
-    return [MicroBatch(tokens=d[:, :-1].contiguous(), labels=d[:, 1:].contiguous()) for d in data]
+    masks = [None] * n_micro
+    if tiny.masked_fraction:
+        mask_gen = torch.Generator().manual_seed(tiny.seed * 1000 + step + 7_000_003)
+        drawn = torch.rand((n_micro, tiny.micro_batch_size, tiny.seq_length), generator=mask_gen)
+        masks = list((drawn >= tiny.masked_fraction).float())
+    return [MicroBatch(tokens=d[:, :-1].contiguous(), labels=d[:, 1:].contiguous(), loss_mask=m)
+            for d, m in zip(data, masks)]
 
 
 def cp_share(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
@@ -263,7 +278,8 @@ def cp_share(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
         return torch.cat([chunks[j] for j in keep], dim=1).contiguous()
 
     return MicroBatch(tokens=part(mb.tokens), labels=part(mb.labels),
-                      position_ids=part(mb.position_ids))
+                      position_ids=part(mb.position_ids),
+                      loss_mask=None if mb.loss_mask is None else part(mb.loss_mask))
 
 
 def dp_share(batch: List[MicroBatch], dp_rank: int, dp_size: int) -> List[MicroBatch]:

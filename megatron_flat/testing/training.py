@@ -77,6 +77,9 @@ def forward_step(data_iterator, model):
     from megatron.core import parallel_state
 
     mb: MicroBatch = next(data_iterator)
+    if mb.loss_mask is not None:
+        raise ValueError("a loss mask needs calculate_per_token_loss (forward_step_per_token): "
+                         "the mean-loss forward step counts every token")
     output = model(mb.tokens, mb.position_ids, None, labels=mb.labels)
     cp = parallel_state.get_context_parallel_world_size()
 
@@ -91,6 +94,36 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
+def forward_step_per_token(data_iterator, model):
+    """Megatron ``forward_step_func`` for ``calculate_per_token_loss`` (Megatron-LM's
+    ``--calculate-per-token-loss``): the loss function returns ``(sum of the masked per-token
+    loss, number of unmasked tokens, dict)``, as ``pretrain_gpt.py``'s does. The schedule then
+    neither divides by the microbatch count nor multiplies by the CP size, DDP sums the data-
+    and context-parallel gradients instead of averaging them, and ``finalize_model_grads``
+    divides every gradient by the step's token count summed over that group: the gradient of
+    the global batch's mean token loss, however unevenly the mask spreads the tokens.
+
+    The model gets the loss mask (Megatron's MTP heads roll and count it; Ring-DTP gives
+    masked tokens no loss and no gradient). Under CP each rank returns its own chunks' sum
+    and count: their sums over the CP group are the microbatch's, and the K/V all-gather's
+    backward brings each rank the gradient its tokens get from its peers' queries, so no CP
+    factor is needed anywhere."""
+    mb: MicroBatch = next(data_iterator)
+    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask)
+
+    def loss_func(per_token_loss):
+        losses = per_token_loss.float()
+        mask = (torch.ones_like(losses) if mb.loss_mask is None
+                else mb.loss_mask.to(losses.device, losses.dtype))
+        loss_sum = (losses * mask).sum()
+        # int: the schedule accumulates it into an int32 total for finalize_model_grads.
+        num_tokens = mask.sum().detach().to(torch.int)
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().clone(),
+                                      "num_tokens": num_tokens.clone()}
+
+    return output, loss_func
+
+
 class Trainer:
     """Model + DDP + optimizer + schedule for one layout. Call inside ``megatron_layout``.
 
@@ -100,6 +133,10 @@ class Trainer:
     full recompute, or selective recompute of ``core_attn``, ``moe`` or ``mlp``) and OffloadStreamAdamW as Megatron's inner optimizer
     (``optimizer_offload``). ``Trainer(flat=None)`` and ``Trainer(flat=FlatConfig())`` are
     stock Megatron.
+
+    The forward step follows the config: ``forward_step`` (mean token loss per microbatch)
+    or, with ``config_overrides={"calculate_per_token_loss": True}``,
+    ``forward_step_per_token`` (the only one that takes ``TinyMoE.masked_fraction``'s masks).
     """
 
     def __init__(self, tiny: TinyMoE, layout: Layout, *, config_overrides: Optional[dict] = None,
@@ -175,6 +212,8 @@ class Trainer:
             [self.ddp],
         )
         self.config.finalize_model_grads_func = finalize_model_grads
+        self.forward_step = (forward_step_per_token if self.config.calculate_per_token_loss
+                             else forward_step)
         self.config.no_sync_func = self.ddp.no_sync
         self._forward_backward = get_forward_backward_func()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -197,20 +236,21 @@ class Trainer:
         mine = self.microbatches(0)
         with self._sco_scope():
             self._forward_backward(
-                forward_step_func=forward_step, data_iterator=iter(mine), model=[self.ddp],
+                forward_step_func=self.forward_step, data_iterator=iter(mine), model=[self.ddp],
                 num_microbatches=len(mine), seq_length=self.tiny.seq_length,
                 micro_batch_size=self.tiny.micro_batch_size, forward_only=True,
             )
 
     def forward_backward(self, step: int) -> float:
         """Zero grads, run every microbatch of this rank's share; returns the step's mean loss
-        over the global batch (known on every rank). Grads are finalized (reduced)."""
+        over the global batch (known on every rank; with a per-token loss the mean over its
+        unmasked tokens). Grads are finalized (reduced)."""
         mine = self.microbatches(step)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         with self._sco_scope():
             loss_dicts = self._forward_backward(
-                forward_step_func=forward_step,
+                forward_step_func=self.forward_step,
                 data_iterator=iter(mine),
                 model=[self.ddp],
                 num_microbatches=len(mine),
@@ -261,17 +301,28 @@ def _flat_specs(flat):
 
 
 def step_loss(loss_dicts: List[dict]) -> float:
-    """Mean loss of the step, known on every rank (only last stages compute it)."""
+    """Mean loss of the step, known on every rank (only last stages compute it).
+
+    Per-token dicts (``forward_step_per_token``): the global batch's loss sum over its token
+    count; mean dicts: the mean over microbatches and data-parallel replicas."""
     from megatron.core import parallel_state
 
     local = None
     if parallel_state.is_pipeline_last_stage():
-        local = sum(d["loss"].item() for d in loss_dicts) / len(loss_dicts)
-    values: List[Optional[float]] = [None] * dist.get_world_size()
+        if loss_dicts and "num_tokens" in loss_dicts[0]:
+            local = (sum(d["loss_sum"].item() for d in loss_dicts),
+                     sum(int(d["num_tokens"]) for d in loss_dicts))
+        else:
+            local = sum(d["loss"].item() for d in loss_dicts) / len(loss_dicts)
+    values: list = [None] * dist.get_world_size()
     dist.all_gather_object(values, local)
+    present = [v for v in values if v is not None]
+    if present and isinstance(present[0], tuple):
+        # Each DP x CP rank's (sum, count); TP peers repeat theirs, every replica alike, so
+        # the ratio of the totals is the global one.
+        return sum(v[0] for v in present) / max(1, sum(v[1] for v in present))
     # Every last-stage rank reports its DP replica's mean; TP peers repeat the same value
     # equally often for every replica, so the plain mean over them is the DP mean.
-    present = [v for v in values if v is not None]
     return sum(present) / len(present)
 
 
