@@ -14,7 +14,8 @@ case "$MCORE" in
   *) VENV=".venv-mcore$(echo "$MCORE" | cut -d. -f1-2)" ;;
 esac
 STAMP="$VENV/.megatron-flat-installed"
-WANT="mcore=$MCORE torch=$TORCH_PIN setup=$(cksum setup.py | cut -d' ' -f1)"
+TRITON_PIN="triton==3.9.0"  # the peers' kernels and 0.19's imports; CPU runs use its interpreter
+WANT="mcore=$MCORE torch=$TORCH_PIN setup=$(cksum setup.py | cut -d' ' -f1) boot=$(cksum "$0" | cut -d' ' -f1)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   echo "$VENV"
@@ -32,16 +33,16 @@ case "$MCORE" in
   *)
     # 0.17+ declare Python >= 3.12 and 0.19 imports triton without declaring it
     # (DESIGN.md §4): install its runtime deps ourselves, then the package without deps.
-    "${PIP[@]}" numpy packaging triton
+    "${PIP[@]}" numpy packaging "$TRITON_PIN"
     "${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" ;;
 esac
 # The project itself; torch is already satisfied so nothing heavier is pulled.
 "${PIP[@]}" --no-build-isolation -e ".[test,demo]"
 # benchmarks/vocab.py's peers (setup.py's bench-peers extra), without deps: they need only
-# torch and triton, and must not pull another torch.
-if "$VENV/bin/python" -c "import triton" 2>/dev/null; then
-  "${PIP[@]}" --no-deps liger-kernel==0.8.5 cut-cross-entropy==25.1.1
-fi
+# torch and triton (the CPU wheel of torch does not bring triton), and must not pull another
+# torch. Their tests require them, so every venv gets them.
+"${PIP[@]}" "$TRITON_PIN"
+"${PIP[@]}" --no-deps liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # 0.19 appends the git commit of the working directory (+abc1234) to its version.
 PYTHONWARNINGS=ignore "$VENV/bin/python" - <<PY
 import torch, megatron.core

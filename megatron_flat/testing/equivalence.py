@@ -247,8 +247,7 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
     if tiny.masked_fraction and not per_token:
         raise ValueError("TinyMoE.masked_fraction needs calculate_per_token_loss: the mean-loss "
                          "reference counts every token")
-    if per_token:
-        return _run_reference_per_token(tiny, steps, config_overrides)
+    backward = _per_token_backward if per_token else _mean_backward
     with megatron_layout(1, 1, 1, seed=tiny.seed):
         torch.manual_seed(tiny.seed)
         config = transformer_config(tiny, **(config_overrides or {}))
@@ -258,17 +257,8 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
                                 weight_decay=0.0)
         losses, grads = [], None
         for step in range(steps):
-            batch = global_batch(tiny, step)
             opt.zero_grad(set_to_none=False)
-            total = 0.0
-            # MTP heads' losses reach the gradient through MTPLossAutoScaler, scaled as
-            # Megatron's schedule scales them: 1 / microbatches, like the main loss.
-            _set_mtp_scale(config, 1.0 / len(batch))
-            for mb in batch:
-                loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels).float().mean()
-                (loss / len(batch)).backward()
-                total += loss.item()
-            losses.append(total / len(batch))
+            losses.append(backward(model, config, global_batch(tiny, step), step))
             if step == 0:
                 grads = full_tensors([model], grads=True, gather=False)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
@@ -277,39 +267,37 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
     return RunResult(losses, grads, params, initial)
 
 
-def _run_reference_per_token(tiny: TinyMoE, steps: int, config_overrides: dict) -> RunResult:
-    """``run_reference`` for ``calculate_per_token_loss`` (see there)."""
-    with megatron_layout(1, 1, 1, seed=tiny.seed):
-        torch.manual_seed(tiny.seed)
-        config = transformer_config(tiny, **config_overrides)
-        model = build_tiny_gpt(tiny, config)
-        initial = full_tensors([model], gather=False)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=0.0)
-        losses, grads = [], None
-        for step in range(steps):
-            batch = global_batch(tiny, step)
-            masks = [torch.ones(mb.labels.shape) if mb.loss_mask is None else mb.loss_mask
-                     for mb in batch]
-            count = sum(float(m.sum()) for m in masks)
-            if count == 0:
-                raise ValueError(f"step {step}: every token of the global batch is masked")
-            opt.zero_grad(set_to_none=False)
-            total = 0.0
-            _set_mtp_scale(config, 1.0 / count)
-            for mb, mask in zip(batch, masks):
-                per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                                  loss_mask=mb.loss_mask)
-                loss_sum = (per_token.float() * mask).sum()
-                (loss_sum / count).backward()
-                total += loss_sum.item()
-            losses.append(total / count)
-            if step == 0:
-                grads = full_tensors([model], grads=True, gather=False)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
-            opt.step()
-        params = full_tensors([model], gather=False)
-    return RunResult(losses, grads, params, initial)
+def _mean_backward(model, config, batch, step: int) -> float:
+    """Back-propagate one step's mean token loss per microbatch, averaged over the
+    microbatches; returns that loss."""
+    total = 0.0
+    # MTP heads' losses reach the gradient through MTPLossAutoScaler, scaled as
+    # Megatron's schedule scales them: 1 / microbatches, like the main loss.
+    _set_mtp_scale(config, 1.0 / len(batch))
+    for mb in batch:
+        loss = model(mb.tokens, mb.position_ids, None, labels=mb.labels).float().mean()
+        (loss / len(batch)).backward()
+        total += loss.item()
+    return total / len(batch)
+
+
+def _per_token_backward(model, config, batch, step: int) -> float:
+    """Back-propagate one step's masked token-loss sum over its unmasked token count (the
+    MTP heads scaled by the same 1 / count); returns that loss."""
+    masks = [torch.ones(mb.labels.shape) if mb.loss_mask is None else mb.loss_mask
+             for mb in batch]
+    count = sum(float(m.sum()) for m in masks)
+    if count == 0:
+        raise ValueError(f"step {step}: every token of the global batch is masked")
+    total = 0.0
+    _set_mtp_scale(config, 1.0 / count)
+    for mb, mask in zip(batch, masks):
+        per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                          loss_mask=mb.loss_mask)
+        loss_sum = (per_token.float() * mask).sum()
+        (loss_sum / count).backward()
+        total += loss_sum.item()
+    return total / count
 
 
 def _set_mtp_scale(config, scale: float) -> None:
