@@ -406,11 +406,10 @@ class ModuleRecomputeSite:
 
 def module_recompute_sites() -> Tuple[ModuleRecomputeSite, ...]:
     """The Megatron modules whose checkpoint calls are ``core_attn``, ``moe`` and ``mlp``
-    recomputes (plus megatron-flat's own FlatMoELayer, which recomputes like ``moe``)."""
+    recomputes (megatron-flat's own FlatMoELayer, which recomputes like ``moe``, is added by
+    ``sco``: this module imports nothing of the glue)."""
     from megatron.core.transformer import attention, transformer_layer
     from megatron.core.transformer.moe import moe_layer
-
-    from megatron_flat.megatron import moe as flat_moe
 
     needed = (
         (attention, attention.Attention, "_checkpointed_attention_forward"),
@@ -425,7 +424,6 @@ def module_recompute_sites() -> Tuple[ModuleRecomputeSite, ...]:
     return (
         ModuleRecomputeSite(("core_attn",), attention, (0, 1, 2)),
         ModuleRecomputeSite(("moe",), moe_layer, (0,)),
-        ModuleRecomputeSite(("moe",), flat_moe, (0,)),
         ModuleRecomputeSite(("mlp",), transformer_layer, (0,)),
     )
 

@@ -15,12 +15,9 @@ import argparse
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from megatron_flat.config import FlatConfig
+from megatron_flat.megatron.state import FlatConfigError, installed, set_installed
 
-_INSTALLED: Optional[FlatConfig] = None
-
-
-class FlatConfigError(ValueError):
-    """The FlatConfig does not fit the Megatron configuration; lists every reason."""
+__all__ = ["FlatConfigError", "check_against_megatron", "install", "installed"]
 
 
 def _get(source: Any, *names: str, default: Any = None) -> Any:
@@ -149,15 +146,15 @@ def install(config_or_args: Union[FlatConfig, argparse.Namespace],
     namespace is also the Megatron configuration checked against, unless ``megatron`` is
     given — a TransformerConfig or args). Raises ``FlatConfigError`` listing every problem.
     """
-    global _INSTALLED
     if isinstance(config_or_args, FlatConfig):
         flat = config_or_args
     else:
         flat = FlatConfig.from_args(config_or_args)
         megatron = config_or_args if megatron is None else megatron
-    if _INSTALLED is not None:
-        if flat == _INSTALLED:
-            return _INSTALLED
+    current = installed()
+    if current is not None:
+        if flat == current:
+            return current
         raise FlatConfigError("megatron-flat is already installed with a different FlatConfig; "
                               "install() once per process, before the model is built")
     problems = check_against_megatron(flat, megatron) if megatron is not None else []
@@ -176,19 +173,13 @@ def install(config_or_args: Union[FlatConfig, argparse.Namespace],
     for name, on in _ENABLED.items():
         if on(flat):
             WIRING[name](flat, megatron)
-    _INSTALLED = flat
+    set_installed(flat)
     return flat
-
-
-def installed() -> Optional[FlatConfig]:
-    """The FlatConfig installed in this process, or None."""
-    return _INSTALLED
 
 
 def _reset_for_tests() -> None:
     """Forget the installed FlatConfig and undo the process-wide wiring (tests only)."""
-    global _INSTALLED
-    _INSTALLED = None
+    set_installed(None)
     import sys
 
     optimizer = sys.modules.get("megatron_flat.megatron.optimizer")

@@ -205,7 +205,7 @@ class FlatMoELayer(MoELayer):
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection=None, flat: Optional[FlatConfig] = None, **kwargs):
         if flat is None:
-            from megatron_flat.megatron.install import installed
+            from megatron_flat.megatron.state import installed
 
             flat = installed() or FlatConfig()
         if flat.dispatch != "off":

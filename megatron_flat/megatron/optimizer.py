@@ -771,7 +771,7 @@ def wire_optimizer_offload(flat: FlatConfig, megatron: Any = None) -> None:
     problem, before anything is patched. Undo with :func:`unwire_optimizer_offload`.
     """
     global _WIRED
-    from megatron_flat.megatron.install import FlatConfigError
+    from megatron_flat.megatron.state import FlatConfigError
 
     compat.check_supported()
     problems = unsupported_optimizer_settings(megatron) if megatron is not None else []

@@ -219,7 +219,7 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
 
 def _what_ran(models) -> Dict[str, Any]:
     from megatron_flat.megatron import sco
-    from megatron_flat.megatron.install import installed
+    from megatron_flat.megatron.state import installed
 
     flat = installed()
     found: Dict[str, Any] = {"flat": None if flat is None else flat.to_dict(),

@@ -120,6 +120,15 @@ def _delimit(original: Callable, route: Optional[Callable], attr: str = "route")
     return delimited
 
 
+def module_recompute_sites() -> tuple:
+    """Megatron's module-recompute sites (``compat``) and FlatMoELayer's, which makes its
+    ``moe`` recompute's checkpoint call from its own module like MoELayer does."""
+    from megatron_flat.megatron import moe as flat_moe
+
+    return compat.module_recompute_sites() + (
+        compat.ModuleRecomputeSite(("moe",), flat_moe, (0,)),)
+
+
 def _module_route_of(route: Callable) -> Callable[[], Optional[Callable]]:
     def route_of() -> Optional[Callable]:
         if getattr(_state, "suppressed", None) is not None:
@@ -186,7 +195,7 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
         _disable_locked()
         caller, owner, name = compat.full_recompute_site()
         views = [(caller, _TensorParallelView(caller.__dict__["tensor_parallel"], _block_route))]
-        for site in compat.module_recompute_sites():
+        for site in module_recompute_sites():
             real = site.caller.__dict__["tensor_parallel"]
             views.append((site.caller, _TensorParallelView(
                 real, _module_route_of(adapter_for(site.offload_args)))))
@@ -312,7 +321,7 @@ def wire_sco(flat: Any, megatron: Any = None) -> None:
     ``install.check_against_megatron`` through :func:`recompute_problems`.)
     """
     if megatron is not None and getattr(megatron, "distribute_saved_activations", False):
-        from megatron_flat.megatron.install import FlatConfigError
+        from megatron_flat.megatron.state import FlatConfigError
 
         raise FlatConfigError(f"megatron-flat cannot be installed:\n  - {_DSA_MESSAGE}")
     enable(flat.sco_host_budget_bytes, flat.sco_prefetch)

@@ -61,7 +61,7 @@ def current_flat() -> FlatConfig:
     else the installed one (``megatron_flat.install``), else ``FlatConfig()``."""
     if _ACTIVE:
         return _ACTIVE[-1]
-    from megatron_flat.megatron.install import installed
+    from megatron_flat.megatron.state import installed
 
     return installed() or _OFF
 
@@ -389,7 +389,7 @@ transformer-engine when the model is built (fused attention, context parallelism
 def _active_flat() -> Optional[FlatConfig]:
     if _ACTIVE:
         return _ACTIVE[-1]
-    from megatron_flat.megatron.install import installed
+    from megatron_flat.megatron.state import installed
 
     flat = installed()
     return flat if flat is not None and flat.dispatch != "off" else None

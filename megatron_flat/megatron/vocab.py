@@ -321,7 +321,7 @@ def enable_ring_dtp(model: torch.nn.Module, flat: Optional[FlatConfig] = None, *
 
 
 def _installed_vocab() -> Optional[FlatConfig]:
-    from megatron_flat.megatron.install import installed
+    from megatron_flat.megatron.state import installed
 
     flat = installed()
     return flat if flat is not None and flat.vocab else None

@@ -123,7 +123,7 @@ def test_disable_restores_megatron(megatron_cpu):
 
     caller, owner, name = compat.full_recompute_site()
     before = (caller.tensor_parallel, getattr(owner, name), tp.checkpoint)
-    sites = compat.module_recompute_sites()
+    sites = sco.module_recompute_sites()
     shared = compat.shared_experts_site()
     modules_before = [site.caller.tensor_parallel for site in sites]
     shared_before = getattr(*shared)
@@ -151,7 +151,7 @@ def test_distribute_saved_activations_refused(built, tiny):
 
     from megatron_flat.config import FlatConfig
     from megatron_flat.megatron import sco
-    from megatron_flat.megatron.install import FlatConfigError
+    from megatron_flat.megatron.state import FlatConfigError
 
     flat = FlatConfig(sco=True, sco_host_budget_gib=0.001)
     with pytest.raises(FlatConfigError, match="distribute-saved-activations"):

@@ -68,7 +68,7 @@ def test_scoped_offload_nests_and_restores(megatron_cpu, unwired):
 
 
 def test_wiring_refuses_settings_it_cannot_run(megatron_cpu, unwired):
-    from megatron_flat.megatron.install import FlatConfigError
+    from megatron_flat.megatron.state import FlatConfigError
 
     stock = _builder()
     args = argparse.Namespace(optimizer="sgd", optimizer_cpu_offload=True,

@@ -180,7 +180,7 @@ from megatron.training.initialize import initialize_megatron
 
 
 def _flat_on():
-    from megatron_flat.megatron.install import installed
+    from megatron_flat.megatron.state import installed
 
     flat = installed()
     return flat is not None and flat != type(flat)()

@@ -114,7 +114,7 @@ def test_mtp_heads_match_the_stock_model(megatron_cpu, tied, heads):
 def test_install_wiring_turns_every_gpt_model_on(megatron_cpu, monkeypatch):
     """``wire_vocab`` (install's hook) + an installed FlatConfig with vocab on: a GPTModel
     built afterwards computes its loss through Ring-DTP with the installed knobs."""
-    from megatron_flat.megatron import install
+    from megatron_flat.megatron import state
     from megatron_flat.megatron.vocab import ring_dtp_output, wire_vocab
     from megatron_flat.testing.distributed import megatron_layout
     from megatron_flat.testing.tiny_gpt import (
@@ -130,7 +130,7 @@ def test_install_wiring_turns_every_gpt_model_on(megatron_cpu, monkeypatch):
         model = build_tiny_gpt(tiny, transformer_config(tiny))
         assert ring_dtp_output(model) is None  # nothing installed: stock
         wire_vocab(flat, transformer_config(tiny))
-        monkeypatch.setattr(install, "_INSTALLED", flat)
+        monkeypatch.setattr(state, "_INSTALLED", flat)
         calls = []
         model.output_layer.register_forward_pre_hook(lambda *_: calls.append("stock"))
         mb = global_batch(tiny)[0]
@@ -138,7 +138,7 @@ def test_install_wiring_turns_every_gpt_model_on(megatron_cpu, monkeypatch):
         ring = ring_dtp_output(model)
         assert ring is not None and (ring.mode, ring.block_size, ring.tp) == ("weights", 40, 1)
         assert calls == [] and loss.shape == (tiny.micro_batch_size, tiny.seq_length)
-        monkeypatch.setattr(install, "_INSTALLED", FlatConfig())  # vocab off: stock again
+        monkeypatch.setattr(state, "_INSTALLED", FlatConfig())  # vocab off: stock again
         other = build_tiny_gpt(tiny, transformer_config(tiny))
         assert ring_dtp_output(other) is None
 
