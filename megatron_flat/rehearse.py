@@ -10,23 +10,31 @@ backend, at the tiny shape ARGS give:
   every technique off it builds Megatron's own layer spec.
 * **flat**: ARGS as given.
 
-Both runs get the same overrides, printed before they start: ``--train-iters`` (``--iters``),
-``--log-interval 1``, ``--distributed-backend gloo``, and under context parallelism
-``--attention-dropout 0`` (the CPU backend's CP core attention has no dropout; Megatron-LM's
-default is 0.1); ``--save`` / ``--load`` and logging
-destinations are dropped, so a production line can be rehearsed as it is (given tiny shapes
-and ``--mock-data``); SCO's host budget is capped (``--host-budget-gib``), because the CPU
-allocates it as plain memory.
+Before the runs, the checkout's own parser is asked what the line sets
+(``megatron.line_probe``) and ``megatron_flat.cpu_line`` plans the line's CPU form, announced in
+one block, one line per change (asked -> runs instead: why): transformer-engine modules and a
+transformer-engine layer spec -> the local ones, fused kernels -> their unfused forms, the
+grouped-GEMM capability check -> answered on CPU; GPU features that do not change the math
+(CUDA graphs, userbuffer overlap, ...) are dropped; settings that do (fp8/fp4 recipes) are
+refused before anything runs. ``--strict`` refuses any change instead.
+
+Both runs also get the same overrides, printed before they start: ``--train-iters``
+(``--iters``), ``--log-interval 1``, ``--distributed-backend gloo``, and under context
+parallelism ``--attention-dropout 0`` (the CPU backend's CP core attention has no dropout;
+Megatron-LM's default is 0.1); ``--save`` / ``--load`` and logging destinations are dropped, so
+a production line can be rehearsed as it is (given tiny shapes and ``--mock-data``); SCO's host
+budget is capped (``--host-budget-gib``), because the CPU allocates it as plain memory.
 
 Prints each iteration's ``lm loss`` from both runs, the per-component peak table (the worst
 rank's, measured by the memory meter: ``megatron_flat.megatron.rehearsal``), which flat modules
 were really built, and a verdict as the last line:
 
-    rehearsal: flat losses equal stock over N iterations
+    rehearsal: flat losses equal stock over N iterations (K CPU substitutions)
 
-Exit status: 0 equal; 1 the losses differ beyond ``--rtol`` (fp32 reordering; the log prints
-7 significant digits), a run failed, printed no losses, or a requested technique was not in
-the model; 2 bad arguments (nothing launched).
+Exit status: 0 equal; 1 the losses differ beyond ``--rtol`` (fp32 reordering, 1e-5: the log
+prints 7 significant digits; a quarter of the unit roundoff for a ``--bf16``/``--fp16``
+line), a run failed, printed no losses, or a requested technique was not in the model; 2 bad
+arguments or a refused line (nothing launched).
 """
 
 from __future__ import annotations
@@ -45,9 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_flat import cpu_line
 from megatron_flat.config import FlatConfig, add_flat_args
 
 WORKER = "megatron_flat.megatron.rehearsal"
+PROBE = "megatron_flat.megatron.line_probe"
 LOSS_LINE = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|.*?\blm loss:\s*([-+0-9.eEinfa]+)")
 # Flags dropped from both runs (each takes one value): outputs a rehearsal must not write.
 DROPPED = ("--save", "--load", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name",
@@ -55,6 +65,19 @@ DROPPED = ("--save", "--load", "--tensorboard-dir", "--wandb-project", "--wandb-
 PEAK_ROWS = ("expert dispatch", "vocabulary projection + loss", "checkpoint boundaries",
              "optimizer step", "step")
 EXIT_EQUAL, EXIT_DIFFER, EXIT_USAGE = 0, 1, 2
+# Loss tolerance: fp32 reordering (the log prints 7 significant digits); a half-precision line
+# reorders half-precision sums (the flat dispatch combines expert outputs in another order),
+# which a few optimizer steps carry into the loss: a quarter of the type's unit roundoff.
+FP32_RTOL = 1e-5
+HALF_RTOL = {"bf16": 2.0**-8 / 4, "fp16": 2.0**-11 / 4}
+
+
+def default_rtol(args: Sequence[str]) -> Tuple[float, str]:
+    """The loss tolerance for ``args`` and what it is."""
+    for dtype in ("bf16", "fp16"):
+        if f"--{dtype}" in args:
+            return HALF_RTOL[dtype], f"a quarter of {dtype}'s unit roundoff ({dtype} line)"
+    return FP32_RTOL, "fp32 reordering"
 
 
 class RehearsalError(Exception):
@@ -242,6 +265,45 @@ def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Pa
     return Run(name, code, log, parse_losses(text), ranks, time.monotonic() - start)
 
 
+def probe_line(script: Path, args: Sequence[str], work: Path,
+               timeout: float) -> Tuple[Optional[dict], str]:
+    """The checkout parser's view of ``args`` (``megatron.line_probe``), or (None, why)."""
+    command = [sys.executable, "-m", PROBE, str(script), *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=_environment(work / "probe"), cwd=str(script.parent))
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:g} s"
+    for line in done.stdout.splitlines():
+        if line.startswith("PROBE "):
+            return json.loads(line[len("PROBE "):]), ""
+    tail = [l for l in done.stderr.strip().splitlines() if l.strip()]
+    return None, tail[-1] if tail else f"exit {done.returncode}"
+
+
+def cpu_line_of(script: Path, args: Sequence[str], *, work: Path, strict: bool,
+                timeout: float) -> Tuple[cpu_line.CpuLine, List[str]]:
+    """The line to rehearse on CPU (substitutions applied) and notes; raises RehearsalError
+    for a line refused (a setting that changes the math, or any change under ``strict``)."""
+    found, why = probe_line(script, args, work, timeout)
+    if found is None:
+        if strict:
+            raise RehearsalError(f"--strict: the checkout's parser could not be asked what "
+                                 f"the line sets ({why})")
+        return cpu_line.CpuLine(list(args)), [
+            f"the checkout's parser could not be asked what the line sets ({why}): it runs "
+            "as written, without CPU substitutions"]
+    line = cpu_line.plan(args, found["values"], found["options"])
+    if line.refused:
+        raise RehearsalError("the line has settings a CPU rehearsal cannot run without "
+                             "changing the math:\n  - " + "\n  - ".join(line.refused))
+    if strict:
+        refusal = cpu_line.strict_refusal(line)
+        if refusal:
+            raise RehearsalError(refusal)
+    return line, []
+
+
 # ---------------------------------------------------------------------------- report
 _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*"
                         r"(?:Error|Exception|Interrupt)\b.*)$")
@@ -370,7 +432,7 @@ def missing_techniques(flat: Run) -> List[str]:
     return missing
 
 
-def verdict(stock: Run, flat: Run, rtol: float) -> Tuple[int, str]:
+def verdict(stock: Run, flat: Run, rtol: float, substitutions: int = 0) -> Tuple[int, str]:
     for run in (stock, flat):
         if not run.ok:
             return EXIT_DIFFER, (f"rehearsal: the {run.name} run failed (exit {run.exit}); "
@@ -394,7 +456,10 @@ def verdict(stock: Run, flat: Run, rtol: float) -> Tuple[int, str]:
     missing = missing_techniques(flat)
     if missing:
         return EXIT_DIFFER, "rehearsal: " + "; ".join(missing)
-    return EXIT_EQUAL, f"rehearsal: flat losses equal stock over {len(stock.losses)} iterations"
+    text = f"rehearsal: flat losses equal stock over {len(stock.losses)} iterations"
+    if substitutions:
+        text += f" ({substitutions} CPU substitution{'s' if substitutions > 1 else ''})"
+    return EXIT_EQUAL, text
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -409,13 +474,18 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=3,
                         help="training iterations per run: sets --train-iters (0: keep the "
                              "line's own; default: 3)")
-    parser.add_argument("--rtol", type=float, default=1e-5,
-                        help="largest relative loss difference accepted as fp32 reordering "
-                             "(default: 1e-5)")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="largest relative loss difference accepted as reordering "
+                             f"(default: {FP32_RTOL:g} for an fp32 line; a quarter of the "
+                             "unit roundoff of --bf16 / --fp16 lines: "
+                             f"{HALF_RTOL['bf16']:.1e} / {HALF_RTOL['fp16']:.1e})")
     parser.add_argument("--host-budget-gib", type=float, default=1.0,
                         help="cap on SCO's host budget per rank for the rehearsal (default: 1)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds each run may take (default: 1800)")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse a line with GPU-only settings instead of running their "
+                             "CPU forms (default: substitute them and say so)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where logs and per-rank peaks go (default: a temporary "
                              "directory, kept when the rehearsal fails)")
@@ -448,10 +518,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     try:
         if opts.nproc_per_node < 1:
             raise RehearsalError("--nproc-per-node must be >= 1")
-        if opts.iters < 0 or opts.rtol < 0 or opts.host_budget_gib < 0:
+        if opts.iters < 0 or (opts.rtol or 0) < 0 or opts.host_budget_gib < 0:
             raise RehearsalError("--iters, --rtol and --host-budget-gib must be >= 0")
         _check_script(script)
-        lines = launch_lines(line, iters=opts.iters, host_budget_gib=opts.host_budget_gib)
+        flat_config_of(line)  # bad --flat-* flags: refused before anything runs
     except RehearsalError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -459,10 +529,25 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     work = opts.work_dir or Path(tempfile.mkdtemp(prefix="megatron-flat-rehearsal-"))
     work.mkdir(parents=True, exist_ok=True)
     script = script.resolve()
+    try:
+        on_cpu, probe_notes = cpu_line_of(script, line, work=work, strict=opts.strict,
+                                          timeout=opts.timeout)
+        lines = launch_lines(on_cpu.args, iters=opts.iters,
+                             host_budget_gib=opts.host_budget_gib)
+    except RehearsalError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        if opts.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        return EXIT_USAGE
     print(f"rehearsing {script} on CPU with {opts.nproc_per_node} rank(s), gloo", file=out)
     print(f"flat: {lines.flat_config.describe()}", file=out)
-    for note in lines.notes:
+    if opts.rtol is None:
+        opts.rtol, why = default_rtol(lines.flat)
+        probe_notes.append(f"loss tolerance: relative {opts.rtol:.1e} ({why}; --rtol)")
+    for note in probe_notes + lines.notes:
         print(f"  {note}", file=out)
+    for row in on_cpu.block():
+        print(row, file=out)
     runs = []
     for name, args in (("stock", lines.stock), ("flat", lines.flat)):
         print(f"{name} run ... (log: {work / (name + '.log')})", file=out, flush=True)
@@ -493,7 +578,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     patches = flat.ranks[0].get("patches", []) if flat.ranks else []
     if patches:
         print("CPU workarounds: " + ", ".join(patches), file=out)
-    code, last = verdict(stock, flat, opts.rtol)
+    code, last = verdict(stock, flat, opts.rtol, on_cpu.substitutions)
     if code != EXIT_EQUAL:
         for run in runs:
             if not run.ok:

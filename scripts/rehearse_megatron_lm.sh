@@ -12,6 +12,9 @@
 # CP=2 (default: unset) adds --context-parallel-size 2: CP 2 x EP 2 on the same 2 ranks (DP 1),
 # the CPU backend's ContextParallelCoreAttention in both runs (the rehearsal sets
 # --attention-dropout 0 for it: it has no attention dropout).
+# PRODUCTION=1 rehearses the line as a GPU job script has it instead: no CPU flags (the
+# rehearsal substitutes transformer-engine, the fused kernels and the TE layer spec itself),
+# --moe-grouped-gemm --bf16, the transformer-engine layer spec and --save/--load paths.
 set -uo pipefail
 
 REPO=${1:?usage: $0 MEGATRON_LM_GIT_DIR REF...}
@@ -32,6 +35,15 @@ LINE=(
     --spec megatron_flat.megatron.spec flat_gpt_layer_spec
     --flat-preset paper
 )
+if [[ -n "${PRODUCTION:-}" ]]; then
+    CPU_FLAGS=" --transformer-impl local --no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+    KEPT=()
+    for flag in "${LINE[@]}"; do
+        [[ "$CPU_FLAGS" == *" $flag "* ]] || KEPT+=("$flag")
+    done
+    LINE=("${KEPT[@]/flat_gpt_layer_spec/flat_gpt_layer_te_spec}"
+          --moe-grouped-gemm --bf16 --save "$WORK/user-ckpt" --load "$WORK/user-ckpt")
+fi
 if [[ -n "${CP:-}" ]]; then
     LINE+=(--context-parallel-size "$CP")
 fi

@@ -233,6 +233,35 @@ def _cpu_arch_version() -> None:
     _on_import(_answer_arch_in)
 
 
+class _CapableDevice(cpu._CudaOnCpu):
+    """``torch.cuda`` for ``validate_args``: it asks the compute capability before allowing
+    ``--moe-grouped-gemm``; the CPU backend's reference grouped GEMM runs on any CPU."""
+
+    @staticmethod
+    def get_device_capability(device=None):
+        return (CPU_ARCH_VERSION, 0)
+
+
+class _TorchWithCapability(cpu._TorchWithCpuCuda):
+    def __init__(self):
+        super().__init__()
+        self.cuda = _CapableDevice()
+
+
+_ARGUMENTS = "megatron.training.arguments"
+
+
+def _answer_capability_in(module) -> None:
+    if module.__name__ == _ARGUMENTS and isinstance(getattr(module, "torch", None),
+                                                     (type(torch), cpu._TorchWithCpuCuda)):
+        if not isinstance(module.torch, _TorchWithCapability):
+            module.torch = _TorchWithCapability()
+
+
+def _cpu_capability() -> None:
+    _on_import(_answer_capability_in)
+
+
 PATCHES: List[Patch] = [
     Patch("typing.override", "Megatron-LM's training code from 0.19 on imports Python 3.12's "
           "typing.override; on Python 3.11 it is an identity decorator.",
@@ -255,6 +284,10 @@ PATCHES: List[Patch] = [
           "CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell; the CPU answers "
           f"{CPU_ARCH_VERSION}, an architecture without that requirement.",
           _cpu_arch_version, _has_training_code),
+    Patch("grouped-GEMM capability check on CPU", "validate_args asks "
+          "torch.cuda.get_device_capability() before allowing --moe-grouped-gemm; the CPU "
+          f"answers ({CPU_ARCH_VERSION}, 0), and its reference grouped GEMM runs the experts.",
+          _cpu_capability, _has_training_code),
 ]
 
 

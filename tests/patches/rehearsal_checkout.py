@@ -51,6 +51,8 @@ def print_rank_0(message):
 ARGUMENTS = '''\
 import argparse
 
+import torch
+
 from megatron.training.global_vars import set_args
 
 
@@ -74,6 +76,26 @@ def _parser():
     ):
         group.add_argument(flag, type=kind, default=default, help=f"{flag[2:]} (100% synthetic)")
     group.add_argument("--spec", nargs=2, default=None, help="module and layer spec name")
+    # GPU-only settings with Megatron-LM's defaults (transformer-engine modules, fused
+    # kernels on); the synthetic training refuses each one still on, as a CPU run fails.
+    group.add_argument("--transformer-impl", default="transformer_engine",
+                       choices=["local", "transformer_engine"])
+    for flag, dest in (("--no-rope-fusion", "apply_rope_fusion"),
+                       ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+                       ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+                       ("--no-bias-dropout-fusion", "bias_dropout_fusion")):
+        group.add_argument(flag, action="store_false", dest=dest)
+    group.add_argument("--no-persist-layer-norm", action="store_true")
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--moe-grouped-gemm", action="store_true")
+    group.add_argument("--moe-permute-fusion", action="store_true")
+    group.add_argument("--tp-comm-overlap", action="store_true")
+    group.add_argument("--cuda-graph-impl", default="none",
+                       choices=["none", "local", "transformer_engine"])
+    group.add_argument("--cuda-graph-scope", nargs="+", default=[])
+    group.add_argument("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
     group.add_argument("--mock-data", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--fail-when-flat", action="store_true")
@@ -92,6 +114,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
 def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
                             args_defaults={}):
     args = parse_args(extra_args_provider, ignore_unknown_args)
+    if args.moe_grouped_gemm:  # Megatron-LM's validate_args asks the device
+        assert torch.cuda.get_device_capability()[0] >= 8, "GroupedGEMM needs sm_80"
     for name, value in args_defaults.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -154,7 +178,29 @@ def tiny_of(args):
                    attention_dropout=args.attention_dropout)
 
 
+GPU_ONLY = (
+    ("transformer_impl", "transformer_engine", "transformer_engine is not installed"),
+    ("apply_rope_fusion", True, "fused RoPE needs CUDA"),
+    ("no_persist_layer_norm", False, "apex persistent layer norm needs CUDA"),
+    ("gradient_accumulation_fusion", True, "fused_weight_gradient_mlp_cuda needs CUDA"),
+    ("masked_softmax_fusion", True, "scaled_masked_softmax_cuda needs CUDA"),
+    ("bias_dropout_fusion", True, "fused bias-dropout-add needs CUDA"),
+    ("moe_permute_fusion", True, "transformer_engine permute needs CUDA"),
+    ("tp_comm_overlap", True, "userbuffers need CUDA"),
+    ("cuda_graph_impl", "local", "CUDA graphs need CUDA"),
+)
+
+
 def build_gpt(args, pre_process=True, post_process=True):
+    for name, on, error in GPU_ONLY:
+        if getattr(args, name) == on:
+            raise RuntimeError(f"synthetic GPU-only setting {name}: {error}")
+    if args.spec and args.spec[1].endswith("_te_spec"):
+        raise RuntimeError("synthetic GPU-only layer spec: transformer_engine is not installed")
+    if args.swiglu and args.bias_swiglu_fusion:
+        raise RuntimeError("synthetic GPU-only setting bias_swiglu_fusion: needs CUDA")
+    if args.fp8:
+        raise RuntimeError("synthetic GPU-only setting fp8: needs transformer_engine")
     recompute = {}
     if args.recompute_granularity:
         recompute = dict(recompute=args.recompute_granularity,
@@ -362,6 +408,16 @@ LINE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--recompute-method", "uniform", "--recompute-num-layers", "1",
         "--use-distributed-optimizer", "--mock-data", "--lr", "1e-2",
         "--distributed-backend", "nccl", "--log-interval", "10", "--save", "/nonexistent/ckpt",
-        "--spec", "megatron_flat.megatron.spec", "flat_gpt_layer_spec"]
+        "--spec", "megatron_flat.megatron.spec", "flat_gpt_layer_spec",
+        # the CPU flags a line written for the CPU carries (the production line below not)
+        "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion"]
+# LINE as a GPU job script writes it: transformer-engine and fused kernels by default, the
+# transformer-engine layer spec, grouped GEMM, bf16, CUDA graphs and userbuffer overlap.
+PRODUCTION = (LINE[:LINE.index("--transformer-impl")]
+              + ["--swiglu", "--bf16", "--moe-grouped-gemm", "--cuda-graph-impl", "local",
+                 "--cuda-graph-scope", "attn", "moe", "--tp-comm-overlap"])
+PRODUCTION[PRODUCTION.index("flat_gpt_layer_spec")] = "flat_gpt_layer_te_spec"
 FLAT = ["--flat-preset", "paper", "--flat-dispatch-chunk-tokens", "4",
         "--flat-optimizer-bucket-numel", "4096"]

@@ -270,3 +270,104 @@ def test_rehearsal_reports_a_failed_run(tmp_path):
         in done.stdout
     assert done.stdout.splitlines()[-1] == (
         f"rehearsal: the flat run failed (exit 1); its log: {work / 'flat.log'}")
+
+
+# ---------------------------------------------------------------------------- a GPU line
+SUBSTITUTED = (
+    "[substituted] --transformer-impl transformer_engine (Megatron-LM's default) -> "
+    "--transformer-impl local",
+    "[substituted] --spec megatron_flat.megatron.spec flat_gpt_layer_te_spec -> "
+    "--spec megatron_flat.megatron.spec flat_gpt_layer_spec",
+    "[substituted] the fused RoPE kernel (Megatron-LM's default) -> --no-rope-fusion",
+    "[substituted] apex's persistent layer-norm kernel (Megatron-LM's default) -> "
+    "--no-persist-layer-norm",
+    "[substituted] apex's fused weight-gradient accumulation into main_grad (Megatron-LM's "
+    "default) -> --no-gradient-accumulation-fusion",
+    "[substituted] Megatron's fused scale-mask-softmax kernel (Megatron-LM's default) -> "
+    "--no-masked-softmax-fusion",
+    "[substituted] the fused bias-SwiGLU kernel (Megatron-LM's default) -> "
+    "--no-bias-swiglu-fusion",
+    "[substituted] the fused bias-dropout-add kernel (Megatron-LM's default) -> "
+    "--no-bias-dropout-fusion",
+    "[substituted] --moe-grouped-gemm -> --moe-grouped-gemm, Megatron-LM's compute-capability "
+    "check answered on CPU",
+    "[dropped] --cuda-graph-impl local --cuda-graph-scope attn moe -> (dropped)",
+    "[dropped] --tp-comm-overlap -> (dropped)",
+)
+
+
+def _era_of_installed_core() -> str:
+    """The call shape that goes with the installed megatron-core (each CI stage runs one; the
+    two stages together run both)."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("megatron-core")
+    return "0.16" if version.startswith("0.16") else "0.19"
+
+
+def test_a_production_line_rehearses_as_written(tmp_path):
+    """The line a GPU job script has (transformer-engine by default, fused kernels, the
+    transformer-engine layer spec, grouped GEMM, bf16, CUDA graphs, userbuffer overlap): every
+    GPU-only setting is announced with its CPU form, and the runs then equal."""
+    script = checkout.write_checkout(tmp_path / "mlm", _era_of_installed_core())
+    done, work = _rehearse(tmp_path, script, checkout.PRODUCTION + checkout.FLAT, nproc=2)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    block = out[out.index("11 setting(s) of the line run otherwise on CPU"):
+                out.index("stock run ...")]
+    for change in SUBSTITUTED:
+        assert f"  {change}: " in block, change
+    assert len([l for l in block.splitlines() if l.startswith("  [")]) == len(SUBSTITUTED)
+    assert "loss tolerance: relative 9.8e-04 (a quarter of bf16's unit roundoff" in out
+    assert out.splitlines()[-1] == (
+        "rehearsal: flat losses equal stock over 3 iterations (11 CPU substitutions)")
+    stock_log = (work / "stock.log").read_text()
+    assert "--transformer-impl local" in stock_log and "--tp-comm-overlap" not in stock_log
+
+
+def test_the_production_line_fails_without_its_substitutions(tmp_path):
+    """The negative control: each obstacle is real (the synthetic checkout refuses a GPU-only
+    setting still on), so the substitutions above are what made the runs pass."""
+    script = checkout.write_checkout(tmp_path / "mlm", "0.19")
+    env = _env()
+    env["MEGATRON_FLAT_REHEARSAL_OUT"] = str(tmp_path / "out")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         "-m", rehearse.WORKER, str(script), *checkout.PRODUCTION, "--train-iters", "1",
+         "--distributed-backend", "gloo", "--expert-model-parallel-size", "1"],
+        capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "synthetic GPU-only setting transformer_impl" in done.stdout + done.stderr
+
+
+def test_strict_refuses_a_production_line_before_launching(tmp_path):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.16")
+    work = tmp_path / "work"
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_flat", "rehearse", "--strict", "--work-dir",
+         str(work), "--", str(script), *checkout.PRODUCTION],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path)
+    assert done.returncode == rehearse.EXIT_USAGE, done.stdout + done.stderr
+    assert "error: --strict: 11 setting(s) of the line have no CPU form" in done.stderr
+    assert "--tp-comm-overlap (dropped)" in done.stderr
+    assert not (work / "stock.log").exists()  # nothing launched
+    # a line written for the CPU passes --strict's check (and here fails later on purpose)
+    line = checkout.LINE + ["--expert-model-parallel-size", "1", "--fail-when-flat",
+                            "--flat-dispatch", "pipelined"]
+    ok = subprocess.run(
+        [sys.executable, "-m", "megatron_flat", "rehearse", "--strict", "--iters", "1",
+         "--work-dir", str(tmp_path / "ok"), "--", str(script), *line],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path)
+    assert "--strict" not in ok.stderr and (tmp_path / "ok" / "stock.log").exists()
+
+
+def test_fp8_is_refused_before_launching(tmp_path):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.19")
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_flat", "rehearse", "--work-dir", str(tmp_path / "w"),
+         "--", str(script), *checkout.PRODUCTION, "--fp8-format", "hybrid"],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path)
+    assert done.returncode == rehearse.EXIT_USAGE
+    assert "cannot run without changing the math" in done.stderr
+    assert "--fp8-format hybrid: fp8 GEMMs round differently" in done.stderr
+    assert not (tmp_path / "w" / "stock.log").exists()
