@@ -142,7 +142,7 @@ LOGGING=(
 
 # megatron-flat: --flat-preset paper turns all four techniques on with the paper's settings;
 # every flag below restates or overrides one of them (a flag left at its default keeps the
-# preset's value). Table of all flags: README.md "Flag reference".
+# preset's value). Table of all flags: docs/flags.md.
 FLAT=(
     --flat-preset paper                   # start from the paper's settings
     # PipelinedLLEP: the expert-dispatch peak.

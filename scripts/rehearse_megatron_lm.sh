@@ -5,7 +5,7 @@
 #   scripts/rehearse_megatron_lm.sh /path/to/Megatron-LM.git core_v0.16.1 core_v0.19.0 main
 #
 # PYTHON (default: python) must have torch, megatron-flat and Megatron-LM's training
-# dependencies (six, regex, pyyaml, einops, pydantic, pybind11, triton; see the README). The
+# dependencies (six, regex, pyyaml, einops, pydantic, pybind11, triton; see docs/megatron.md). The
 # trees go to WORK (default: a temporary directory); nothing is written to the clone.
 # Rehearsal: 2 ranks, EP 2, 2 MoE layers with the flat layer spec, full recompute, the
 # distributed optimizer, mock data, --flat-preset paper; flat losses must equal stock.

@@ -1,4 +1,4 @@
-"""README.md's "Flag reference" table lists exactly the flags ``add_flat_args`` defines, with
+"""docs/flags.md's "Flag reference" table lists exactly the flags ``add_flat_args`` defines, with
 their defaults, choices, ``--flat-preset paper`` values and help text, so it cannot go stale."""
 
 import argparse
@@ -9,13 +9,13 @@ import pytest
 
 from megatron_flat.config import PRESETS, add_flat_args
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+FLAGS_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 
 
 def _flag_table():
-    """``{first flag: [flags, default, paper, values, meaning]}`` from the README's table."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("### Flag reference", 1)[1].split("\n#", 1)[0]
+    """``{first flag: [flags, default, paper, values, meaning]}`` from the flag table."""
+    text = FLAGS_DOC.read_text(encoding="utf-8")
+    section = text.split("## Flag reference", 1)[1].split("\n#", 1)[0]
     rows = {}
     for line in section.splitlines():
         if not line.startswith("| `--"):

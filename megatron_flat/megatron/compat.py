@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Tuple
 
 OLDEST = (0, 16)  # older releases lack the process-group collections and MoE layouts used here
-NEWEST_TESTED = (0, 20)  # Megatron-LM main as of the README's supported-versions table
+NEWEST_TESTED = (0, 20)  # Megatron-LM main as of docs/versions.md
 
 
 @functools.lru_cache(maxsize=None)

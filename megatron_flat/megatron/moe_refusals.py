@@ -37,7 +37,7 @@ __all__ = ["REFUSALS", "Refusal", "refused_settings"]
 class Refusal:
     """One Megatron setting the flat dispatcher refuses."""
 
-    flag: str  # the Megatron-LM flag (README's table names each)
+    flag: str  # the Megatron-LM flag (docs/flags.md's table names each)
     asked: Callable[[Any], Optional[str]]  # what the config asks, as written back; None: not set
     why: str
     instead: str
@@ -240,7 +240,7 @@ REFUSALS: Tuple[Refusal, ...] = (
         "train with --transformer-impl transformer_engine or local; serve with --flat-dispatch "
         "off"),
 )
-"""Every refused setting, in the order README's table lists them."""
+"""Every refused setting, in the order docs/flags.md's table lists them."""
 
 
 def refused_settings(config: Any) -> List[str]:

@@ -273,15 +273,15 @@ def _layout_text(lay):
 
 
 def test_readme_reach_table_is_what_the_planner_prints(capsys):
-    """README "The paper's three configurations at 1M tokens": every row is the planner's,
+    """docs/planner.md "The paper's three configurations at 1M tokens": every row is the planner's,
     each run on its own layout."""
     import pathlib
     import re
 
     from megatron_flat.plan.units import format_bytes, format_tokens
 
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### The paper's three configurations at 1M tokens", 1)[1]
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    section = text.split("## The paper's three configurations at 1M tokens", 1)[1]
     rows = [line for line in section.split("\n\n", 3)[2].splitlines() if line.startswith("|")]
     assert rows[0].count("|") == 9 and "layout" in rows[0]
     table, model = {}, None
