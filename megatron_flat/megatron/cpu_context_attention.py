@@ -104,8 +104,10 @@ class _PrefixCausalAttention(torch.autograd.Function):
             prefix_out, prefix_lse = _flash(q, k[:, :, :total - c], v[:, :, :total - c], 0.0,
                                             False, scale=scale)
             merged = torch.logaddexp(prefix_lse, lse)
+            # Merged in fp32 (the lse is), returned in the queries' dtype as a flash kernel
+            # writes O: a bf16 model's output projection takes bf16.
             out = (prefix_out * torch.exp(prefix_lse - merged).unsqueeze(-1)
-                   + out * torch.exp(lse - merged).unsqueeze(-1))
+                   + out * torch.exp(lse - merged).unsqueeze(-1)).to(q.dtype)
             lse = merged
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megatron_flat.config import FlatConfig
+from megatron_flat.plan import launch
 from megatron_flat.plan.baselines import (
     BASELINES,
     DESCRIPTIONS,
@@ -131,6 +132,10 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
                         "megatron-cpu-offload (--optimizer-cpu-offload), fsdp2-offload; "
                         "default auto: the strongest (longest context at its best layout)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--emit-launch", action="store_true",
+                   help="print the Megatron-LM launch command of the plan instead of the table: "
+                        "torchrun + pretrain_gpt.py with the model's shape, the chosen parallel "
+                        "layout, the --flat-* flags (with --json: a 'launch' list in the object)")
     return p
 
 
@@ -666,8 +671,35 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_flat 
     except PlanError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    if args.emit_launch:
+        if out.error:
+            print(f"{prog}: error: --emit-launch: the plan does not fit ({out.error}); no "
+                  "launch line", file=sys.stderr)
+            return 2
+        try:
+            groups = launch_groups_of(out)
+        except PlanError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps({**out.to_json(), "launch": launch.launch_args(groups)}, indent=2))
+            return 0
+        lay = out.layout
+        print(launch.render(groups, gpus=lay.tp * lay.cp * lay.pp * lay.dp,
+                            gpus_per_node=lay.gpus_per_node,
+                            comment=f"{out.model.name} at {format_tokens(out.seq_len)} tokens "
+                                    f"per sequence on {lay.tp * lay.cp * lay.pp * lay.dp} "
+                                    f"{out.device} (python -m megatron_flat plan)"))
+        return 0
     if args.json:
         print(json.dumps(out.to_json(), indent=2))
     else:
         print(render_table(out))
     return 0
+
+
+def launch_groups_of(res: PlanResult) -> List[launch.Group]:
+    """The plan's ``pretrain_gpt.py`` arguments (``plan.launch``)."""
+    return launch.launch_groups(res.model, res.layout, seq_len=res.seq_len,
+                                global_batch=res.global_batch, flat=res.flat,
+                                flat_flags=flat_flags(res.flat))

@@ -23,3 +23,27 @@ def test_flops_balanced(cp):
     assert attention_flops(seq, 1, 1, 1) == 4 * seq * (seq + 1) // 2
     with pytest.raises(ValueError, match="2·CP"):
         attention_flops(30, 2, 1, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_attention_equals_causal_attention_in_the_inputs_dtype(dtype):
+    """One chunk of queries at global positions [T−c, T) against keys [0, T): the prefix and
+    the diagonal block merged by their log-sum-exps equal causal attention over the whole
+    sequence (those rows), and come back in the queries' dtype (a bf16 model's output
+    projection takes bf16)."""
+    import torch
+
+    from megatron_flat.megatron.cpu_context_attention import _PrefixCausalAttention
+
+    torch.manual_seed(0)
+    kind = getattr(torch, dtype)
+    b, n, total, c, d = 1, 2, 12, 4, 8
+    q, k, v = (torch.randn(b, n, total, d).to(kind).requires_grad_() for _ in range(3))
+    out = _PrefixCausalAttention.apply(q[:, :, total - c:], k, v, d ** -0.5)
+    assert out.dtype == kind
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True)[:, :, total - c:]
+    tol = 1e-5 if kind == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    out.float().sum().backward()
+    assert q.grad.dtype == kind and k.grad.dtype == kind
