@@ -78,17 +78,28 @@ def _takes(args: Sequence[str], i: int, arity: int) -> int:
     return n
 
 
-def remove_option(args: Sequence[str], option: str, arity: int) -> List[str]:
-    """``args`` without any ``option`` (and its values)."""
-    out: List[str] = []
+def strip_options(args: Sequence[str],
+                  arities: Mapping[str, int]) -> Tuple[List[str], List[str]]:
+    """``args`` without the options in ``arities`` (option -> values it takes, -1 for a
+    variable number) and their values; returns (kept, removed)."""
+    kept: List[str] = []
+    removed: List[str] = []
     i = 0
     while i < len(args):
-        if _name(args[i]) == option:
-            i += 1 + _takes(args, i, arity)
+        name = _name(args[i])
+        if name in arities:
+            end = i + 1 + _takes(args, i, arities[name])
+            removed.extend(args[i:end])
+            i = end
             continue
-        out.append(args[i])
+        kept.append(args[i])
         i += 1
-    return out
+    return kept, removed
+
+
+def remove_option(args: Sequence[str], option: str, arity: int) -> List[str]:
+    """``args`` without any ``option`` (and its values)."""
+    return strip_options(args, {option: arity})[0]
 
 
 def option_values(args: Sequence[str], option: str, arity: int) -> Optional[List[str]]:

@@ -96,37 +96,14 @@ def _flat_arities() -> Dict[str, int]:
     return arities
 
 
-def _split_option(token: str) -> Tuple[str, Optional[str]]:
-    if token.startswith("--") and "=" in token:
-        name, value = token.split("=", 1)
-        return name, value
-    return token, None
-
-
-def strip_options(args: Sequence[str], arities: Dict[str, int]) -> Tuple[List[str], List[str]]:
-    """``args`` without the options in ``arities`` (and their values); returns (kept, removed)."""
-    kept, removed = [], []
-    i = 0
-    while i < len(args):
-        name, inline = _split_option(args[i])
-        if name in arities:
-            take = 0 if inline is not None else arities[name]
-            removed.extend(args[i:i + 1 + take])
-            i += 1 + take
-            continue
-        kept.append(args[i])
-        i += 1
-    return kept, removed
+# The line's tokens: one reading of options and their values, shared with the CPU plan.
+strip_options = cpu_line.strip_options
 
 
 def _last_value(args: Sequence[str], name: str) -> Optional[str]:
     """The value the last ``name`` in ``args`` gives (argparse's rule), or None if absent."""
-    value = None
-    for i, token in enumerate(args):
-        option, inline = _split_option(token)
-        if option == name:
-            value = inline if inline is not None else (args[i + 1] if i + 1 < len(args) else None)
-    return value
+    values = cpu_line.option_values(args, name, 1)
+    return values[0] if values else None
 
 
 def _context_parallel(args: Sequence[str]) -> int:

@@ -90,7 +90,7 @@ def script_text(name: str) -> str:
         raise SystemExit(f"{name}: the plan does not fit: {res.error}")
     groups = cli.launch_groups_of(res)
     lay = res.layout
-    gpus = lay.tp * lay.cp * lay.pp * lay.dp
+    gpus = lay.gpus
     nodes = -(-gpus // lay.gpus_per_node)
     args = "\n".join(f"    # {what}\n    {' '.join(shlex.quote(a) for a in flags)}"
                      for what, flags in groups)

@@ -668,28 +668,23 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_flat 
     args = build_parser(prog).parse_args(argv)
     try:
         out = plan(args)
+        if args.emit_launch:
+            if out.error:
+                raise PlanError(f"--emit-launch: the plan does not fit ({out.error}); no "
+                                "launch line")
+            groups = launch_groups_of(out)
     except PlanError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     if args.emit_launch:
-        if out.error:
-            print(f"{prog}: error: --emit-launch: the plan does not fit ({out.error}); no "
-                  "launch line", file=sys.stderr)
-            return 2
-        try:
-            groups = launch_groups_of(out)
-        except PlanError as err:
-            print(f"{prog}: error: {err}", file=sys.stderr)
-            return 2
         if args.json:
             print(json.dumps({**out.to_json(), "launch": launch.launch_args(groups)}, indent=2))
-            return 0
-        lay = out.layout
-        print(launch.render(groups, gpus=lay.tp * lay.cp * lay.pp * lay.dp,
-                            gpus_per_node=lay.gpus_per_node,
-                            comment=f"{out.model.name} at {format_tokens(out.seq_len)} tokens "
-                                    f"per sequence on {lay.tp * lay.cp * lay.pp * lay.dp} "
-                                    f"{out.device} (python -m megatron_flat plan)"))
+        else:
+            lay = out.layout
+            print(launch.render(groups, gpus=lay.gpus, gpus_per_node=lay.gpus_per_node,
+                                comment=f"{out.model.name} at {format_tokens(out.seq_len)} "
+                                        f"tokens per sequence on {lay.gpus} {out.device} "
+                                        "(python -m megatron_flat plan)"))
         return 0
     if args.json:
         print(json.dumps(out.to_json(), indent=2))
