@@ -21,7 +21,9 @@ setup(
         "megatron-core>=0.16.1",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        # psutil: Megatron-Core's checkpoint writer reports its memory with it (the rehearsal's
+        # --resume-at saves torch_dist checkpoints).
+        "test": ["pytest>=7", "psutil"],
         # The demo's memory-timeline PNG.
         "demo": ["matplotlib"],
         # GPU-only accelerations, picked up when importable.

@@ -31,6 +31,14 @@ were really built, and a verdict as the last line:
 
     rehearsal: flat losses equal stock over N iterations (K CPU substitutions)
 
+With ``--resume-at I`` checkpoints also cross (torch_dist, into the work directory): the
+stock and flat runs save at iteration I, a flat run resumes from stock's checkpoint and a stock
+run from flat's, all to at least I+3 iterations; every resumed loss must equal stock's (I+2
+aside: Megatron-LM's first log line after a start keeps its running loss, so the next averages
+two iterations) and, per rank, the optimizer state loaded must be bitwise the state saved
+(``megatron.cpu_resume`` records both). The verdict then ends
+``; checkpoints cross both ways at iteration I``.
+
 Exit status: 0 equal; 1 the losses differ beyond ``--rtol`` (fp32 reordering, 1e-5: the log
 prints 7 significant digits; a quarter of the unit roundoff for a ``--bf16``/``--fp16``
 line), a run failed, printed no losses, or a requested technique was not in the model; 2 bad
@@ -60,8 +68,15 @@ WORKER = "megatron_flat.megatron.rehearsal"
 PROBE = "megatron_flat.megatron.line_probe"
 LOSS_LINE = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|.*?\blm loss:\s*([-+0-9.eEinfa]+)")
 # Flags dropped from both runs (each takes one value): outputs a rehearsal must not write.
-DROPPED = ("--save", "--load", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name",
-           "--wandb-save-dir", "--wandb-entity")
+DROPPED = ("--save", "--load", "--save-interval", "--ckpt-step", "--tensorboard-dir",
+           "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity")
+# Flags that keep a checkpoint from carrying the optimizer (or its RNG) across: refused with
+# --resume-at, whose point is that they cross.
+NOT_CROSSING = ("--no-save-optim", "--no-load-optim", "--no-save-rng", "--no-load-rng",
+                "--finetune")
+# Megatron-LM's first log line after a (re)start does not reset its running loss sum, so the
+# next line averages two iterations: a resumed run's iteration I+2 is not comparable.
+RESUME_SKIPPED = 2
 PEAK_ROWS = ("expert dispatch", "vocabulary projection + loss", "checkpoint boundaries",
              "optimizer step", "step")
 EXIT_EQUAL, EXIT_DIFFER, EXIT_USAGE = 0, 1, 2
@@ -113,15 +128,16 @@ def _context_parallel(args: Sequence[str]) -> int:
         return 1
 
 
-MEGATRON_ATTENTION_DROPOUT = 0.1  # Megatron-LM's --attention-dropout default
+MEGATRON_DROPOUT = 0.1  # Megatron-LM's --attention-dropout and --hidden-dropout default
 
 
-def _attention_dropout(args: Sequence[str]) -> float:
-    value = _last_value(args, "--attention-dropout")
+def _dropout(args: Sequence[str], name: str) -> float:
+    """The dropout probability ``args`` set with ``name`` (Megatron-LM's default if unset)."""
+    value = _last_value(args, name)
     try:
-        return MEGATRON_ATTENTION_DROPOUT if value is None else float(value)
+        return MEGATRON_DROPOUT if value is None else float(value)
     except ValueError:
-        return MEGATRON_ATTENTION_DROPOUT
+        return MEGATRON_DROPOUT
 
 
 def flat_config_of(args: Sequence[str]) -> FlatConfig:
@@ -142,8 +158,49 @@ class Lines:
     flat_config: FlatConfig = field(default_factory=FlatConfig)
 
 
-def launch_lines(args: Sequence[str], *, iters: int, host_budget_gib: float) -> Lines:
-    """The stock and flat argument lists for one rehearsal of ``args``."""
+def resume_iters(iters: int, resume_at: int) -> int:
+    """Iterations per run for ``--resume-at resume_at``: at least ``resume_at + 3`` (the
+    resumed runs' I+2 is skipped, see RESUME_SKIPPED; I+3 is the first loss after two
+    updates with the loaded optimizer state)."""
+    return max(iters, resume_at + 3)
+
+
+@dataclass
+class Crossing:
+    """The four runs of ``--resume-at``: (name, kind of the line, checkpoint it loads)."""
+
+    at: int
+    root: Path
+
+    def save_args(self, kind: str) -> List[str]:
+        return ["--save", str(self.root / kind), "--save-interval", str(self.at)]
+
+    def load_args(self, kind: str) -> List[str]:
+        return ["--load", str(self.root / kind), "--ckpt-step", str(self.at)]
+
+    def runs(self, lines: Lines) -> List[Tuple[str, List[str]]]:
+        return [("stock", lines.stock + self.save_args("stock")),
+                ("flat", lines.flat + self.save_args("flat")),
+                ("stock-to-flat", lines.flat + self.load_args("stock")),
+                ("flat-to-stock", lines.stock + self.load_args("flat"))]
+
+
+def check_resumable(args: Sequence[str], options: Optional[Dict[str, int]]) -> None:
+    """Refuse a ``--resume-at`` line whose checkpoints would not carry the optimizer, or a
+    checkout whose parser has no ``--ckpt-step`` (``options``: the probe's, if any)."""
+    blocking = [a for a in args if a in NOT_CROSSING]
+    if blocking:
+        raise RehearsalError(f"--resume-at checks that checkpoints carry the optimizer and "
+                             f"RNG state across; the line has {' '.join(blocking)}")
+    if options is not None and "--ckpt-step" not in options:
+        raise RehearsalError("--resume-at loads the checkpoint of iteration I with "
+                             "--ckpt-step, which this checkout's parser does not have")
+
+
+def launch_lines(args: Sequence[str], *, iters: int, host_budget_gib: float,
+                 resume: bool = False) -> Lines:
+    """The stock and flat argument lists for one rehearsal of ``args`` (``resume``: for
+    ``--resume-at``, whose runs also load checkpoints)."""
     notes = []
     common, dropped = strip_options(args, {name: 1 for name in DROPPED})
     if dropped:
@@ -152,12 +209,21 @@ def launch_lines(args: Sequence[str], *, iters: int, host_budget_gib: float) -> 
     if iters > 0:
         overrides = ["--train-iters", str(iters)] + overrides
     notes.append("added to both runs: " + " ".join(overrides))
-    if _context_parallel(common) > 1 and _attention_dropout(common) != 0.0:
+    if _context_parallel(common) > 1 and _dropout(common, "--attention-dropout") != 0.0:
         # The CPU backend's CP core attention (ContextParallelCoreAttention) has no attention
         # dropout; transformer-engine's, which a GPU run uses, has. Both runs lose it alike.
         overrides += ["--attention-dropout", "0"]
         notes.append("added to both runs: --attention-dropout 0 (the CPU backend's context-"
                      "parallel attention has no dropout; transformer-engine's on a GPU has)")
+    if resume and _dropout(common, "--hidden-dropout") != 0.0:
+        # Hidden dropout draws from the device's default generator, which a checkpoint
+        # restores. On CPU that generator is the CPU one, and Megatron-LM's data loader draws
+        # its seed from it after the load, so a resumed run's masks would shift; a GPU's
+        # generator is separate. (Attention dropout forks the RNG tracker, restored exactly.)
+        overrides += ["--hidden-dropout", "0"]
+        notes.append("added to every run: --hidden-dropout 0 (--resume-at: on CPU the device "
+                     "RNG is the CPU generator, which the data loader draws from after a "
+                     "load; a GPU's is separate)")
     common = list(common) + overrides
     flat = flat_config_of(common)
     flat_args = list(common)
@@ -259,10 +325,13 @@ def probe_line(script: Path, args: Sequence[str], work: Path,
 
 
 def cpu_line_of(script: Path, args: Sequence[str], *, work: Path, strict: bool,
-                timeout: float) -> Tuple[cpu_line.CpuLine, List[str]]:
+                timeout: float, resume: bool = False) -> Tuple[cpu_line.CpuLine, List[str]]:
     """The line to rehearse on CPU (substitutions applied) and notes; raises RehearsalError
-    for a line refused (a setting that changes the math, or any change under ``strict``)."""
+    for a line refused (a setting that changes the math, any change under ``strict``, or
+    with ``resume`` a line or checkout that cannot cross checkpoints)."""
     found, why = probe_line(script, args, work, timeout)
+    if resume:
+        check_resumable(args, None if found is None else found["options"])
     if found is None:
         if strict:
             raise RehearsalError(f"--strict: the checkout's parser could not be asked what "
@@ -314,12 +383,25 @@ def _ratio(flat: Optional[int], stock: Optional[int]) -> str:
     return f"{flat / stock:.2f}"
 
 
-def loss_table(stock: Run, flat: Run) -> List[str]:
-    rows = ["iteration | stock lm loss | flat lm loss | relative difference"]
-    for it in sorted(set(stock.losses) | set(flat.losses)):
-        a, b = stock.losses.get(it), flat.losses.get(it)
-        diff = "-" if a is None or b is None else f"{_relative(a, b):.1e}"
-        rows.append(f"{it:9d} | {_fmt(a):>13s} | {_fmt(b):>12s} | {diff}")
+def loss_table(stock: Run, flat: Run, resumed: Sequence[Run] = (),
+               skipped: Optional[int] = None) -> List[str]:
+    """Each iteration's lm loss per run and the largest relative difference to stock; the
+    resumed runs' iteration ``skipped`` is marked ``*`` and left out of the difference."""
+    runs = [stock, flat, *resumed]
+    rows = [" | ".join(["iteration"] + [f"{r.name} lm loss" for r in runs]
+                       + ["relative difference"])]
+    for it in sorted(set().union(*(r.losses for r in runs))):
+        values = [r.losses.get(it) for r in runs]
+        marked = [it == skipped and i >= 2 and v is not None for i, v in enumerate(values)]
+        a = values[0]
+        diffs = [_relative(a, b) for b, m in zip(values[1:], marked[1:])
+                 if a is not None and b is not None and not m]
+        cells = [f"{it:9d}"] + [f"{_fmt(v) + ('*' if m else ''):>{len(r.name) + 8}s}"
+                                for r, v, m in zip(runs, values, marked)]
+        rows.append(" | ".join(cells + [f"{max(diffs):.1e}" if diffs else "-"]))
+    if skipped is not None and resumed:
+        rows.append(f"* the mean of iterations {skipped - 1} and {skipped}, as Megatron-LM logs "
+                    "the second line after a start: not compared")
     return rows
 
 
@@ -439,6 +521,51 @@ def verdict(stock: Run, flat: Run, rtol: float, substitutions: int = 0) -> Tuple
     return EXIT_EQUAL, text
 
 
+def _digests(run: Run, op: str, at: int) -> List[Optional[dict]]:
+    """Per rank, the optimizer digest ``run`` recorded at its ``op`` of iteration ``at``."""
+    found = []
+    for rank in run.ranks:
+        events = [e for e in rank.get("checkpoints", [])
+                  if e.get("op") == op and e.get("iteration") == at]
+        found.append(events[-1]["digest"] if events else None)
+    return found
+
+
+def crossing_verdict(straight: Dict[str, Run], resumed: Sequence[Run], at: int,
+                     rtol: float) -> Optional[str]:
+    """Why the checkpoint crossings at iteration ``at`` failed, or None when both held.
+
+    ``resumed``: the runs named ``A-to-B`` (B's line resumed from A's checkpoint). Each must log
+    the iterations after ``at`` and equal stock within ``rtol`` (I+2 aside: RESUME_SKIPPED),
+    and on every rank the optimizer state it loaded must be bitwise the state A saved."""
+    reference = straight["stock"]
+    for run in resumed:
+        saver = straight[run.name.split("-to-")[0]]
+        if not run.ok:
+            return f"rehearsal: the {run.name} run failed (exit {run.exit}); its log: {run.log}"
+        want = {it for it in reference.losses if it > at}
+        if set(run.losses) != want:
+            return (f"rehearsal: the {run.name} run logged iterations {sorted(run.losses)}, "
+                    f"not {sorted(want)} (resumed from iteration {at}?); its log: {run.log}")
+        for it in sorted(want - {at + RESUME_SKIPPED}):
+            a, b = reference.losses[it], run.losses[it]
+            rel = _relative(a, b)
+            if not rel <= rtol:
+                return (f"rehearsal: the {run.name} run's loss differs from stock at iteration "
+                        f"{it}: {_fmt(b)} vs {_fmt(a)} (relative {rel:.1e} > rtol {rtol:g})")
+        saved, loaded = _digests(saver, "save", at), _digests(run, "load", at)
+        if not saved or None in saved or None in loaded or len(saved) != len(loaded):
+            return (f"rehearsal: no optimizer state recorded for the {run.name} crossing at "
+                    f"iteration {at} (saved on {sum(d is not None for d in saved)}, loaded on "
+                    f"{sum(d is not None for d in loaded)} of {len(run.ranks)} ranks)")
+        for rank, (a, b) in enumerate(zip(saved, loaded)):
+            differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            if differ:
+                return (f"rehearsal: the optimizer state did not cross {run.name} at iteration "
+                        f"{at}: {', '.join(differ)} differ on rank {rank}")
+    return None
+
+
 # ---------------------------------------------------------------------------- CLI
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -463,6 +590,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--strict", action="store_true",
                         help="refuse a line with GPU-only settings instead of running their "
                              "CPU forms (default: substitute them and say so)")
+    parser.add_argument("--resume-at", type=int, default=None, metavar="I",
+                        help="also cross checkpoints: the stock and flat runs save at "
+                             "iteration I (into the work directory), a flat run resumes from "
+                             "stock's and a stock run from flat's; losses and the loaded "
+                             "optimizer state must match (runs get at least I+3 iterations)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where logs and per-rank peaks go (default: a temporary "
                              "directory, kept when the rehearsal fails)")
@@ -497,6 +629,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
             raise RehearsalError("--nproc-per-node must be >= 1")
         if opts.iters < 0 or (opts.rtol or 0) < 0 or opts.host_budget_gib < 0:
             raise RehearsalError("--iters, --rtol and --host-budget-gib must be >= 0")
+        if opts.resume_at is not None:
+            if opts.resume_at < 1:
+                raise RehearsalError("--resume-at must be >= 1 (an iteration to save at)")
+            if opts.iters == 0:
+                raise RehearsalError("--resume-at needs --iters (the runs' length, at least "
+                                     "I+3), not the line's own --train-iters")
         _check_script(script)
         flat_config_of(line)  # bad --flat-* flags: refused before anything runs
     except RehearsalError as exc:
@@ -507,10 +645,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     work.mkdir(parents=True, exist_ok=True)
     script = script.resolve()
     try:
+        resume = opts.resume_at is not None
         on_cpu, probe_notes = cpu_line_of(script, line, work=work, strict=opts.strict,
-                                          timeout=opts.timeout)
-        lines = launch_lines(on_cpu.args, iters=opts.iters,
-                             host_budget_gib=opts.host_budget_gib)
+                                          timeout=opts.timeout, resume=resume)
+        iters = resume_iters(opts.iters, opts.resume_at) if resume else opts.iters
+        lines = launch_lines(on_cpu.args, iters=iters, host_budget_gib=opts.host_budget_gib,
+                             resume=resume)
     except RehearsalError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         if opts.work_dir is None:
@@ -523,19 +663,31 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
         probe_notes.append(f"loss tolerance: relative {opts.rtol:.1e} ({why}; --rtol)")
     for note in probe_notes + lines.notes:
         print(f"  {note}", file=out)
+    crossing = None
+    if resume:
+        crossing = Crossing(opts.resume_at, work / "checkpoints")
+        if iters != opts.iters:
+            print(f"  --resume-at {opts.resume_at}: {iters} iterations per run (I+3: the "
+                  f"first loss after two updates with the loaded optimizer state)", file=out)
+        print(f"  checkpoints (torch_dist) at iteration {opts.resume_at} in "
+              f"{crossing.root}; iteration {opts.resume_at + RESUME_SKIPPED} of the resumed "
+              "runs is not compared (Megatron-LM's first log line after a start does not "
+              "reset its running loss, so the next one averages two iterations)", file=out)
     for row in on_cpu.block():
         print(row, file=out)
+    plan = crossing.runs(lines) if crossing else [("stock", lines.stock), ("flat", lines.flat)]
     runs = []
-    for name, args in (("stock", lines.stock), ("flat", lines.flat)):
+    for name, args in plan:
         print(f"{name} run ... (log: {work / (name + '.log')})", file=out, flush=True)
         run = launch(name, script, args, nproc=opts.nproc_per_node, work=work,
                      timeout=opts.timeout)
         print(f"{name} run: exit {run.exit}, {len(run.losses)} iterations logged, "
               f"{run.seconds:.0f} s", file=out, flush=True)
         runs.append(run)
-    stock, flat = runs
+    stock, flat, resumed = runs[0], runs[1], runs[2:]
     print("", file=out)
-    for row in loss_table(stock, flat):
+    skipped = crossing.at + RESUME_SKIPPED if crossing else None
+    for row in loss_table(stock, flat, resumed, skipped):
         print(row, file=out)
     if stock.ranks or flat.ranks:
         print("", file=out)
@@ -556,6 +708,13 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     if patches:
         print("CPU workarounds: " + ", ".join(patches), file=out)
     code, last = verdict(stock, flat, opts.rtol, on_cpu.substitutions)
+    if code == EXIT_EQUAL and crossing is not None:
+        failed = crossing_verdict({"stock": stock, "flat": flat}, resumed, crossing.at,
+                                  opts.rtol)
+        if failed:
+            code, last = EXIT_DIFFER, failed
+        else:
+            last += f"; checkpoints cross both ways at iteration {crossing.at}"
     if code != EXIT_EQUAL:
         for run in runs:
             if not run.ok:

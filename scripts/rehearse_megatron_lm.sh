@@ -15,6 +15,9 @@
 # PRODUCTION=1 rehearses the line as a GPU job script has it instead: no CPU flags (the
 # rehearsal substitutes transformer-engine, the fused kernels and the TE layer spec itself),
 # --moe-grouped-gemm --bf16, the transformer-engine layer spec and --save/--load paths.
+# RESUME_AT=I (default: unset) adds --resume-at I: both runs save at iteration I into the
+# rehearsal's work directory, a flat run resumes from stock's checkpoint and a stock run from
+# flat's; the verdict then ends "checkpoints cross both ways at iteration I".
 set -uo pipefail
 
 REPO=${1:?usage: $0 MEGATRON_LM_GIT_DIR REF...}
@@ -60,6 +63,7 @@ for ref in "$@"; do
     "$PYTHON" -m megatron_flat patch "$tree" > "$WORK/$ref.apply.log" 2>&1 && apply=ok || apply=FAIL
     "$PYTHON" -m megatron_flat patch "$tree" --check > /dev/null 2>&1 && check=ok || check=FAIL
     (cd "$tree" && "$PYTHON" -m megatron_flat rehearse --nproc-per-node 2 \
+        ${RESUME_AT:+--resume-at "$RESUME_AT"} \
         --work-dir "$WORK/$ref.rehearsal" -- pretrain_gpt.py "${LINE[@]}") > "$WORK/$ref.rehearse.log" 2>&1
     verdict=$(tail -n 1 "$WORK/$ref.rehearse.log")
     "$PYTHON" -m megatron_flat patch "$tree" --revert > /dev/null 2>&1 \

@@ -133,7 +133,9 @@ def _cpu_view_everywhere() -> None:
 _IMPORT_FIXES: List = []
 
 
-def _on_import(fix) -> None:
+def on_import(fix) -> None:
+    """Run ``fix(module)`` on every ``megatron.*`` module loaded so far and on each one loaded
+    from now on, right after it executes (before anything imports names from it)."""
     if fix not in _IMPORT_FIXES:
         _IMPORT_FIXES.append(fix)
     for module in _megatron_modules():
@@ -230,7 +232,7 @@ def _answer_arch_in(module) -> None:
 
 
 def _cpu_arch_version() -> None:
-    _on_import(_answer_arch_in)
+    on_import(_answer_arch_in)
 
 
 class _CapableDevice(cpu._CudaOnCpu):
@@ -259,7 +261,7 @@ def _answer_capability_in(module) -> None:
 
 
 def _cpu_capability() -> None:
-    _on_import(_answer_capability_in)
+    on_import(_answer_capability_in)
 
 
 PATCHES: List[Patch] = [

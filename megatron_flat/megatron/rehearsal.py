@@ -176,6 +176,11 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
 
     cpu.enable_cpu_backend()
     cpu_training.enable_cpu_training()
+    from megatron_flat.megatron import cpu_resume
+
+    if not cpu.cuda_present():
+        cpu.apply_patches([cpu_resume.PATCH])
+    cpu_resume.record_checkpoints()
 
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
@@ -209,6 +214,7 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
                           for name, s in meter.sections.items()}
     record["run_peak"] = [meter.peak_device_bytes, meter.peak_host_bytes]
     record["patches"] = cpu.applied_patches()
+    record["checkpoints"] = cpu_resume.events()
     record.update(_what_ran(probe.models))
     if out is not None:
         rank = int(os.environ.get("RANK", "0"))

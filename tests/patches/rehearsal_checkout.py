@@ -66,13 +66,15 @@ def _parser():
         ("--global-batch-size", int, 8), ("--num-experts", int, 4),
         ("--moe-router-topk", int, 2), ("--expert-model-parallel-size", int, 1),
         ("--tensor-model-parallel-size", int, 1), ("--context-parallel-size", int, 1),
-        ("--attention-dropout", float, 0.0),
+        ("--attention-dropout", float, 0.0), ("--hidden-dropout", float, 0.0),
         ("--train-iters", int, 100),
         ("--log-interval", int, 10), ("--lr", float, 1e-3), ("--seed", int, 1234),
         ("--vocab-size", int, 128), ("--distributed-backend", str, "nccl"),
         ("--recompute-granularity", str, None), ("--recompute-method", str, None),
         ("--recompute-num-layers", int, None), ("--tokenizer-type", str, None),
         ("--save", str, None), ("--load", str, None), ("--perturb-flat-lr", float, 0.0),
+        ("--save-interval", int, None), ("--ckpt-step", int, None),
+        ("--perturb-loaded-state", float, 0.0),
     ):
         group.add_argument(flag, type=kind, default=default, help=f"{flag[2:]} (100% synthetic)")
     group.add_argument("--spec", nargs=2, default=None, help="module and layer spec name")
@@ -121,6 +123,72 @@ def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
             setattr(args, name, value)
     set_args(args)
     return args
+'''
+
+CHECKPOINTING = '''\
+"""Megatron-LM's checkpoint calls, torch_dist format (Megatron-Core's dist_checkpointing):
+the model's and the optimizer's sharded state dicts, iter_NNNNNNN directories and a tracker
+file; ``--ckpt-step`` picks the iteration to load."""
+import os
+
+import torch
+
+from megatron.training.global_vars import get_args
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _dir(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _state(model, optimizer, is_loading):
+    model_sd = model.module.sharded_state_dict()  # model: Megatron's DDP wrapper
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler=None, *args, **kwargs):
+    from megatron.core import dist_checkpointing
+
+    root = get_args().save
+    path = _dir(root, iteration)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_state(model, optimizer, False), path)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(root, TRACKER), "w") as f:
+            f.write(str(iteration))
+        print(f"successfully saved checkpoint from iteration {iteration:7d} to {root}", flush=True)
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler=None, *args, **kwargs):
+    from megatron.core import dist_checkpointing
+
+    config = get_args()
+    iteration = config.ckpt_step
+    if iteration is None:
+        with open(os.path.join(config.load, TRACKER)) as f:
+            iteration = int(f.read())
+    loaded = dist_checkpointing.load(_state(model, optimizer, True), _dir(config.load, iteration))
+    model.module.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    if config.perturb_loaded_state and _flat_on():  # test knob: a lossy crossing
+        for inner in [w.optimizer for w in getattr(optimizer, "chained_optimizers", [optimizer])]:
+            for st in inner.state.values():
+                if st:
+                    st["exp_avg"].mul_(1.0 + config.perturb_loaded_state)
+    return iteration, 0
+
+
+def _flat_on():
+    from megatron_flat.megatron.state import installed
+
+    flat = installed()
+    return flat is not None and flat != type(flat)()
 '''
 
 INPROCESS_RESTART = '''\
@@ -221,6 +289,7 @@ import datetime
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.global_vars import get_args
 from megatron.training.initialize import initialize_megatron
 
@@ -287,7 +356,10 @@ def _train(model_provider, forward_step_func):
     dp_size = parallel_state.get_data_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    for iteration in range(1, args.train_iters + 1):
+    first = 1
+    if args.load:
+        first = load_checkpoint(ddp, optimizer, None)[0] + 1
+    for iteration in range(first, args.train_iters + 1):
         mine = [cp_share(mb, cp_rank, cp_size)
                 for mb in dp_share(global_batch(tiny, iteration), dp_rank, dp_size)]
         ddp.zero_grad_buffer()
@@ -303,6 +375,9 @@ def _train(model_provider, forward_step_func):
             print(f" [{datetime.datetime.now()}] iteration {iteration:8d}/{args.train_iters:8d} |"
                   f" consumed samples: {iteration * args.global_batch_size:12d} |"
                   f" lm loss: {loss:.6E} | loss scale: 1.0 |", flush=True)
+        if args.save and (iteration == args.train_iters or (
+                args.save_interval and iteration % args.save_interval == 0)):
+            save_checkpoint(iteration, ddp, optimizer, None)
         if args.fail_when_flat and _flat_on():
             raise RuntimeError("synthetic failure in the flat run")
 '''
@@ -392,7 +467,7 @@ def write_checkout(root: Path, era: str) -> Path:
     training.mkdir(parents=True)
     files = {"global_vars.py": GLOBAL_VARS, "__init__.py": INIT, "arguments.py": ARGUMENTS,
              "inprocess_restart.py": INPROCESS_RESTART, "initialize.py": INITIALIZE,
-             "models.py": MODELS, "training.py": TRAINING}
+             "models.py": MODELS, "training.py": TRAINING, "checkpointing.py": CHECKPOINTING}
     for name, text in files.items():
         (training / name).write_text(textwrap.dedent(text))
     script = root / "pretrain_gpt.py"

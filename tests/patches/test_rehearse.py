@@ -198,11 +198,11 @@ def test_help_of_a_patched_script_lists_the_flat_flags(tmp_path, era):
 
 
 # ---------------------------------------------------------------------------- rehearsals
-def _rehearse(tmp_path, script, line, nproc):
+def _rehearse(tmp_path, script, line, nproc, options=()):
     work = tmp_path / "work"
     done = subprocess.run(
         [sys.executable, "-m", "megatron_flat", "rehearse", "--nproc-per-node", str(nproc),
-         "--work-dir", str(work), "--timeout", "600", "--", str(script), *line],
+         *options, "--work-dir", str(work), "--timeout", "600", "--", str(script), *line],
         capture_output=True, text=True, env=_env(), cwd=tmp_path)
     return done, work
 
