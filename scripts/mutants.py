@@ -296,6 +296,18 @@ MUTANTS += [
            timeout=60),
 ]
 
+TILED_LINEAR = "megatron_flat/attention/tiled_linear.py"
+MUTANTS += [
+    Mutant("tiles.gather-own-piece", TILED_LINEAR,
+           "    _all_gather(out, piece.contiguous(), group=group)\n",
+           "    out.copy_(piece.repeat((tp,) + (1,) * (piece.dim() - 1)))  # mutant\n",
+           ("tests/attention/test_tiled_linear_world2.py",), world=2, delayed=False),
+    Mutant("tiles.reduce-scatter-without-sum", TILED_LINEAR,
+           "    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)\n",
+           "    out.copy_(_ranked(full, tp)[dist.get_rank(group)])  # mutant: no sum\n",
+           ("tests/attention/test_tiled_linear_world2.py",), world=2, delayed=False),
+]
+
 # Waits, synchronisations and exchanges in the covered packages that have no mutant, and why
 # ("path" for a whole file, "path: Function" for one function's calls).
 NO_MUTANT: Dict[str, str] = {
@@ -337,7 +349,7 @@ NO_MUTANT: Dict[str, str] = {
 
 
 # --------------------------------------------------------------------------- coverage
-PACKAGES = ("runtime", "checkpoint", "optim", "vocab", "dispatch")
+PACKAGES = ("runtime", "checkpoint", "optim", "vocab", "dispatch", "attention")
 # Calls that order work (a missing one is a race) and collectives (where ranks must agree).
 SYNC_CALLS = {"wait", "wait_stream", "wait_event", "record_stream", "synchronize"}
 COLLECTIVES = {"all_gather_into_tensor", "all_gather", "_all_gather", "all_to_all_single",
