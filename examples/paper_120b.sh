@@ -13,6 +13,9 @@
 # with them (2 ranks: CP 2 with EP 2 over them, TP 1, PP 1); every other flag runs as written, and what has no CPU form is
 # substituted by the rehearsal and announced. It ends with
 # "rehearsal: flat losses equal stock over N iterations (K CPU substitutions)".
+# RESUME_AT=I (with REHEARSE=1) also crosses checkpoints at iteration I: a flat run resumes
+# from a stock run's checkpoint and a stock run from a flat one's ("...; checkpoints cross
+# both ways at iteration I").
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
@@ -39,7 +42,8 @@ if [[ "${REHEARSE:-0}" == 1 ]]; then
     TINY=(
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --seq-length 64 --max-position-embeddings 64 --vocab-size 128 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2 --context-parallel-size 2
     )
-    CMD=("$PYTHON" -m megatron_flat rehearse --nproc-per-node 2 --
+    CMD=("$PYTHON" -m megatron_flat rehearse --nproc-per-node 2
+         ${RESUME_AT:+--resume-at "$RESUME_AT"} --
          "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}" "${TINY[@]}")
 else
     if ! "$PYTHON" -m megatron_flat patch "$MEGATRON_LM" --check >/dev/null; then

@@ -43,6 +43,9 @@ TEMPLATE = '''#!/usr/bin/env bash
 # with them ({world}); every other flag runs as written, and what has no CPU form is
 # substituted by the rehearsal and announced. It ends with
 # "rehearsal: flat losses equal stock over N iterations (K CPU substitutions)".
+# RESUME_AT=I (with REHEARSE=1) also crosses checkpoints at iteration I: a flat run resumes
+# from a stock run's checkpoint and a stock run from a flat one's ("...; checkpoints cross
+# both ways at iteration I").
 set -euo pipefail
 
 PYTHON=${{PYTHON:-python}}
@@ -56,7 +59,8 @@ if [[ "${{REHEARSE:-0}}" == 1 ]]; then
     TINY=(
 {tiny}
     )
-    CMD=("$PYTHON" -m megatron_flat rehearse --nproc-per-node 2 --
+    CMD=("$PYTHON" -m megatron_flat rehearse --nproc-per-node 2
+         ${{RESUME_AT:+--resume-at "$RESUME_AT"}} --
          "$MEGATRON_LM/pretrain_gpt.py" "${{ARGS[@]}}" "${{TINY[@]}}")
 else
     if ! "$PYTHON" -m megatron_flat patch "$MEGATRON_LM" --check >/dev/null; then

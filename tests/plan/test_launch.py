@@ -116,3 +116,11 @@ def test_example_dry_runs(name, tmp_path):
     assert _value(tiny, "--num-layers") == "2" and _value(tiny, "--seq-length") == "64"
     assert _value(tiny, "--context-parallel-size") == ("2" if res.layout.cp > 1 else "1")
     assert not any(t.startswith("--flat-") for t in tiny)  # the flat knobs run as planned
+    env["RESUME_AT"] = "2"  # checkpoints cross too
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    crossing = done.stdout.split()
+    cut = crossing.index("--")
+    assert crossing[cut - 6:cut] == ["megatron_flat", "rehearse", "--nproc-per-node", "2",
+                                     "--resume-at", "2"]
+    assert crossing[cut:] == words[words.index("--"):]
