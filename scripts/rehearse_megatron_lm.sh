@@ -15,6 +15,7 @@
 # PRODUCTION=1 rehearses the line as a GPU job script has it instead: no CPU flags (the
 # rehearsal substitutes transformer-engine, the fused kernels and the TE layer spec itself),
 # --moe-grouped-gemm --bf16, the transformer-engine layer spec and --save/--load paths.
+# DISTOPT=0 leaves --use-distributed-optimizer out (Megatron's Float16/FP32 optimizer).
 # RESUME_AT=I (default: unset) adds --resume-at I: both runs save at iteration I into the
 # rehearsal's work directory, a flat run resumes from stock's checkpoint and a stock run from
 # flat's; the verdict then ends "checkpoints cross both ways at iteration I".
@@ -46,6 +47,13 @@ if [[ -n "${PRODUCTION:-}" ]]; then
     done
     LINE=("${KEPT[@]/flat_gpt_layer_spec/flat_gpt_layer_te_spec}"
           --moe-grouped-gemm --bf16 --save "$WORK/user-ckpt" --load "$WORK/user-ckpt")
+fi
+if [[ "${DISTOPT:-1}" == 0 ]]; then  # DISTOPT=0: Megatron's non-distributed optimizer
+    KEPT=()
+    for flag in "${LINE[@]}"; do
+        [[ "$flag" == --use-distributed-optimizer ]] || KEPT+=("$flag")
+    done
+    LINE=("${KEPT[@]}")
 fi
 if [[ -n "${CP:-}" ]]; then
     LINE+=(--context-parallel-size "$CP")
