@@ -97,20 +97,32 @@ def _check(x: torch.Tensor, weight: torch.Tensor, tiles: SequenceTiles, rows: in
 
 def _backward_buffers(ctx):
     """The saved input and weight, the input gradient (uninitialised: every tile writes its
-    rows) and weight-gradient accumulator each where asked, the tiles and the group."""
+    rows) and where the weight gradient adds up (``main_grad`` when given), each where
+    asked, the tiles and the group."""
     inp, weight = ctx.saved_tensors
     grad_in = torch.empty_like(inp) if ctx.needs_input_grad[0] else None
-    grad_w = _grad_accumulator(weight) if ctx.needs_input_grad[1] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = ctx.main_grad if ctx.main_grad is not None else _grad_accumulator(weight)
     return inp, weight, grad_in, grad_w, ctx.tiles, ctx.group
 
 
-def _as_weight(acc: Optional[torch.Tensor], weight: torch.Tensor) -> Optional[torch.Tensor]:
-    return None if acc is None else acc.to(weight.dtype)
+def _weight_result(ctx, acc: Optional[torch.Tensor],
+                   weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight's gradient for autograd: the fp32 sum cast to the weight's dtype, or, when
+    it went into ``main_grad``, Megatron's fused-linear convention (a placeholder that lets
+    DDP's hook fire, and ``grad_added_to_main_grad`` so the hook does not add it again)."""
+    if acc is None:
+        return None
+    if ctx.main_grad is None:
+        return acc.to(weight.dtype)
+    weight.grad_added_to_main_grad = True
+    return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 class _GatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, tiles, group):
+    def forward(ctx, x, weight, bias, tiles, group, main_grad):
         tp = tiles.tp
         out = x.new_empty((tp * x.shape[0],) + tuple(x.shape[1:-1]) + (weight.shape[0],))
         ranked = _ranked(out, tp)
@@ -120,6 +132,7 @@ class _GatherLinear(torch.autograd.Function):
             del gathered  # one tile at a time
         ctx.save_for_backward(x, weight)
         ctx.tiles, ctx.group, ctx.has_bias = tiles, group, bias is not None
+        ctx.main_grad = main_grad
         return out
 
     @staticmethod
@@ -134,12 +147,12 @@ class _GatherLinear(torch.autograd.Function):
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, _as_weight(grad_w, weight), grad_b, None, None
+        return grad_x, _weight_result(ctx, grad_w, weight), grad_b, None, None, None
 
 
 class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, weight, tiles, group):
+    def forward(ctx, z, weight, tiles, group, main_grad):
         tp = tiles.tp
         out = z.new_empty((z.shape[0] // tp,) + tuple(z.shape[1:-1]) + (weight.shape[0],))
         for start, stop in tiles.bounds():
@@ -147,7 +160,7 @@ class _LinearReduceScatter(torch.autograd.Function):
             out[start:stop] = _reduce_scatter(partial, group)
             del partial  # one tile at a time
         ctx.save_for_backward(z, weight)
-        ctx.tiles, ctx.group = tiles, group
+        ctx.tiles, ctx.group, ctx.main_grad = tiles, group, main_grad
         return out
 
     @staticmethod
@@ -160,31 +173,46 @@ class _LinearReduceScatter(torch.autograd.Function):
                 ranked[:, start:stop] = _ranked(grad_rows @ weight, tiles.tp)
             if grad_w is not None:
                 _add_weight_grad(grad_w, grad_rows, _tile_rows(z, tiles.tp, start, stop))
-        return grad_z, _as_weight(grad_w, weight), None, None
+        return grad_z, _weight_result(ctx, grad_w, weight), None, None, None
 
 
 def tiled_gather_linear(x: torch.Tensor, weight: torch.Tensor, tiles: SequenceTiles,
                         bias: Optional[torch.Tensor] = None,
-                        group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                        group: Optional[dist.ProcessGroup] = None,
+                        main_grad: bool = False) -> torch.Tensor:
     """``all_gather(x) @ weight.T + bias`` over the sequence dimension (dim 0), one tile of
     ``tiles`` at a time; ``x``: this rank's ``[tiles.n_local, ..., in]`` shard, ``weight``:
     ``[out, in]``; returns ``[tiles.tp · n_local, ..., out]``. ``group``: the tensor-parallel
-    group (its size must be ``tiles.tp``; None: one rank)."""
+    group (its size must be ``tiles.tp``; None: one rank). ``main_grad``: add the weight
+    gradient into ``weight.main_grad`` (Megatron's gradient-accumulation fusion) instead of
+    returning it."""
     _check(x, weight, tiles, x.shape[0] if x.dim() else 0, "tiled_gather_linear")
     _check_group(tiles, group, "tiled_gather_linear")
-    return _GatherLinear.apply(x, weight, bias, tiles, group)
+    return _GatherLinear.apply(x, weight, bias, tiles, group, _main_grad(weight, main_grad))
 
 
 def tiled_linear_reduce_scatter(z: torch.Tensor, weight: torch.Tensor, tiles: SequenceTiles,
-                                group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                                group: Optional[dist.ProcessGroup] = None,
+                                main_grad: bool = False) -> torch.Tensor:
     """``reduce_scatter(z @ weight.T)`` over the sequence dimension (dim 0), one tile of
     ``tiles`` at a time; ``z``: all ``[tiles.tp · n_local, ..., in]`` rows (this rank's input
     columns), ``weight``: ``[out, in]``; returns this rank's ``[n_local, ..., out]``. A bias
-    is the caller's to add after the reduce-scatter, as Megatron's row-parallel linear does."""
+    is the caller's to add after the reduce-scatter, as Megatron's row-parallel linear does.
+    ``main_grad``: as for :func:`tiled_gather_linear`."""
     rows = z.shape[0] // tiles.tp if z.dim() and z.shape[0] % tiles.tp == 0 else -1
     _check(z, weight, tiles, rows, "tiled_linear_reduce_scatter")
     _check_group(tiles, group, "tiled_linear_reduce_scatter")
-    return _LinearReduceScatter.apply(z, weight, tiles, group)
+    return _LinearReduceScatter.apply(z, weight, tiles, group, _main_grad(weight, main_grad))
+
+
+def _main_grad(weight: torch.Tensor, main_grad: bool) -> Optional[torch.Tensor]:
+    if not main_grad:
+        return None
+    buffer = getattr(weight, "main_grad", None)
+    if buffer is None or buffer.shape != weight.shape:
+        raise ValueError("main_grad=True needs the weight's main_grad buffer (Megatron DDP's), "
+                         "of the weight's shape")
+    return buffer
 
 
 def _check_group(tiles: SequenceTiles, group, what: str) -> None:

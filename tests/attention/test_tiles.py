@@ -75,3 +75,21 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="planned for TP 2"):
         tiled_linear_reduce_scatter(torch.randn(16, 4), torch.randn(3, 4),
                                     SequenceTiles(n_local=8, tp=2, rows=4))
+
+
+def test_weight_gradients_into_main_grad():
+    """``main_grad=True``: the tiles' fp32 sum goes into ``weight.main_grad`` (Megatron's
+    gradient-accumulation fusion); the weight gets a placeholder and the flag DDP reads."""
+    torch.manual_seed(3)
+    x = torch.randn(12, 2, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    tiles = SequenceTiles(n_local=12, tp=1, rows=5)
+    with pytest.raises(ValueError, match="needs the weight's main_grad buffer"):
+        tiled_gather_linear(x, w, tiles, main_grad=True)
+    w.main_grad = torch.full((6, 8), 0.5)  # what earlier micro-batches left
+    w.grad_added_to_main_grad = False
+    g = torch.randn(12, 2, 6)
+    (tiled_gather_linear(x, w, tiles, main_grad=True) * g).sum().backward()
+    want = 0.5 + g.reshape(-1, 6).t() @ x.detach().reshape(-1, 8)
+    torch.testing.assert_close(w.main_grad, want, rtol=1e-5, atol=1e-5)
+    assert w.grad_added_to_main_grad and torch.count_nonzero(w.grad) == 0
