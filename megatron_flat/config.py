@@ -104,6 +104,15 @@ class FlatConfig:
                           "strips)."}
     )
 
+    # Sequence tiles in the attention block: the layer's own working set.
+    attn_tiles: int = field(
+        default=0,
+        metadata={"help": "Sequence tiles of the attention block's projections under "
+                          "sequence parallelism: tokens of one gathered tile, so the gathered "
+                          "N x H before QKV and the N x H partial output before the "
+                          "reduce-scatter never exist (0: off)."}
+    )
+
     # SCO: the checkpoint-boundary peak.
     sco: bool = field(
         default=False, metadata={"help": "Offload checkpoint boundaries to pinned host memory."}
@@ -177,6 +186,8 @@ class FlatConfig:
             self._bad("llep_imbalance_threshold", self.llep_imbalance_threshold, "must be >= 0")
         if self.vocab_tile_bytes < 0:
             self._bad("vocab_tile_bytes", self.vocab_tile_bytes, "must be >= 0 (0: whole strips)")
+        if self.attn_tiles < 0:
+            self._bad("attn_tiles", self.attn_tiles, "must be >= 0 (0: off)")
         if self.sco_host_budget_gib < 0:
             self._bad("sco_host_budget_gib", self.sco_host_budget_gib, "must be >= 0")
         if self.host_mem_per_node_gib < 0:
@@ -201,7 +212,8 @@ class FlatConfig:
 
     @property
     def any_enabled(self) -> bool:
-        return self.dispatch != "off" or self.vocab or self.sco or self.optimizer_offload
+        return (self.dispatch != "off" or self.vocab or self.sco or self.optimizer_offload
+                or self.attn_tiles > 0)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "FlatConfig":
@@ -229,6 +241,8 @@ class FlatConfig:
                      else "")
             parts.append(f"Ring-DTP (mode {self.vocab_mode}, block {self.vocab_block_size}"
                          f"{tiles})")
+        if self.attn_tiles:
+            parts.append(f"attention tiles ({self.attn_tiles:,} tokens)")
         if self.sco:
             parts.append(f"SCO (host budget {self.sco_host_budget_gib:g} GiB, "
                          f"prefetch {self.sco_prefetch})")

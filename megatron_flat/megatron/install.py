@@ -62,6 +62,34 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
                             f"(got {optimizer!r})")
         if _get(megatron, "optimizer_cpu_offload", default=False):
             problems.append("--flat-optimizer-offload replaces --optimizer-cpu-offload: use one")
+    if flat.attn_tiles:
+        problems += attn_tiles_problems(megatron)
+    return problems
+
+
+FLAT_SPEC_MODULE = "megatron_flat.megatron.spec"
+
+
+def attn_tiles_problems(megatron: Any) -> List[str]:
+    """Why ``--flat-attn-tiles`` cannot run with ``megatron`` (only settings present are
+    checked): the tiles split the attention block's sequence-parallel gather and
+    reduce-scatter, so they need sequence parallelism over TP > 1, self-attention with a
+    fused QKV projection, and (Megatron-LM) the flat layer spec that builds them."""
+    problems = []
+    tp = _get(megatron, "tensor_model_parallel_size", default=None)
+    sp = _get(megatron, "sequence_parallel", default=None)
+    if (tp is not None and tp <= 1) or sp is False:
+        problems.append("--flat-attn-tiles tiles the attention block's sequence-parallel "
+                        "all-gather and reduce-scatter: it needs --sequence-parallel with "
+                        "--tensor-model-parallel-size > 1 (without them nothing is gathered)")
+    if _get(megatron, "multi_latent_attention", default=False):
+        problems.append("--flat-attn-tiles: multi-latent attention is not tiled yet (its "
+                        "projections are not one QKV linear)")
+    if hasattr(megatron, "spec"):  # Megatron-LM's args: the layer spec comes from --spec
+        spec = getattr(megatron, "spec", None)
+        if not spec or spec[0] != FLAT_SPEC_MODULE:
+            problems.append("--flat-attn-tiles is built by the flat layer specs: add --spec "
+                            f"{FLAT_SPEC_MODULE} flat_gpt_layer_spec (or flat_gpt_layer_te_spec)")
     return problems
 
 
@@ -116,11 +144,19 @@ def _wire_optimizer_offload(flat: FlatConfig, megatron: Any) -> None:
 
 WIRING["optimizer_offload"] = _wire_optimizer_offload
 
+def _wire_attn_tiles(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-attn-tiles: nothing to patch; the flat layer specs read the installed FlatConfig
+    when the model is built and put the tiled projections in (megatron.spec)."""
+
+
+WIRING["attn_tiles"] = _wire_attn_tiles
+
 _ENABLED = {
     "dispatch": lambda f: f.dispatch != "off",
     "vocab": lambda f: f.vocab,
     "sco": lambda f: f.sco,
     "optimizer_offload": lambda f: f.optimizer_offload,
+    "attn_tiles": lambda f: f.attn_tiles > 0,
 }
 
 

@@ -107,7 +107,15 @@ def with_flat_moe(layer_spec: Any, flat: FlatConfig) -> Any:
         layer_spec, submodules=dataclasses.replace(submodules, mlp=flat_moe_spec(mlp, flat)))
 
 
-LAYER_TRANSFORMS: List[Callable[[Any, FlatConfig], Any]] = [with_flat_moe]
+def _with_attn_tiles(layer_spec: Any, flat: FlatConfig) -> Any:
+    if not flat.attn_tiles:
+        return layer_spec
+    from megatron_flat.megatron.attention_tiles import with_attn_tiles
+
+    return with_attn_tiles(layer_spec, flat)
+
+
+LAYER_TRANSFORMS: List[Callable[[Any, FlatConfig], Any]] = [with_flat_moe, _with_attn_tiles]
 """Layer-spec transforms applied in order by :func:`flat_layer_spec` (one per technique that
 lives inside a transformer layer; each returns its input when its technique is off)."""
 

@@ -162,8 +162,9 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
-    """Build this rank's pipeline stage of the tiny MoE GPT (call inside a layout)."""
+def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None, flat=None) -> torch.nn.Module:
+    """Build this rank's pipeline stage of the tiny MoE GPT (call inside a layout). ``flat``
+    (a FlatConfig): its attention tiles go into the default layer spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -181,6 +182,10 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None) -> torch.nn.Module:
             from megatron_flat.testing.flash_attention import with_flash_attention
 
             layer_spec = with_flash_attention(layer_spec)
+        if flat is not None and flat.attn_tiles:
+            from megatron_flat.megatron.attention_tiles import with_attn_tiles
+
+            layer_spec = with_attn_tiles(layer_spec, flat)
     mtp = {}
     if getattr(config, "mtp_num_layers", None):
         # The MTP heads' layers are the decoder's layer spec (None off the last stage).

@@ -172,7 +172,7 @@ class Trainer:
             if problems:
                 raise ValueError(f"layout {layout.name}: " + "; ".join(problems))
         with _flat_specs(flat):
-            model = build_tiny_gpt(tiny, self.config)
+            model = build_tiny_gpt(tiny, self.config, flat=flat)
         if flat is not None and flat.vocab:
             from megatron_flat.megatron.vocab import enable_ring_dtp
 

@@ -146,3 +146,36 @@ def test_host_budgets_that_cannot_fit_the_node_are_refused_at_install(megatron_c
     assert "8 rank(s) per node x 64.00 GiB per rank" in str(err.value)
     assert "> 256.00 GiB (--flat-host-mem-per-node-gib)" in str(err.value)
     assert inst.installed() is None
+
+
+@pytest.mark.parametrize("settings, found", [
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True,
+          spec=["megatron_flat.megatron.spec", "flat_gpt_layer_spec"]), []),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), []),  # a TransformerConfig
+    (dict(tensor_model_parallel_size=1, sequence_parallel=False,
+          spec=["megatron_flat.megatron.spec", "flat_gpt_layer_te_spec"]), ["--sequence-parallel"]),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=False), ["--sequence-parallel"]),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, spec=None),
+     ["flat layer specs"]),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, multi_latent_attention=True),
+     ["multi-latent"]),
+])
+def test_attention_tiles_need_sequence_parallelism_and_the_flat_spec(settings, found):
+    problems = inst.check_against_megatron(FlatConfig(attn_tiles=4096),
+                                           argparse.Namespace(**settings))
+    assert len(problems) == len(found)
+    for problem, word in zip(problems, found):
+        assert word in problem, problems
+
+
+def test_attention_tiles_are_installed_and_reach_the_flat_layer_spec(megatron_cpu):
+    from megatron_flat.megatron import spec
+    from megatron_flat.megatron.attention_tiles import TiledColumnParallelLinear
+
+    args = megatron_args("--flat-attn-tiles", "512", tensor_model_parallel_size=2,
+                         sequence_parallel=True,
+                         spec=["megatron_flat.megatron.spec", "flat_gpt_layer_spec"])
+    assert megatron_flat.install(args).attn_tiles == 512
+    attention = spec.flat_gpt_layer_spec.resolve().submodules.self_attention.submodules
+    assert attention.linear_qkv.module is TiledColumnParallelLinear
+    assert attention.linear_qkv.params["tile_tokens"] == 512
