@@ -167,7 +167,9 @@ def resume_iters(iters: int, resume_at: int) -> int:
 
 @dataclass
 class Crossing:
-    """The four runs of ``--resume-at``: (name, kind of the line, checkpoint it loads)."""
+    """The four runs of ``--resume-at``, as ``(name, args)``: the straight stock and flat
+    runs, which also save at iteration ``at`` under ``root/<kind>``, then each line resumed
+    from the other kind's checkpoint (``A-to-B``: B's line loads A's)."""
 
     at: int
     root: Path
