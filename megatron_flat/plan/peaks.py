@@ -542,12 +542,23 @@ def _blocked_vocab(model: ModelSpec, layout: Layout, n: int, block: int,
     return {"value": max(fwd, 4 * n + bwd), "section": max(fwd, bwd), "mode": "weights"}
 
 
-def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool) -> int:
+def attn_tile_rows(n: int, tp: int, tile_tokens: int) -> int:
+    """Rows of the gathered input the QKV projection holds at once: all N (stock), or one
+    sequence tile of ``tile_tokens`` (``attention.tiles``: TP × ⌊tokens / TP⌋ rows, at least
+    one per rank, at most N)."""
+    if tile_tokens <= 0:
+        return n
+    return min(n, tp * max(1, tile_tokens // tp))
+
+
+def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool,
+               attn_tile_tokens: int = 0) -> int:
     """Attention and other activations of the layer being recomputed / back-propagated.
 
     Flash-style attention (no N² scores), TP-split heads, SP-sharded norms::
 
-        b·[ N·H·[SP, TP>1]              the gathered norm output feeding QKV
+        b·[ N_g·H·[SP, TP>1]            the gathered norm output feeding QKV: N_g = N, or
+                                        one sequence tile with --flat-attn-tiles
           + N·(h·d + g·d + g·d_v)/TP    Q, K, V (the QKV projection's output, kept whole
                                         through V's view of it)
           + N·(h·d + g·d)/TP            the rotated copies of Q and K (RoPE writes new
@@ -562,7 +573,8 @@ def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: b
     h, g, d, dv = model.heads, model.kv_heads, model.head_dim, model.dv
     g_local = max(g // TP, 1) * TP  # KV heads are replicated when TP > g
     gathered = layout.sp and TP > 1
-    acts = (n * H if gathered else 0) + n * (h * d + g_local * (d + dv)) // TP + n * h * dv // TP
+    gathered_rows = attn_tile_rows(n, TP, attn_tile_tokens) if gathered else 0
+    acts = gathered_rows * H + n * (h * d + g_local * (d + dv)) // TP + n * h * dv // TP
     acts += n * (h * d + g_local * d) // TP  # RoPE's rotated Q and K
     if layout.cp > 1:
         acts += 2 * n * g_local * (d + dv) // TP
@@ -763,7 +775,8 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         vocab_extra = state.vocab_extra
         host_pinned = boundaries_host + state.host_pinned
 
-    other = other_term(model, layout, n, n_sp, has_dense) if count else 0
+    tiles = getattr(flat, "attn_tiles", 0) if flat is not None else 0
+    other = other_term(model, layout, n, n_sp, has_dense, attn_tile_tokens=tiles) if count else 0
 
     dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"])) + vocab_extra
     resident = weights + grads + optimizer_device
