@@ -39,8 +39,12 @@ class _TileSize:
             raise ValueError(f"tile_tokens must be >= 0, got {tile_tokens}")
         self.tile_tokens = tile_tokens
 
+    @property
+    def _tp(self) -> int:
+        return self.tp_group.size() if self.tp_group is not None else 1
+
     def _tiles(self, n_local: int) -> Optional[SequenceTiles]:
-        tp = self.tp_group.size() if self.tp_group is not None else 1
+        tp = self._tp
         if not self.tile_tokens or tp == 1 or not self.sequence_parallel:
             return None
         return SequenceTiles(n_local, tp, min(rows_for_tokens(self.tile_tokens, tp), n_local))
@@ -73,7 +77,7 @@ class TiledRowParallelLinear(_TileSize, RowParallelLinear):
     """``RowParallelLinear`` whose GEMM + sequence-parallel reduce-scatter runs tile by tile."""
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        tp = self.tp_group.size() if self.tp_group is not None else 1
+        tp = self._tp
         tiles = self._tiles(input_.shape[0] // tp) if input_.shape[0] % tp == 0 else None
         if tiles is None or not self.input_is_parallel or self.explicit_expert_comm:
             return super().forward(input_)

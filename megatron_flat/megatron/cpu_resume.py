@@ -141,9 +141,9 @@ def _inner_optimizers(optimizer: Any) -> List[Any]:
     """The torch optimizers inside a Megatron optimizer (chained or not), or ``optimizer``."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
-    chained = getattr(optimizer, "chained_optimizers", None)
-    wrappers = chained if chained is not None else [optimizer]
-    return [w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None]
+    from megatron_flat.megatron.optimizer import inner_optimizers
+
+    return inner_optimizers(optimizer)
 
 
 def _bytes(t: torch.Tensor) -> bytes:

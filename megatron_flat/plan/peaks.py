@@ -548,7 +548,9 @@ def attn_tile_rows(n: int, tp: int, tile_tokens: int) -> int:
     one per rank, at most N)."""
     if tile_tokens <= 0:
         return n
-    return min(n, tp * max(1, tile_tokens // tp))
+    from megatron_flat.attention.tiles import rows_for_tokens  # the op's own rule
+
+    return min(n, tp * rows_for_tokens(tile_tokens, tp))
 
 
 def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool,
