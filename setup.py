@@ -21,9 +21,10 @@ setup(
         "megatron-core>=0.16.1",
     ],
     extras_require={
+        # pytest-xdist: scripts/test.sh runs the single-process tests on every core.
         # psutil: Megatron-Core's checkpoint writer reports its memory with it (the rehearsal's
         # --resume-at saves torch_dist checkpoints).
-        "test": ["pytest>=7", "psutil"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "psutil"],
         # The demo's memory-timeline PNG.
         "demo": ["matplotlib"],
         # GPU-only accelerations, picked up when importable.

@@ -4,6 +4,11 @@ Plain ``pytest`` runs the single-process tests. Under ``torchrun --nproc-per-nod
 pytest`` every rank runs the tests marked ``@pytest.mark.world(N)`` in the same order
 (they contain collectives) and nothing else. Tests for another world size are
 deselected, not skipped, so a run reports only what it really executed.
+
+``FLAT_MEGATRON=involved`` keeps only the files that may run megatron-core code and
+``FLAT_MEGATRON=free`` only the others, with megatron-core made unimportable so the run
+proves them free of it (tests/_megatron_use.py; CI's second megatron-core version runs
+only the involved files).
 """
 
 import os
@@ -18,8 +23,32 @@ def launched_world():
     return None
 
 
+def _megatron_use():
+    """tests/_megatron_use.py, loaded by path (tests are imported in importlib mode)."""
+    import importlib.util
+    import sys
+
+    module = sys.modules.get("_megatron_use")
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            "_megatron_use", os.path.join(os.path.dirname(__file__), "_megatron_use.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_megatron_use"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _megatron_scope():
+    scope = os.environ.get("FLAT_MEGATRON", "")
+    if scope not in ("", "involved", "free"):
+        raise pytest.UsageError(f"FLAT_MEGATRON={scope!r}: expected 'involved' or 'free'")
+    return scope
+
+
 def pytest_configure(config):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if _megatron_scope() == "free":
+        _megatron_use().block_megatron()
     config.addinivalue_line(
         "markers", "inline_copies(reason): measures memory (or behaviour) with copies done as "
         "they are issued; FLAT_DELAYED_COPIES=1 runs it without delaying them")
@@ -30,6 +59,16 @@ def pytest_configure(config):
         name = ("-".join(["single"] + ([tag] if tag else [])) if world is None else "-".join(
             [f"world{world}"] + ([tag] if tag else []) + [f"rank{os.environ['RANK']}"]))
         config.option.xmlpath = os.path.join(junit_dir, f"junit-{name}.xml")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under FLAT_MEGATRON, test files of the other kind are not even imported (a free run
+    must not import an involved file, which may import megatron-core at module level)."""
+    scope = _megatron_scope()
+    name = collection_path.name
+    if scope and name.startswith("test_") and name.endswith(".py"):
+        return _megatron_use().involves_megatron(collection_path) != (scope == "involved")
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -104,12 +143,20 @@ def benchmark_script():
 def pytest_sessionfinish(session, exitstatus):
     """Tear the process groups down before the interpreter exits.
 
-    Every Megatron layout a test visits leaves gloo groups whose transport threads would
-    otherwise still be running while the interpreter finalises, which can abort the process
+    Gloo groups still alive while the interpreter finalises can abort the process
     ("terminate called without an active exception") after every test has passed. Local
     only: no collective, so a rank whose peers already left does not wait for them.
+
+    Under torchrun, a ``-k``/``-m`` selection that leaves a file nothing to run exits 0:
+    torchrun reports any nonzero rank as a failure, so pytest's "no tests" (5) would read
+    as one. Without a selection, an empty file stays an error.
     """
     import sys
+
+    option = session.config.option
+    if (launched_world() is not None and session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED
+            and (getattr(option, "keyword", "") or getattr(option, "markexpr", ""))):
+        session.exitstatus = pytest.ExitCode.OK
 
     if "torch.distributed" not in sys.modules:
         return

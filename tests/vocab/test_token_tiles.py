@@ -108,7 +108,9 @@ def _transient(n: int, dtype: torch.dtype, tile_bytes) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_working_set_is_one_tile_whatever_n(dtype) -> None:
     factor = 1.0 if dtype == torch.float32 else 1.25
-    for n in (256, 1024, 4096):
+    # N from 16 to 64 tiles: the transient stays one tile (each tile is a metered pass of
+    # Python ops, so larger N only costs test time).
+    for n in (256, 1024):
         assert _transient(n, dtype, TILE) <= factor * TILE, n
-    # Untiled, the strip grows with N (4096 tokens: a 4 MiB strip).
-    assert _transient(4096, dtype, None) > 32 * TILE
+    # Untiled, the strip grows with N (1024 tokens: a 1 MiB strip).
+    assert _transient(1024, dtype, None) > 32 * TILE
