@@ -110,7 +110,8 @@ class FlatConfig:
         metadata={"help": "Sequence tiles of the attention block's projections under "
                           "sequence parallelism: tokens of one gathered tile, so the gathered "
                           "N x H before QKV and the N x H partial output before the "
-                          "reduce-scatter never exist (0: off)."}
+                          "reduce-scatter never exist (0: off; the planner picks 32768 when the "
+                          "four peaks' techniques are not enough)."}
     )
 
     # SCO: the checkpoint-boundary peak.

@@ -35,9 +35,10 @@ from megatron_flat.plan.baselines import (
     allowed,
     paper_layout,
 )
-from megatron_flat.plan.costs import UNITS
+from megatron_flat.plan.costs import UNITS, attn_tiles
 from megatron_flat.plan.fit import (
     TECHNIQUE_NAMES,
+    TECHNIQUES,
     DoesNotFit,
     Reach,
     enabled,
@@ -114,8 +115,13 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
                    help=f"routing skew, max/mean routes per EP rank (default {DEFAULT_SKEW})")
     p.add_argument("--margin", type=float, default=0.1,
                    help="fraction of GPU memory kept free (default 0.1)")
+    p.add_argument("--without", action="append", default=[], choices=TECHNIQUES,
+                   metavar="TECHNIQUE",
+                   help="a technique fit and the reach may not turn on (repeatable; one of "
+                        f"{', '.join(TECHNIQUES)}), e.g. --without attn_tiles for the reach "
+                        "of the four peaks' techniques alone")
     p.add_argument("--all-on", action="store_true",
-                   help="flat column: all four techniques at their smallest-memory settings "
+                   help="flat column: every technique at its smallest-memory setting "
                         "(default: the fewest techniques that fit, at their cheapest settings)")
     p.add_argument("--device", default="H200", choices=sorted(DEVICES),
                    help="GPU the step-time model predicts for (default H200)")
@@ -201,6 +207,10 @@ def _knob_summary(report: PeakReport, flat: FlatConfig) -> List[str]:
                      f"slot{'s' if flat.optimizer_num_slots != 1 else ''} "
                      f"({format_bytes(report.optimizer_device)} staging, "
                      f"{format_bytes(report.optimizer_host)} pinned host per GPU)")
+    if flat.attn_tiles:
+        lines.append(f"{TECHNIQUE_NAMES['attn_tiles']}: {flat.attn_tiles:,} gathered tokens a "
+                     f"tile ({attn_tiles(report.layout, report.tokens, flat)} tiles per "
+                     "projection)")
     return lines or ["none needed: the baseline fits"]
 
 
@@ -211,6 +221,7 @@ def flat_flags(flat: FlatConfig) -> str:
         "vocab": ("vocab_mode",),
         "sco": ("sco_host_budget_gib", "sco_prefetch"),
         "optimizer_offload": ("optimizer_bucket_numel", "optimizer_num_slots"),
+        "attn_tiles": (),
     }
     out = []
     for switch, knobs in groups.items():
@@ -220,6 +231,8 @@ def flat_flags(flat: FlatConfig) -> str:
             out.append(f"--flat-dispatch {flat.dispatch}")
             if flat.dispatch != "pipelined":
                 continue  # chunk knobs only matter when chunking
+        elif switch == "attn_tiles":
+            out.append(f"--flat-attn-tiles {flat.attn_tiles}")  # the switch is the tile size
         else:
             out.append("--flat-" + switch.replace("_", "-"))
         for knob in knobs:
@@ -342,10 +355,13 @@ class PlanResult:
             "host_bytes": {"baseline": self.baseline.host_per_node, "flat": r.host_per_node,
                            "flat_per_device": r.host_per_device, "available": self.host_bytes},
             "max_context": {"baseline": search.best_reach(self.baseline_name),
-                            "flat": search.best_reach("flat")},
+                            "flat": search.best_reach("flat"),
+                            "flat_without_attn_tiles": self.reach.flat_without_attn_tiles},
             "max_context_on_layout": {"baseline": self.reach.baselines.get(self.baseline_name,
                                                                            0),
-                                      "flat": self.reach.flat},
+                                      "flat": self.reach.flat,
+                                      "flat_without_attn_tiles":
+                                          self.reach.flat_without_attn_tiles},
             "max_context_granularity": self.reach.granularity,
             "baseline_name": self.baseline_name,
             "baselines": {name: self._run_json(run) for name, run in self.runs.items()},
@@ -425,7 +441,8 @@ def plan(args: argparse.Namespace) -> PlanResult:
     if gpus is None:
         raise PlanError(f"give --gpus for {model.name} (only the paper presets have a default)")
     fixed = _fixed_sizes(args)
-    kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew)
+    kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew,
+              allow=tuple(t for t in TECHNIQUES if t not in args.without))
     dev = device_model(args.device).name
     search = search_layouts(model, gpus, device, host, fixed=fixed, seq_len=seq, device=dev,
                             microbatches=args.microbatches or 1,
@@ -444,7 +461,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
     error = None
     if args.all_on:
         flat_report = tightest_report(model, layout, seq, host, host_margin=HOST_MARGIN,
-                                      skew=args.skew)
+                                      skew=args.skew, allow=kw["allow"])
         flat = flat_report.flat or FlatConfig()
     else:
         try:

@@ -39,7 +39,8 @@ from megatron_flat.plan.peaks import (
 )
 from megatron_flat.plan.time import DeviceModel, Overlap, overlap_for
 
-__all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops"]
+__all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops", "attn_tile_counts",
+           "attn_tile_overhead", "attn_tiles"]
 
 UNITS = ("dispatch", "vocab", "boundaries", "optimizer", "parameters")
 
@@ -82,6 +83,23 @@ OPS_VOCAB_STOCK = 40
 # ledger (fp32, one rank: tests/plan/test_tile_costs.py).
 OPS_RING_PER_TILE = 39
 TILE_REREAD_FP32_BYTES = 8
+# The attention block's sequence tiles (--flat-attn-tiles): each tile beyond the first adds,
+# per layer, OPS_ATTN_TILE_FORWARD ops per forward pass (the QKV projection's gather and
+# GEMM, the output projection's GEMM and reduce-scatter, the copies into place) and
+# OPS_ATTN_TILE_BACKWARD in backward, ATTN_TILE_CALLS_FORWARD / _BACKWARD collectives (stock
+# makes the same ones for all N at once: the same bytes in more calls), and reads the two
+# projections' weights again in each forward pass and the dX GEMMs (b bytes per element)
+# and reads and writes their fp32 gradient accumulator in the dW GEMMs (TILE_REREAD_FP32_BYTES).
+# Counted with the ledger at TP 2 (tests/plan/test_attn_tile_costs_world2.py).
+# The tile ``fit`` turns on (FlatConfig.attn_tiles, gathered tokens): the smallest power of
+# two keeping a tile's launches and re-reads each under 10 % of its projection GEMMs at the
+# paper's presets (attn_tile_overhead; tests/plan/test_attn_tiles_term.py). At H 7168, bf16,
+# a gathered tile is 448 MiB where the gathered N x H at 1M tokens per CP rank is 14 GiB.
+ATTN_TILE_TOKENS = 32_768
+OPS_ATTN_TILE_FORWARD = 13
+OPS_ATTN_TILE_BACKWARD = 20
+ATTN_TILE_CALLS_FORWARD = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+ATTN_TILE_CALLS_BACKWARD = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}
 # AdamW, per bucket (flat: upload, update, write back) or per parameter tensor (stock).
 OPS_ADAM_PER_TENSOR = 12
 OPS_ADAM_PER_BUCKET = 20
@@ -269,6 +287,55 @@ def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_val
             "collective_calls": {"send": calls}}
 
 
+def attn_tile_counts(*, projection_params: int, tiles: int, bytes_per_value: int,
+                     recompute: bool = True) -> dict:
+    """What ``tiles`` sequence tiles add to one attention block, one microbatch, forward +
+    backward on one TP rank, over the untiled projections (``tiles`` = 1: nothing).
+
+    With P = ``projection_params`` (the QKV and output projections' weights on this rank),
+    t = tiles − 1 and passes = 2 under full recompute (the forward runs twice)::
+
+        ops    = t·(passes·OPS_ATTN_TILE_FORWARD + OPS_ATTN_TILE_BACKWARD)
+        calls  = t·(passes·ATTN_TILE_CALLS_FORWARD + ATTN_TILE_CALLS_BACKWARD)
+        mem    = t·((passes + 1)·b + TILE_REREAD_FP32_BYTES)·P   the weights read again per
+                                                                pass and dX GEMM, the fp32
+                                                                accumulator per dW GEMM
+
+    FLOPs and collective bytes are stock's: every row is projected, gathered and scattered
+    once per pass either way."""
+    extra = max(tiles - 1, 0)
+    passes = 2 if recompute else 1
+    calls = {}
+    for name in ATTN_TILE_CALLS_FORWARD:
+        calls[name] = extra * (passes * ATTN_TILE_CALLS_FORWARD[name]
+                               + ATTN_TILE_CALLS_BACKWARD[name])
+    mem = extra * ((passes + 1) * bytes_per_value + TILE_REREAD_FP32_BYTES) * projection_params
+    return {"ops": extra * (passes * OPS_ATTN_TILE_FORWARD + OPS_ATTN_TILE_BACKWARD),
+            "collective_calls": calls if extra else {}, "mem_bytes": mem}
+
+
+def attn_tile_overhead(model: ModelSpec, layout: Layout, tile_tokens: int,
+                       device: Optional[DeviceModel] = None) -> dict:
+    """What one more attention tile of ``tile_tokens`` gathered tokens costs beside its work,
+    on ``device`` (H200 by default), as fractions of the tile's projection GEMM time under
+    full recompute (forward twice, dX and dW: 8·T·P FLOPs for T tokens and P projection
+    weights per TP rank): ``launch``, the host time of its launches and collective calls
+    (hidden while below 1); ``reread``, the time of the bytes it reads again (added serially
+    by the step-time model). ``ATTN_TILE_TOKENS`` keeps both under 10 % for the paper's
+    presets."""
+    from megatron_flat.plan.time import device as named_device
+
+    dev = device or named_device("H200")
+    P = model.attention_params_per_layer() // layout.tp
+    counts = attn_tile_counts(projection_params=P, tiles=2,
+                              bytes_per_value=model.bytes_per_value)
+    gemm_s = 8 * tile_tokens * P / (dev.flops * dev.matmul_efficiency)
+    launch_s = counts["ops"] * dev.launch_s + sum(counts["collective_calls"].values()) * \
+        dev.collective_latency_s
+    reread_s = counts["mem_bytes"] / (dev.hbm_bytes_per_s * dev.hbm_efficiency)
+    return {"gemm_s": gemm_s, "launch": launch_s / gemm_s, "reread": reread_s / gemm_s}
+
+
 def tile_overhead(*, hidden: int, width: int, tile_bytes: int, bytes_per_value: int,
                   device: Optional[DeviceModel] = None) -> dict:
     """What one token tile of a ``width``-row strip costs beside its work, on ``device``
@@ -378,12 +445,29 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
     first, count = stage_layers(model, layout)[report.stage]
     if not count:
         return {}, overlap_for("sco", "stock")
-    flops = 4 * attention_flops(model, layout, report.seq_len, report.tokens) * count
+    counts = {"flops": 4 * attention_flops(model, layout, report.seq_len, report.tokens) * count}
+    tiles = attn_tiles(layout, report.tokens, flat)
+    if tiles > 1:
+        extra = attn_tile_counts(projection_params=model.attention_params_per_layer() // layout.tp,
+                                 tiles=tiles, bytes_per_value=model.bytes_per_value)
+        counts.update(_scale(extra, count))
     if flat is None or not flat.sco:
-        return {"flops": flops}, overlap_for("sco", "stock")
+        return counts, overlap_for("sco", "stock")
     moved = report.boundaries_offloaded * report.boundary_bytes
-    return ({"flops": flops, "h2d_bytes": moved, "d2h_bytes": moved},
-            overlap_for("sco", "flat", max(1, count)))
+    counts.update(h2d_bytes=moved, d2h_bytes=moved)
+    return counts, overlap_for("sco", "flat", max(1, count))
+
+
+def attn_tiles(layout: Layout, tokens: int, flat: Optional[FlatConfig]) -> int:
+    """Sequence tiles per attention projection for ``tokens`` tokens per CP rank (1: untiled;
+    tiles need sequence parallelism over TP > 1)."""
+    tile_tokens = flat.attn_tiles if flat is not None else 0
+    if not tile_tokens or not layout.sp or layout.tp < 2:
+        return 1
+    from megatron_flat.attention.tiles import SequenceTiles, rows_for_tokens
+
+    n_local = max(1, tokens // layout.tp)
+    return SequenceTiles(n_local, layout.tp, rows_for_tokens(tile_tokens, layout.tp)).count
 
 
 def _shard(model: ModelSpec, layout: Layout, report: PeakReport) -> Tuple[int, int]:

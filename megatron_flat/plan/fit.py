@@ -6,13 +6,16 @@
 2. Otherwise subsets of the techniques are tried, fewest first and, among equally many,
    cheapest first (``TECHNIQUES`` is ordered by overhead: chunking the dispatch costs the
    least, then the vocabulary ring, then boundary offload over PCIe, then the optimizer's
-   28 B/param of PCIe traffic per step). Each enabled technique is first set to its
+   28 B/param of PCIe traffic per step; the attention block's sequence tiles come last, the
+   fifth peak's technique, turned on only when the four are not enough, and only where
+   they apply: sequence parallelism over TP > 1). Each enabled technique is first set to its
    smallest-memory setting; pinned host memory goes to the optimizer state first (it moves
    all at once or not at all), the rest to boundaries.
 3. The first subset that fits is relaxed knob by knob toward its cheapest setting while the
    step still fits: 2 optimizer staging slots and the largest bucket (≤ 100M params), the
    ``auto`` ring schedule, the fewest dispatch chunks (one chunk: plain LLEP, ``dispatch =
-   "llep"``, which still evens the load), the fewest offloaded boundaries.
+   "llep"``, which still evens the load), the fewest offloaded boundaries, the largest
+   attention tile (doubling from ``ATTN_TILE_TOKENS``).
 
 When nothing fits, ``PlanError`` says by how much and which term binds at the smallest-
 memory setting. ``max_context`` bisects the longest sequence for which the baseline fits and
@@ -28,18 +31,20 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from megatron_flat.config import GIB, FlatConfig
 from megatron_flat.plan.baselines import BASELINES, allowed
+from megatron_flat.plan.costs import ATTN_TILE_TOKENS
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate, usable
 
-TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload")
+TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload", "attn_tiles")
 TECHNIQUE_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO",
-                   "optimizer_offload": "OffloadStreamAdamW"}
+                   "optimizer_offload": "OffloadStreamAdamW", "attn_tiles": "attention tiles"}
 BUCKET_LADDER = (100_000_000, 50_000_000, 25_000_000, 10_000_000, 5_000_000, 1_000_000)
 MIN_CHUNK_TOKENS = 1024  # smallest per-source chunk fit will choose (GEMM efficiency)
 MIB = 1 << 20
 # What turning a technique on sets in FlatConfig.
 SWITCH_ON = {"dispatch": {"dispatch": "pipelined"}, "vocab": {"vocab": True},
-             "sco": {"sco": True}, "optimizer_offload": {"optimizer_offload": True}}
+             "sco": {"sco": True}, "optimizer_offload": {"optimizer_offload": True},
+             "attn_tiles": {"attn_tiles": ATTN_TILE_TOKENS}}
 
 
 def enabled(flat: Optional[FlatConfig], technique: str) -> bool:
@@ -49,6 +54,12 @@ def enabled(flat: Optional[FlatConfig], technique: str) -> bool:
         return False
     value = getattr(flat, technique)
     return value != "off" if technique == "dispatch" else bool(value)
+
+
+def applies(technique: str, layout: Layout) -> bool:
+    """Whether ``technique`` can run on ``layout``: the attention tiles need sequence
+    parallelism over TP > 1 (``install`` refuses them otherwise); the others always can."""
+    return technique != "attn_tiles" or (layout.sp and layout.tp > 1)
 
 
 class DoesNotFit(PlanError):
@@ -81,12 +92,15 @@ class Fit:
 class Reach:
     """Longest sequence (tokens per sample) that fits, a multiple of ``granularity``; 0 when
     not even ``granularity`` tokens fit. ``baseline``: stock Megatron's; ``baselines``: every
-    baseline the layout allows (``plan.baselines``), by name."""
+    baseline the layout allows (``plan.baselines``), by name; ``flat_without_attn_tiles``:
+    flat's reach with the attention tiles not allowed (``flat`` where they do not apply or
+    were not allowed anyway)."""
 
     baseline: int
     flat: int
     granularity: int
     baselines: Dict[str, int] = field(default_factory=dict)
+    flat_without_attn_tiles: int = 0
 
     def strongest(self) -> Optional[str]:
         """The baseline reaching furthest (first in ``BASELINES`` order on ties)."""
@@ -128,7 +142,7 @@ class _Planner:
         self.budget = usable(device_bytes, margin)
         self.host_budget = host_budget_per_device(layout, host_bytes, host_margin)
         self.min_chunk = max(1, int(min_chunk_tokens))
-        self.allow = tuple(t for t in TECHNIQUES if t in allow)
+        self.allow = tuple(t for t in TECHNIQUES if t in allow and applies(t, layout))
 
     # -- predicates -----------------------------------------------------------------------
     def estimate(self, seq: int, flat: Optional[FlatConfig],
@@ -230,6 +244,10 @@ class _Planner:
                 else:
                     lo = mid + 1
             cfg = with_n(lo)
+        if cfg.attn_tiles:
+            tokens = self.estimate(seq, cfg).tokens
+            while 2 * cfg.attn_tiles < tokens and fits(replace(cfg, attn_tiles=2 * cfg.attn_tiles)):
+                cfg = replace(cfg, attn_tiles=2 * cfg.attn_tiles)
         return cfg
 
 
@@ -397,4 +415,13 @@ def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
                              min_chunk_tokens=min_chunk_tokens, allow=allow)
     reach = {name: bisect_reach(fits, g, limit) for name, fits in preds.items()}
     flat = reach.pop("flat")
-    return Reach(baseline=reach["megatron"], flat=flat, granularity=g, baselines=reach)
+    without = flat
+    if "attn_tiles" in allow and applies("attn_tiles", layout):
+        untiled = reach_predicates(model, layout, device_bytes, host_bytes, margin=margin,
+                                   host_margin=host_margin, skew=skew,
+                                   min_chunk_tokens=min_chunk_tokens,
+                                   allow=[t for t in allow if t != "attn_tiles"])["flat"]
+        # Tiles never shorten the reach: what fits without them fits with them.
+        without = bisect_reach(untiled, g, min(limit, flat)) if flat else 0
+    return Reach(baseline=reach["megatron"], flat=flat, granularity=g, baselines=reach,
+                 flat_without_attn_tiles=without)

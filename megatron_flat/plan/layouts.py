@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.plan.baselines import BASELINES
 from megatron_flat.plan.costs import UNITS, unit_costs
 from megatron_flat.plan.fit import (
     MIN_CHUNK_TOKENS,
+    TECHNIQUES,
     bisect_reach,
     fit,
     reach_predicates,
@@ -396,7 +397,7 @@ def search_layouts(model: ModelSpec, gpus: int, device_bytes: int,
                    top: int = TOP, margin: float = 0.1, host_margin: float = 0.1,
                    skew: float = DEFAULT_SKEW, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
                    gpus_per_node: int = 8, micro_batch_size: int = 1,
-                   limit: int = 1 << 30) -> LayoutSearch:
+                   limit: int = 1 << 30, allow: Sequence[str] = TECHNIQUES) -> LayoutSearch:
     """Rank every candidate layout (``candidate_layouts``) for flat and every baseline.
 
     Reach per run and layout is ``max_context``'s (same margins, skew, host budget), exact
@@ -407,6 +408,8 @@ def search_layouts(model: ModelSpec, gpus: int, device_bytes: int,
     ``global_batch`` (sequences per step) defaults to ``microbatches`` × micro-batch size ×
     the smallest DP among the candidates (1 when DP is searched: one replica's batch, so a
     DP > 1 is timed only with a larger ``global_batch``).
+
+    ``allow``: the techniques flat may turn on (``fit``'s).
 
     ``fastest``: the timed layouts within ``SAME_SPEED`` of the fastest predicted step,
     longest reach first, then the others by step time. The chosen layout is its first;
@@ -430,7 +433,7 @@ def search_layouts(model: ModelSpec, gpus: int, device_bytes: int,
     if seq_len is not None and not any(_splits(model, lay, seq_len) for lay in cands):
         estimate(model, cands[0], seq_len)  # raises with the reason for the preferred layout
     kw = dict(margin=margin, host_margin=host_margin, skew=skew,
-              min_chunk_tokens=min_chunk_tokens)
+              min_chunk_tokens=min_chunk_tokens, allow=allow)
     cache: Dict[Layout, dict] = {}
 
     def predicates(layout: Layout) -> dict:

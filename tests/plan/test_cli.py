@@ -6,6 +6,7 @@ import pytest
 
 from megatron_flat.__main__ import main as top_main
 from megatron_flat.plan.cli import main
+from megatron_flat.plan.costs import ATTN_TILE_TOKENS
 
 PAPER = ["--seq", "1M", "--gpu-mem", "141GiB", "--host-mem", "2TiB"]
 STOCK = ["--baseline", "megatron"]
@@ -57,8 +58,12 @@ def test_json_is_one_object_with_the_documented_shape(capsys):
             + max(data[column]["dispatch"] + data[column]["other"], data[column]["vocab"])
     assert set(data["binding"]) == {"baseline", "flat"}
     assert data["binding"]["baseline"] in KEYS - {"total"}
-    assert set(data["max_context"]) == {"baseline", "flat"}
+    assert set(data["max_context"]) == {"baseline", "flat", "flat_without_attn_tiles"}
     assert data["max_context"]["flat"] > data["max_context"]["baseline"]
+    # Both reaches at the chosen layout: tiles can only lengthen it.
+    on_layout = data["max_context_on_layout"]
+    assert 0 < on_layout["flat_without_attn_tiles"] <= on_layout["flat"]
+    assert data["max_context"]["flat_without_attn_tiles"] == on_layout["flat_without_attn_tiles"]
     assert data["knobs"]["optimizer_offload"] is True and "flags" in data["knobs"]
     assert data["host_bytes"]["available"] == 2 << 40
     assert data["host_bytes"]["flat"] <= 2 << 40
@@ -94,9 +99,11 @@ def test_all_on_shows_every_technique_at_its_smallest_setting(capsys):
     rc, out, _ = run(capsys, ["--model", "paper-667b", "--json", "--all-on"] + PAPER + STOCK)
     assert rc == 0
     data = json.loads(out)
-    assert data["knobs"]["enabled"] == ["dispatch", "vocab", "sco", "optimizer_offload"]
+    assert data["knobs"]["enabled"] == ["dispatch", "vocab", "sco", "optimizer_offload",
+                                        "attn_tiles"]
+    assert data["knobs"]["attn_tiles"] == ATTN_TILE_TOKENS
     assert data["flat_is"] == "smallest-memory settings"
-    for key in ("dispatch", "vocab", "boundaries", "total"):
+    for key in ("dispatch", "vocab", "boundaries", "other", "total"):
         assert data["flat"][key] <= fitted["flat"][key]
         assert data["flat"][key] < data["baseline"][key]
     rc, out, _ = run(capsys, ["--model", "paper-667b", "--all-on"] + PAPER)

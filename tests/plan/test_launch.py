@@ -108,19 +108,24 @@ def test_example_dry_runs(name, tmp_path):
     assert done.returncode == 0, done.stderr
     words = done.stdout.split()
     cut = words.index("--")
-    assert words[cut - 4:cut] == ["megatron_flat", "rehearse", "--nproc-per-node", "2"]
+    # The attention tiles need TP > 1: the tiny world is TP 2 (x CP 2) then.
+    tp = 2 if res.flat.attn_tiles else 1
+    cp = 2 if res.layout.cp > 1 else 1
+    nproc = str(max(2, tp * cp))
+    assert words[cut - 4:cut] == ["megatron_flat", "rehearse", "--nproc-per-node", nproc]
     line = words[cut + 2:]
     # the planner's line, unchanged, then the shape overrides (argparse: the last one wins)
     assert [w.replace("\\", "") for w in line[:len(args)]] == args
     tiny = line[len(args):]
     assert _value(tiny, "--num-layers") == "2" and _value(tiny, "--seq-length") == "64"
-    assert _value(tiny, "--context-parallel-size") == ("2" if res.layout.cp > 1 else "1")
+    assert _value(tiny, "--context-parallel-size") == str(cp)
+    assert _value(tiny, "--tensor-model-parallel-size") == str(tp)
     assert not any(t.startswith("--flat-") for t in tiny)  # the flat knobs run as planned
     env["RESUME_AT"] = "2"  # checkpoints cross too
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     crossing = done.stdout.split()
     cut = crossing.index("--")
-    assert crossing[cut - 6:cut] == ["megatron_flat", "rehearse", "--nproc-per-node", "2",
+    assert crossing[cut - 6:cut] == ["megatron_flat", "rehearse", "--nproc-per-node", nproc,
                                      "--resume-at", "2"]
     assert crossing[cut:] == words[words.index("--"):]
