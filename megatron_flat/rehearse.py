@@ -465,6 +465,13 @@ def what_ran(flat: Run) -> List[str]:
     if config.get("optimizer_offload"):
         count = max(r.get("offload_optimizers", 0) for r in flat.ranks)
         lines.append(f"OffloadStreamAdamW: {count} inner optimizer(s)")
+    if config.get("attn_tiles"):
+        used = modules.get("attention_tiles_used", 0)
+        note = " (the tile holds the whole rehearsal sequence)" if used == 1 else ""
+        lines.append(f"attention tiles: tiled QKV and output projections in "
+                     f"{modules.get('TiledColumnParallelLinear', 0)} of "
+                     f"{modules.get('layers', 0)} layers, up to {used} tile(s) per "
+                     f"projection{note}")
     return lines
 
 
@@ -490,6 +497,10 @@ def missing_techniques(flat: Run) -> List[str]:
             and not modules.get("FlatMoELayer", 0)):
         missing.append(f"--flat-dispatch {config['dispatch']} is on but no MoE layer is a "
                        "FlatMoELayer (a --spec that builds its own MoE layer?)")
+    if (config.get("attn_tiles") and modules.get("layers", 0)
+            and not modules.get("TiledColumnParallelLinear", 0)):
+        missing.append(f"--flat-attn-tiles {config['attn_tiles']} is on but no layer has the "
+                       "tiled projections (a --spec that builds its own attention?)")
     return missing
 
 

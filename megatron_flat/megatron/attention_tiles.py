@@ -32,12 +32,14 @@ class _TileSize:
     layer spec's ``params`` give; 0 leaves the layer Megatron's)."""
 
     tile_tokens: int = 0
+    most_tiles: int = 0  # the most tiles one call has used (what a rehearsal reports)
 
     def __init__(self, *args, tile_tokens: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if tile_tokens < 0:
             raise ValueError(f"tile_tokens must be >= 0, got {tile_tokens}")
         self.tile_tokens = tile_tokens
+        self.most_tiles = 0
 
     @property
     def _tp(self) -> int:
@@ -47,7 +49,9 @@ class _TileSize:
         tp = self._tp
         if not self.tile_tokens or tp == 1 or not self.sequence_parallel:
             return None
-        return SequenceTiles(n_local, tp, min(rows_for_tokens(self.tile_tokens, tp), n_local))
+        tiles = SequenceTiles(n_local, tp, min(rows_for_tokens(self.tile_tokens, tp), n_local))
+        self.most_tiles = max(self.most_tiles, tiles.count)
+        return tiles
 
     def _into_main_grad(self) -> bool:
         return bool(self.gradient_accumulation_fusion) and \

@@ -125,16 +125,25 @@ def _flat_modules(models) -> Dict[str, int]:
     attentions the CPU backend built for context parallelism."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron_flat.megatron.attention_tiles import TiledColumnParallelLinear
     from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
     from megatron_flat.megatron.moe import FlatMoELayer
     from megatron_flat.megatron.vocab import ring_dtp_output
 
     counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0,
-              "ContextParallelCoreAttention": 0}
+              "ContextParallelCoreAttention": 0, "TiledColumnParallelLinear": 0,
+              "attention_tiles_used": 0, "layers": 0}
     for model in models:
         for module in model.modules():
             counts["FlatMoELayer"] += isinstance(module, FlatMoELayer)
             counts["MoELayer"] += isinstance(module, MoELayer)
+            counts["layers"] += type(module).__name__ == "TransformerLayer"
+            # The attention tiles' QKV projection: one per tiled layer; the most tiles any
+            # call used (1 at a shape whose sequence fits one tile).
+            if isinstance(module, TiledColumnParallelLinear):
+                counts["TiledColumnParallelLinear"] += 1
+                counts["attention_tiles_used"] = max(counts["attention_tiles_used"],
+                                                     module.most_tiles)
             # The CPU backend's stand-in for transformer-engine's CP attention (both runs).
             counts["ContextParallelCoreAttention"] += isinstance(
                 module, ContextParallelCoreAttention) and module.cp_size > 1

@@ -146,6 +146,22 @@ def test_verdict_when_dispatch_was_asked_for_but_not_built():
     assert code == 1 and "no MoE layer is a FlatMoELayer" in last
 
 
+def test_attention_tiles_are_reported_and_missing_ones_fail():
+    modules = {"FlatMoELayer": 0, "MoELayer": 2, "layers": 2, "TiledColumnParallelLinear": 2,
+               "attention_tiles_used": 3}
+    flat = _run("flat", {1: 5.0}, modules=modules)
+    flat.ranks[0]["flat"] = {"attn_tiles": 6}
+    assert rehearse.what_ran(flat) == [
+        "attention tiles: tiled QKV and output projections in 2 of 2 layers, up to 3 tile(s) "
+        "per projection"]
+    modules["attention_tiles_used"] = 1
+    assert rehearse.what_ran(flat)[0].endswith("(the tile holds the whole rehearsal sequence)")
+    assert rehearse.verdict(_run("stock", {1: 5.0}), flat, 1e-5)[0] == 0
+    modules["TiledColumnParallelLinear"] = 0
+    code, last = rehearse.verdict(_run("stock", {1: 5.0}), flat, 1e-5)
+    assert code == 1 and "--flat-attn-tiles 6 is on but no layer has the tiled" in last
+
+
 def test_first_error_skips_torchrun_noise():
     log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
            "[rank0]: RuntimeError: boom\n"
