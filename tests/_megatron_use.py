@@ -128,8 +128,11 @@ def block_megatron() -> None:
 
 
 def test_files(world: Optional[int]) -> Iterable[Path]:
+    """The single-process test files (``world`` None) or those of one world size, in
+    ``tests/`` and its folders."""
     pattern = "test_*.py" if world is None else f"test_*_world{world}.py"
-    for path in sorted((ROOT / "tests").glob(f"*/{pattern}")):
+    tests = ROOT / "tests"
+    for path in sorted([*tests.glob(pattern), *tests.glob(f"*/{pattern}")]):
         if world is None and re.search(r"_world\d+\.py$", path.name):
             continue
         yield path

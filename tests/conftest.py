@@ -73,11 +73,19 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(config, items):
     world = launched_world()
+    scope = _megatron_scope()
+    kind = {}  # test file -> involves megatron-core (files named on the command line are
+    #            collected without pytest_ignore_collect: their tests are filtered here)
     keep, drop = [], []
     for item in items:
         marker = item.get_closest_marker("world")
         wanted = None if marker is None else int(marker.args[0])
-        (keep if wanted == world else drop).append(item)
+        ok = wanted == world
+        if ok and scope:
+            if item.path not in kind:
+                kind[item.path] = _megatron_use().involves_megatron(item.path)
+            ok = kind[item.path] == (scope == "involved")
+        (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
