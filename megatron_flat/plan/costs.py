@@ -34,6 +34,7 @@ from megatron_flat.plan.peaks import (
     PeakReport,
     _skew_baseline,
     _skew_llep,
+    gathers_sequence,
     stage_params,
     strip_geometry,
 )
@@ -462,7 +463,7 @@ def attn_tiles(layout: Layout, tokens: int, flat: Optional[FlatConfig]) -> int:
     """Sequence tiles per attention projection for ``tokens`` tokens per CP rank (1: untiled;
     tiles need sequence parallelism over TP > 1)."""
     tile_tokens = flat.attn_tiles if flat is not None else 0
-    if not tile_tokens or not layout.sp or layout.tp < 2:
+    if not tile_tokens or not gathers_sequence(layout):
         return 1
     from megatron_flat.attention.tiles import SequenceTiles, rows_for_tokens
 

@@ -33,7 +33,13 @@ from megatron_flat.config import GIB, FlatConfig
 from megatron_flat.plan.baselines import BASELINES, allowed
 from megatron_flat.plan.costs import ATTN_TILE_TOKENS
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
-from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate, usable
+from megatron_flat.plan.peaks import (
+    DEFAULT_SKEW,
+    PeakReport,
+    estimate,
+    gathers_sequence,
+    usable,
+)
 
 TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload", "attn_tiles")
 TECHNIQUE_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO",
@@ -59,7 +65,7 @@ def enabled(flat: Optional[FlatConfig], technique: str) -> bool:
 def applies(technique: str, layout: Layout) -> bool:
     """Whether ``technique`` can run on ``layout``: the attention tiles need sequence
     parallelism over TP > 1 (``install`` refuses them otherwise); the others always can."""
-    return technique != "attn_tiles" or (layout.sp and layout.tp > 1)
+    return technique != "attn_tiles" or gathers_sequence(layout)
 
 
 class DoesNotFit(PlanError):

@@ -542,6 +542,12 @@ def _blocked_vocab(model: ModelSpec, layout: Layout, n: int, block: int,
     return {"value": max(fwd, 4 * n + bwd), "section": max(fwd, bwd), "mode": "weights"}
 
 
+def gathers_sequence(layout: Layout) -> bool:
+    """Whether the attention block gathers the sequence over TP before its QKV projection
+    (sequence parallelism over TP > 1): where the attention tiles apply."""
+    return bool(layout.sp) and layout.tp > 1
+
+
 def attn_tile_rows(n: int, tp: int, tile_tokens: int) -> int:
     """Rows of the gathered input the QKV projection holds at once: all N (stock), or one
     sequence tile of ``tile_tokens`` (``attention.tiles``: TP × ⌊tokens / TP⌋ rows, at least
@@ -574,7 +580,7 @@ def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: b
     b, H, TP = model.bytes_per_value, model.hidden, layout.tp
     h, g, d, dv = model.heads, model.kv_heads, model.head_dim, model.dv
     g_local = max(g // TP, 1) * TP  # KV heads are replicated when TP > g
-    gathered = layout.sp and TP > 1
+    gathered = gathers_sequence(layout)
     gathered_rows = attn_tile_rows(n, TP, attn_tile_tokens) if gathered else 0
     acts = gathered_rows * H + n * (h * d + g_local * (d + dv)) // TP + n * h * dv // TP
     acts += n * (h * d + g_local * d) // TP  # RoPE's rotated Q and K

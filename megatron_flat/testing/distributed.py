@@ -97,7 +97,7 @@ def _destroy_gloo_groups_since(before: set) -> None:
     only drops its references).
 
     Why: a live gloo group keeps transport threads that take CPU even while idle; a
-    process that visits 40 layouts (17 groups each) burned 0.86 of a core doing nothing,
+    process that visits 40 layouts (17 groups each) burned 0.83 of a core doing nothing,
     which slowed every later test and the rehearsals it launched. Destroying a gloo group
     is local (no collective), and every rank leaves a layout after the same collectives.
     NCCL groups are left alone: their destruction may wait on peers.
