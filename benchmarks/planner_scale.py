@@ -26,6 +26,18 @@ Megatron's four terms, worst rank, with the planner's figures for ``Layout(cp=2)
     TORCHDYNAMO_DISABLE=1 torchrun --standalone --nproc-per-node 2 \
         benchmarks/planner_scale.py --cp 2 --json results/planner_scale_cp2.json
 
+**The attention block (the fifth term).** Every point also compares the ``attention block``
+section (each layer's self-attention, forward with the recompute and backward, above its
+entry; ``plan.peaks.attention_block_section``) and Megatron's persistent sequence-parallel
+gather buffer (``plan.peaks.sp_gather_buffer``), on the same model with flash-style core
+attention (``testing.flash_attention``: the planner models no N² scores; machinery in
+``tests/plan/_attention_block.py``). At TP 1 stock's; under torchrun with two ranks,
+``--tp 2`` runs TP 2 with sequence parallelism, stock (a baseline figure) and with the
+attention tiles (512-token tiles), alone and beside Ring-DTP (flat figures)::
+
+    TORCHDYNAMO_DISABLE=1 torchrun --standalone --nproc-per-node 2 \
+        benchmarks/planner_scale.py --tp 2 --json results/planner_scale_tp2.json
+
 Not validated here (GPU-only; on CPU the unfused reference path runs): the fused-kernel
 widths (fused SwiGLU's 4F per route, fused AdamW's and clipping's zero scratch, bf16 logits'
 fp32 copy), overlap (two chunks in flight, the ring's next hop), all-to-all buffers and
@@ -53,6 +65,9 @@ MODEL = dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_si
              seq_length=2048)
 BASELINE_TOLERANCE = 0.05
 FLAT_BELOW, FLAT_ABOVE = -0.10, 0.30
+
+
+ATTN_TILE = 512  # tokens per attention tile at the --tp 2 point: 4 tiles of the 2,048
 
 
 def _load(name: str):
@@ -116,6 +131,25 @@ def cp_baseline_rows(base, flat, cp: int):
             for c in (METER_DISPATCH, METER_VOCAB, METER_BOUNDARIES, METER_OPTIMIZER)]
 
 
+def attention_rows(block, flat, tp: int):
+    """The attention block and the gather buffer: stock (baseline) and, at TP > 1, with the
+    attention tiles alone and beside Ring-DTP (flat)."""
+    from megatron_flat.config import FlatConfig
+
+    tiny = block.tiny_model(**{**MODEL, "micro_batch_size": 1, "global_batch_size": 1})
+    where = f"{SHAPE}/tp{tp}" + ("/sp" if tp > 1 else "")
+    cases = [("baseline", f"{where}/stock", None)]
+    if tp > 1:
+        cases += [("flat", f"{where}/attn_tiles={ATTN_TILE}", FlatConfig(attn_tiles=ATTN_TILE)),
+                  ("flat", f"{where}/attn_tiles+vocab",
+                   FlatConfig(attn_tiles=ATTN_TILE, vocab=True, vocab_block_size=4096))]
+    out = {"baseline": [], "flat": []}
+    for kind, case, cfg in cases:
+        out[kind] += [flat.Row(c, figure, predicted, measured)
+                      for c, figure, predicted, measured in block.rows(case, tiny, tp, cfg)]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
@@ -123,7 +157,12 @@ def main() -> int:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size; > 1: only the CP point (stock), run under "
                         "torchrun with CP ranks")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size; > 1: only the attention-block point (stock, "
+                        "tiles, tiles + Ring-DTP), run under torchrun with TP ranks")
     args = p.parse_args()
+    if args.tp > 1 and args.cp > 1:
+        p.error("--tp and --cp are separate points: give one")
 
     import torch.distributed as dist
 
@@ -131,18 +170,23 @@ def main() -> int:
     from megatron_flat.testing.distributed import init_distributed
 
     world = init_distributed()
-    if world != args.cp:
-        p.error(f"--cp {args.cp} runs on {args.cp} rank(s) (torchrun --nproc-per-node "
-                f"{args.cp}); this world has {world}")
+    ranks = args.cp * args.tp
+    if world != ranks:
+        flag = f"--cp {args.cp}" if args.cp > 1 else f"--tp {args.tp}"
+        p.error(f"{flag} runs on {ranks} rank(s) (torchrun --nproc-per-node {ranks}); "
+                f"this world has {world}")
     enable_cpu_backend()
     base, flat = _load("test_validation"), _load("test_validation_flat")
+    block = _load("_attention_block")
     start = time.perf_counter()
     rows = {"baseline": [], "flat": []}
     if args.cp > 1:
         rows["baseline"] = cp_baseline_rows(base, flat, args.cp)
+    elif args.tp > 1:
+        rows = attention_rows(block, flat, args.tp)
     elif args.only != "flat":
-        rows["baseline"] = baseline_rows(base, flat)
-    if args.only != "baseline" and args.cp == 1:
+        rows["baseline"] = baseline_rows(base, flat) + attention_rows(block, flat, 1)["baseline"]
+    if args.only != "baseline" and args.cp == 1 and args.tp == 1:
         for case in flat_cases(flat):
             rows["flat"] += flat.compare(case, flat.plan(case), flat.measure_case(case))
     seconds = time.perf_counter() - start
@@ -152,16 +196,19 @@ def main() -> int:
         return 0
 
     def ok(kind, row):
+        if row.component == block.METER_GATHER_BUFFER:  # a buffer's size: exactly
+            return row.predicted == row.measured
         if kind == "baseline":
             return abs(row.error) <= BASELINE_TOLERANCE
         return FLAT_BELOW <= row.error <= FLAT_ABOVE
 
-    where = "world of one" if args.cp == 1 else f"CP {args.cp} over {args.cp} ranks, worst rank"
+    where = ("world of one" if ranks == 1 else f"CP {args.cp} over {ranks} ranks, worst rank"
+             if args.cp > 1 else f"TP {args.tp} with SP over {ranks} ranks, worst rank")
     print(f"planner vs memory meter at a second scale: {SHAPE} "
           f"({', '.join(f'{k}={v}' for k, v in MODEL.items())}), fp32, full recompute, "
           f"{where}; error = predicted / measured - 1")
     print(f"targets: baseline within ±{BASELINE_TOLERANCE:.0%}, flat within "
-          f"{FLAT_BELOW:+.0%}…{FLAT_ABOVE:+.0%}")
+          f"{FLAT_BELOW:+.0%}…{FLAT_ABOVE:+.0%}, the gather buffer exactly")
     header = f"{'case':56s} {'component':36s} {'predicted':>13s} {'measured':>13s} {'error':>7s}"
     print(header)
     print("-" * len(header))
@@ -170,20 +217,22 @@ def main() -> int:
         for row in rows[kind]:
             good = ok(kind, row)
             failed += not good
+            err = block.error(row.predicted, row.measured)
             print(f"{row.case:56s} {row.component:36s} {row.predicted:>13,d} "
-                  f"{row.measured:>13,d} {row.error:>+7.1%}{'' if good else '  !'}")
+                  f"{row.measured:>13,d} {err:>+7.1%}{'' if good else '  !'}")
     total = sum(len(v) for v in rows.values())
     print(f"{total - failed} of {total} figures within their target ({seconds:.0f} s)")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"shape": SHAPE, "model": MODEL, "cp": args.cp,
+            json.dump({"shape": SHAPE, "model": MODEL, "cp": args.cp, "tp": args.tp,
                        "seconds": round(seconds, 1),
                        "targets": {"baseline": BASELINE_TOLERANCE,
                                    "flat": [FLAT_BELOW, FLAT_ABOVE]},
                        "rows": [dict(kind=kind, case=r.case, component=r.component,
                                      predicted=r.predicted, measured=r.measured,
-                                     error=r.error, ok=ok(kind, r))
+                                     error=block.error(r.predicted, r.measured),
+                                     ok=ok(kind, r))
                                 for kind in rows for r in rows[kind]]}, f, indent=2)
         print(f"wrote {args.json}")
     dist.destroy_process_group()

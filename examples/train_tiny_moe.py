@@ -21,6 +21,11 @@ from the same weights and plots every peak against tokens: measured as solid lin
 planner's prediction for the same layout (``megatron_flat.plan.estimate``, in the same
 definitions: ``PeakReport.sections``) dashed.
 
+``--tp 2`` runs TP 2 with sequence parallelism × EP 2 (experts' TP 1, DP 1) and adds the
+attention tiles (the fifth technique, ``--flat-attn-tiles``, 128 tokens unless given) to
+the flat run; its sweep also trains the flat run without the tiles, adds the attention
+block's panel, and prints each run's whole-step slope in bytes per token.
+
 Layout: EP=2 (DP=2 for the dense part; ``--cp 2``: CP 2, DP 1), full recompute, Megatron's distributed optimizer,
 grouped-GEMM experts (``--no-moe-grouped-gemm``: SequentialMLP), synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
 (chunk-capped expert dispatch), Ring-DTP (the vocabulary projection + loss in strips), SCO
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -74,6 +80,7 @@ DEMO_FLAT = FlatConfig(
     optimizer_offload=True, optimizer_bucket_numel=65_536, optimizer_num_slots=2,
 )
 LAYOUT = Layout(ep=2, distributed_optimizer=True, recompute="full")
+DEMO_ATTN_TILE = 128  # tokens per attention tile with --tp 2 (4 tiles at the default 512)
 
 
 def layout_for(args) -> Layout:
@@ -82,7 +89,9 @@ def layout_for(args) -> Layout:
     and the distributed optimizer shards over the data- × context-parallel group)."""
     import dataclasses
 
-    return dataclasses.replace(LAYOUT, cp=getattr(args, "cp", 1))
+    tp = getattr(args, "tp", 1)
+    return dataclasses.replace(LAYOUT, cp=getattr(args, "cp", 1), tp=tp,
+                               etp=1 if tp > 1 else None)
 
 
 def parse_args():
@@ -92,6 +101,9 @@ def parse_args():
     p.add_argument("--cp", type=int, default=1, choices=(1, 2),
                    help="context-parallel size (2: the sequence split over both ranks, "
                         "attention through the CPU backend's ContextParallelCoreAttention)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2),
+                   help="tensor-parallel size (2: TP 2 with sequence parallelism x EP 2, "
+                        "and the attention tiles in the flat run)")
     p.add_argument("--moe-grouped-gemm", action=argparse.BooleanOptionalAction, default=True,
                    help="grouped-GEMM experts in both runs, as most Megatron MoE runs use "
                         "(GroupedMLP on 0.16, TEGroupedMLP on 0.19; on CPU through the "
@@ -107,7 +119,12 @@ def parse_args():
                    help="the sweep's PNG (one panel per peak and one for the whole step)")
     add_flat_args(p)
     p.set_defaults(**{"flat_" + k: v for k, v in DEMO_FLAT.to_dict().items()})
-    return p.parse_args()
+    args = p.parse_args()
+    if args.tp > 1 and args.cp > 1:
+        p.error("--tp 2 and --cp 2 need 4 ranks; the demo runs on 2: give one")
+    if args.tp > 1 and not any(a.startswith("--flat-attn-tiles") for a in sys.argv):
+        args.flat_attn_tiles = DEMO_ATTN_TILE
+    return args
 
 
 def run(tiny, flat, args, rank, label, init=None, quiet=False):
@@ -123,7 +140,8 @@ def run(tiny, flat, args, rank, label, init=None, quiet=False):
                   f"{seconds * 1e3:7.1f} ms", flush=True)
 
     layout = layout_for(args)
-    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, cp=layout.cp):
+    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, etp=layout.etp,
+                         cp=layout.cp):
         load = None if init is None else (lambda model: load_full([model], init))
         trainer = Trainer(tiny, layout, lr=args.lr, flat=flat, init=load)
         initial = full_tensors([trainer.model])
@@ -138,13 +156,15 @@ PEAK_DEFINITION = ("peak: the most device bytes live at once, above those live w
                    "step; boundaries: bytes held from forward to backward")
 
 
-def print_table(base, flat) -> None:
-    from megatron_flat.megatron.peaks import BOUNDARIES, COMPONENTS
+def print_table(base, flat, tiles: bool = False) -> None:
+    from megatron_flat.megatron.peaks import ATTENTION, BOUNDARIES, COMPONENTS
 
     print(f"\nmeasured peaks (MemoryMeter); {PEAK_DEFINITION}")
     print(f"{'component':34s} {'baseline':>11s} {'flat':>11s} {'flat/base':>10s} "
           f"{'pinned host (flat)':>19s}")
-    for name in list(COMPONENTS) + ["step"]:
+    # The attention block (the fifth term) where the flat run tiles it (--tp 2).
+    extra = [ATTENTION] if tiles else []
+    for name in list(COMPONENTS) + extra + ["step"]:
         label = {"step": "whole step (total peak)",
                  BOUNDARIES: BOUNDARIES + " (held)"}.get(name, name)
         b, f = base.device[name], flat.device[name]
@@ -202,16 +222,38 @@ SWEEP_PANELS = (("expert dispatch", "expert dispatch"),
                 ("checkpoint boundaries", "checkpoint boundaries (held)"),
                 ("optimizer step", "optimizer step"),
                 ("step", "whole step"))
+ATTENTION_PANEL = ("attention block", "attention block")  # with the tiles (--tp 2)
+# The sweep's runs: (key, colour, label). The third only when the flat run has the tiles.
+SWEEP_RUNS = (("stock", "tab:red", "stock Megatron"),
+              ("flat", "tab:blue", "megatron-flat"),
+              ("flat_without_tiles", "tab:green", "megatron-flat without attention tiles"))
 
 
-def planner_layout(cp: int = 1):
-    """The demo's layout as the planner sees it: 2 ranks, EP 2 (DP 2 / CP for the dense part,
-    CP ``cp``), distributed optimizer, fp32 gradients, Megatron's unfused CPU path, nothing
-    overlapping."""
+def sweep_panels(points):
+    with_tiles = any("flat_without_tiles" in p["measured"] for p in points)
+    return SWEEP_PANELS[:4] + ((ATTENTION_PANEL,) if with_tiles else ()) + SWEEP_PANELS[4:]
+
+
+def sweep_runs(points):
+    return [r for r in SWEEP_RUNS if all(r[0] in p["measured"] for p in points)]
+
+
+def slopes(points, kind: str = "measured"):
+    """Whole-step bytes per token from the first to the last sweep point, per run."""
+    first, last = points[0], points[-1]
+    span = last["seq"] - first["seq"]
+    return {run: (last[kind][run]["step"] - first[kind][run]["step"]) / span
+            for run, _, _ in sweep_runs(points)}
+
+
+def planner_layout(cp: int = 1, tp: int = 1):
+    """The demo's layout as the planner sees it: 2 ranks, EP 2 (DP 2 / CP / TP for the dense
+    part: CP ``cp``, TP ``tp`` with sequence parallelism), distributed optimizer, fp32
+    gradients, Megatron's unfused CPU path, nothing overlapping."""
     from megatron_flat.plan import Layout as PlanLayout
 
-    return PlanLayout(ep=2, cp=cp, dp=2 // cp, distributed_optimizer=True, fused_kernels=False,
-                      overlap=False)
+    return PlanLayout(ep=2, cp=cp, tp=tp, dp=2 // (cp * tp), distributed_optimizer=True,
+                      fused_kernels=False, overlap=False)
 
 
 def flat_for_sweep(flat, sweep_lengths):
@@ -228,7 +270,10 @@ def flat_for_sweep(flat, sweep_lengths):
 
 
 def sweep(tiny, flat, args, rank):
-    """Two steps stock and two flat per sequence length; measured and predicted peaks."""
+    """Two steps stock and two flat per sequence length (and two flat without the attention
+    tiles, when they are on); measured and predicted peaks."""
+    import dataclasses
+
     from megatron_flat.plan import estimate
     from megatron_flat.testing.equivalence import RTOL
 
@@ -240,34 +285,53 @@ def sweep(tiny, flat, args, rank):
         model = tiny.with_(seq_length=seq)
         base, base_losses, initial = run(model, None, one, rank, f"s={seq}", quiet=True)
         on, flat_losses, _ = run(model, flat, one, rank, f"s={seq}", init=initial, quiet=True)
-        predicted = {name: estimate(spec, planner_layout(getattr(args, "cp", 1)), seq,
-                                    cfg).sections
-                     for name, cfg in (("stock", None), ("flat", flat))}
-        diff = max(abs(a - b) / abs(b) for a, b in zip(flat_losses, base_losses))
-        points.append({"seq": seq, "measured": {"stock": base.device, "flat": on.device},
+        configs = [("stock", None), ("flat", flat)]
+        measured = {"stock": base.device, "flat": on.device}
+        diffs = [flat_losses]
+        if flat.attn_tiles:
+            untiled = dataclasses.replace(flat, attn_tiles=0)
+            off, off_losses, _ = run(model, untiled, one, rank, f"s={seq}", init=initial,
+                                     quiet=True)
+            configs.append(("flat_without_tiles", untiled))
+            measured["flat_without_tiles"] = off.device
+            diffs.append(off_losses)
+        layout = planner_layout(getattr(args, "cp", 1), getattr(args, "tp", 1))
+        predicted = {name: estimate(spec, layout, seq, cfg).sections for name, cfg in configs}
+        diff = max(abs(a - b) / abs(b) for losses in diffs
+                   for a, b in zip(losses, base_losses))
+        points.append({"seq": seq, "measured": measured,
                        "predicted": predicted, "flat_host": on.host,
                        "loss_rel_diff": diff, "losses_equal": diff <= RTOL})
         if rank == 0:
             b, f = base.device, on.device
+            extra = ""
+            if "flat_without_tiles" in measured:
+                extra = (f", {format_bytes(measured['flat_without_tiles']['step']):>11s} flat "
+                         "without tiles")
             print(f"sweep s={seq:5d}: whole step {format_bytes(b['step']):>11s} stock, "
-                  f"{format_bytes(f['step']):>11s} flat ({f['step'] / b['step']:.0%}); "
+                  f"{format_bytes(f['step']):>11s} flat ({f['step'] / b['step']:.0%}){extra}; "
                   f"losses {'equal' if diff <= RTOL else 'NOT EQUAL'}", flush=True)
     return points
 
 
 def print_sweep(points) -> None:
     print(f"\ncontext sweep, measured (planner); {PEAK_DEFINITION}")
-    head = f"{'tokens':>7s}  {'peak':30s}{'stock':>24s}{'flat':>24s}{'flat/stock':>11s}"
-    print(head)
+    runs = sweep_runs(points)
+    head = f"{'tokens':>7s}  {'peak':30s}" + "".join(f"{key:>26s}" for key, _, _ in runs)
+    print(head + f"{'flat/stock':>11s}")
     for p in points:
-        for name, title in SWEEP_PANELS:
-            cells = []
-            for variant in ("stock", "flat"):
-                m, q = p["measured"][variant][name], p["predicted"][variant][name]
-                cells.append(f"{format_bytes(m)} ({format_bytes(q)})")
+        for name, title in sweep_panels(points):
+            cells = [f"{format_bytes(p['measured'][key][name])} "
+                     f"({format_bytes(p['predicted'][key][name])})" for key, _, _ in runs]
             stock = p["measured"]["stock"][name]
             ratio = f"{p['measured']['flat'][name] / stock:10.0%}" if stock else "       n/a"
-            print(f"{p['seq']:7d}  {title:30s}{cells[0]:>24s}{cells[1]:>24s}{ratio:>11s}")
+            print(f"{p['seq']:7d}  {title:30s}" + "".join(f"{c:>26s}" for c in cells)
+                  + f"{ratio:>11s}")
+    if len(points) > 1:
+        got, planned = slopes(points), slopes(points, "predicted")
+        print(f"whole-step slope, s={points[0]['seq']} to {points[-1]['seq']}, bytes per token "
+              "(planner): " + ", ".join(f"{key} {got[key]:,.0f} ({planned[key]:,.0f})"
+                                        for key, _, _ in runs))
 
 
 def plot_sweep(path, points, title) -> None:
@@ -278,10 +342,14 @@ def plot_sweep(path, points, title) -> None:
     import matplotlib.pyplot as plt
 
     seqs = [p["seq"] for p in points]
-    fig, grid = plt.subplots(2, 3, figsize=(13, 7.5))
-    axes, spare = list(grid.flat[:len(SWEEP_PANELS)]), grid.flat[-1]
-    styles = {"stock": ("tab:red", "stock Megatron"), "flat": ("tab:blue", "megatron-flat")}
-    for ax, (name, panel) in zip(axes, SWEEP_PANELS):
+    panels = sweep_panels(points)
+    cols = (len(panels) + 2) // 2  # the panels and the legend's, on two rows
+    fig, grid = plt.subplots(2, cols, figsize=(4.4 * cols, 7.5))
+    axes, spare = list(grid.flat[:len(panels)]), grid.flat[-1]
+    for extra in grid.flat[len(panels):-1]:
+        extra.axis("off")
+    styles = {key: (color, label) for key, color, label in sweep_runs(points)}
+    for ax, (name, panel) in zip(axes, panels):
         for variant, (color, label) in styles.items():
             ax.plot(seqs, [p["measured"][variant][name] / 2**20 for p in points], "-o",
                     color=color, label=f"{label}, measured", markersize=3)
@@ -292,7 +360,7 @@ def plot_sweep(path, points, title) -> None:
         ax.set_xlabel("tokens per sequence")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    for ax in (axes[0], axes[3]):
+    for ax in (axes[0], axes[cols]):
         ax.set_ylabel("peak device MiB\n(above the live set when it begins)")
     handles, labels = axes[0].get_legend_handles_labels()
     spare.axis("off")
@@ -323,7 +391,7 @@ def main() -> None:
     on, flat_losses, _ = run(tiny, flat, args, rank, "flat", init=initial)
     worst = max(abs(a - b) / abs(b) for a, b in zip(flat_losses, base_losses))
     if rank == 0:
-        print_table(base, on)
+        print_table(base, on, tiles=bool(flat.attn_tiles))
     points = sweep(tiny, flat_for_sweep(flat, args.sweep), args, rank) if args.sweep else []
     if points:
         worst = max(worst, max(p["loss_rel_diff"] for p in points))
@@ -341,7 +409,8 @@ def main() -> None:
                 plot_sweep(args.sweep_plot, points,
                            f"MoE GPT ({tiny.num_layers} layers, hidden {tiny.hidden_size}, "
                            f"{tiny.num_experts} experts, vocab {tiny.vocab_size}), 2 ranks, "
-                           f"EP 2{', CP 2' if args.cp == 2 else ''}, two steps per point: peak "
+                           f"EP 2{', CP 2' if args.cp == 2 else ''}"
+                           f"{', TP 2 + SP' if args.tp == 2 else ''}, two steps per point: peak "
                            "by context, measured (solid) and planned (dashed)")
                 print(f"context sweep: {args.sweep_plot}")
         if args.json:

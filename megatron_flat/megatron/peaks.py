@@ -7,6 +7,11 @@ one section per component (peaks relative to the live bytes when the section sta
   backward (from the layer's output grad to its input grad); recompute included.
 - ``vocabulary projection + loss``: output layer and cross-entropy, forward and backward
   (with Ring-DTP on: its output module, ``megatron_flat.megatron.vocab``).
+- ``attention block``: each layer's self-attention (QKV projection, RoPE, core attention,
+  output projection; with the attention tiles on, their tiled projections), forward and
+  backward like the dispatch section; recompute included. Not one of the four peaks (it
+  is not in ``COMPONENTS``): the fifth term, what the planner calls the layer's working
+  set (``plan.peaks.attention_block_section``), reported beside them.
 - ``checkpoint boundaries``: what the decoder keeps alive from its forward to its
   backward (with full recompute, the saved layer inputs), measured as live bytes at the
   decoder's exit minus at its entry. Recorded as a held amount, not a transient; the
@@ -30,6 +35,8 @@ VOCAB = "vocabulary projection + loss"
 BOUNDARIES = "checkpoint boundaries"
 OPTIMIZER = "optimizer step"
 COMPONENTS = (DISPATCH, VOCAB, BOUNDARIES, OPTIMIZER)
+ATTENTION = "attention block"
+
 
 
 class _Switch:
@@ -108,9 +115,13 @@ def attach_peak_sections(model: torch.nn.Module, meter) -> PeakSections:
     while hasattr(model, "module"):
         model = model.module
     handles = []
+    from megatron.core.transformer.attention import SelfAttention
+
     for module in model.modules():
         if isinstance(module, MoELayer):
             handles += _forward_and_backward(module, _Switch(meter, DISPATCH))
+        elif isinstance(module, SelfAttention):
+            handles += _forward_and_backward(module, _Switch(meter, ATTENTION))
 
     if getattr(model, "post_process", False):
         # The loss is computed inside GPTModel.forward after the output layer, so the

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megatron_flat.config import FlatConfig
-from megatron_flat.plan import launch
+from megatron_flat.plan import launch, query_chunks
 from megatron_flat.plan.baselines import (
     BASELINES,
     DESCRIPTIONS,
@@ -60,6 +60,7 @@ from megatron_flat.plan.layouts import (
 from megatron_flat.plan.layouts import step_seconds as _step_seconds
 from megatron_flat.plan.model import PAPER_GPUS, Layout, ModelSpec, PlanError, load_model
 from megatron_flat.plan.peaks import COMPONENTS, DEFAULT_SKEW, PeakReport, estimate, usable
+from megatron_flat.plan.query_chunks import QueryChunkAssessment
 from megatron_flat.plan.time import DEVICES, Prediction, format_seconds
 from megatron_flat.plan.time import device as device_model
 from megatron_flat.plan.units import (
@@ -298,6 +299,8 @@ class PlanResult:
     # every baseline at its own best layout (at the chosen one when it fits nowhere)
     runs: Dict[str, RunAt] = field(default_factory=dict)
     paper: Optional[RunAt] = None   # PAPER_LABEL
+    # would query-chunked core attention pay here (``plan.query_chunks``); None: no reach
+    query_chunks: Optional[QueryChunkAssessment] = None
     not_allowed: Dict[str, str] = field(default_factory=dict)  # on the chosen layout
 
     @property
@@ -363,6 +366,8 @@ class PlanResult:
                                       "flat_without_attn_tiles":
                                           self.reach.flat_without_attn_tiles},
             "max_context_granularity": self.reach.granularity,
+            "query_chunked_attention": (self.query_chunks.as_dict()
+                                        if self.query_chunks is not None else None),
             "baseline_name": self.baseline_name,
             "baselines": {name: self._run_json(run) for name, run in self.runs.items()},
             "paper_baseline": dict(self._run_json(self.paper), name=PAPER_BASELINE,
@@ -503,7 +508,10 @@ def plan(args: argparse.Namespace) -> PlanResult:
                       baseline=on_layout[name], flat_report=flat_report, flat=flat, reach=reach,
                       error=error, all_on=args.all_on, device=dev, microbatches=microbatches,
                       global_batch=search.global_batch, baseline_name=name, runs=runs,
-                      paper=paper, not_allowed=not_allowed)
+                      paper=paper, not_allowed=not_allowed,
+                      query_chunks=query_chunks.assess(
+                          model, layout, reach.flat, host, host_margin=HOST_MARGIN,
+                          skew=args.skew, allow=kw["allow"]))
 
 
 def _tokens(n: int) -> str:
@@ -565,7 +573,13 @@ def _baselines_section(res: PlanResult) -> List[str]:
     best = s.best("flat")
     where = f" at its best layout, {layout_text(best.layout)}" if best else ""
     lines = [f"max context: flat {_tokens(s.best_reach('flat'))}{where}; on this layout "
-             f"{_tokens(mc.flat)} (multiples of {mc.granularity:,} tokens)",
+             f"{_tokens(mc.flat)} (multiples of {mc.granularity:,} tokens)"]
+    qc = res.query_chunks
+    if qc is not None:
+        verdict = "pays" if qc.pays else f"below the {qc.min_gain:.0%} bar: not built"
+        lines.append(f"query-chunked core attention: {qc.reach_gain:+.1%} reach on this layout "
+                     f"({qc.saving_per_token:,.0f} of {qc.slope:,.0f} B/token); {verdict}")
+    lines += [
              "baselines (what runs without megatron-flat), each at its own best layout, at "
              f"{format_tokens(res.seq_len)}:",
              f"  {'baseline':22s}{'layout':28s}{'step peak':>11s}{'fits':>6s}{'max context':>13s}"

@@ -96,6 +96,10 @@ METER_VOCAB = "vocabulary projection + loss"
 METER_BOUNDARIES = "checkpoint boundaries"
 METER_OPTIMIZER = "optimizer step"
 METER_STEP = "step"  # the whole step, as ``testing.training.measure`` names it
+METER_ATTENTION = "attention block"  # the fifth term's section (not one of the four peaks)
+# Megatron's persistent sequence-parallel gather buffer (not a meter section: its bytes,
+# read from ``parallel_state.get_global_memory_buffer()``).
+METER_GATHER_BUFFER = "SP gather buffer"
 
 
 @dataclass
@@ -559,8 +563,18 @@ def attn_tile_rows(n: int, tp: int, tile_tokens: int) -> int:
     return min(n, tp * rows_for_tokens(tile_tokens, tp))
 
 
+def _attention_widths(model: ModelSpec, layout: Layout):
+    """Per-token widths on one TP rank: (QKV output, RoPE's rotated Q and K, attention
+    output O). KV heads are replicated when TP > g."""
+    TP = layout.tp
+    h, g, d, dv = model.heads, model.kv_heads, model.head_dim, model.dv
+    g_local = max(g // TP, 1) * TP
+    return ((h * d + g_local * (d + dv)) // TP, (h * d + g_local * d) // TP, h * dv // TP,
+            g_local)
+
+
 def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool,
-               attn_tile_tokens: int = 0) -> int:
+               attn_tile_tokens: int = 0, gather_buffer_kept: bool = False) -> int:
     """Attention and other activations of the layer being recomputed / back-propagated.
 
     Flash-style attention (no N² scores), TP-split heads, SP-sharded norms::
@@ -576,21 +590,85 @@ def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: b
           + 4·N_sp·H ]                  norm output, residual, layer output grad, input grad
         + 4·N·h/TP                      softmax log-sum-exp (fp32)
         + [dense FFN layer on stage] b·N·(w_d·F_d)/TP   its activations (w_d: 3 gated, 2 plain)
+
+    Megatron's local column-parallel layers gather the sequence into one persistent buffer
+    (``parallel_state``'s global memory buffer, N·H once the first gather sized it), so
+    the tiles drop N_g to a tile only where nothing else gathers through it:
+    ``gather_buffer_kept`` (a dense FFN on the stage, or the stock output layer on the
+    last stage: ``gather_buffer_kept``) keeps N_g = N.
     """
     b, H, TP = model.bytes_per_value, model.hidden, layout.tp
-    h, g, d, dv = model.heads, model.kv_heads, model.head_dim, model.dv
-    g_local = max(g // TP, 1) * TP  # KV heads are replicated when TP > g
+    qkv, rope, out, g_local = _attention_widths(model, layout)
     gathered = gathers_sequence(layout)
-    gathered_rows = attn_tile_rows(n, TP, attn_tile_tokens) if gathered else 0
-    acts = gathered_rows * H + n * (h * d + g_local * (d + dv)) // TP + n * h * dv // TP
-    acts += n * (h * d + g_local * d) // TP  # RoPE's rotated Q and K
+    tile_tokens = 0 if gather_buffer_kept else attn_tile_tokens
+    gathered_rows = attn_tile_rows(n, TP, tile_tokens) if gathered else 0
+    acts = gathered_rows * H + n * (qkv + rope + out)
     if layout.cp > 1:
-        acts += 2 * n * g_local * (d + dv) // TP
+        acts += 2 * n * g_local * (model.head_dim + model.dv) // TP
     acts += 4 * n_sp * H
-    value = b * acts + 4 * n * h // TP
+    value = b * acts + 4 * n * model.heads // TP
     if has_dense:
         value += b * n * (3 if model.gated else 2) * model.dense_ffn // TP
     return value
+
+
+def gather_buffer_kept(model: ModelSpec, has_dense: bool, has_moe: bool, last_stage: bool,
+                       flat: Optional[FlatConfig]) -> bool:
+    """Whether a local column-parallel layer other than the tiled QKV projection gathers
+    through Megatron's persistent buffer on this stage: a dense FFN's or shared experts'
+    first linear, or the stock output layer (Ring-DTP's strips do not)."""
+    shared = has_moe and model.shared_experts > 0
+    return has_dense or shared or (last_stage and not (flat is not None and flat.vocab))
+
+
+def sp_gather_buffer(model: ModelSpec, layout: Layout, n: int, attn_tile_tokens: int,
+                     kept: bool) -> int:
+    """Bytes of Megatron's persistent sequence-parallel gather buffer on a stage: N·H·b
+    once any local layer gathers the sequence through it (it is sized by the first gather
+    and never freed), none when only the tiled projections would have."""
+    if not gathers_sequence(layout) or (attn_tile_tokens and not kept):
+        return 0
+    return model.bytes_per_value * n * model.hidden
+
+
+def attention_block_section(model: ModelSpec, layout: Layout, n: int, n_sp: int,
+                            attn_tile_tokens: int = 0) -> int:
+    """The attention block as the meter's ``attention block`` section sees it: the most
+    bytes above those live when the block's forward (or its backward) began, the larger.
+
+    Forward, at its end (with grad: the recompute)::
+
+        b·[ N·(QKV + rotated Q, K + O)/TP         what the block keeps for its backward
+          + out-proj output: N·H + N_sp·H         (SP, TP > 1: the partial sum, then its
+                                                  reduce-scatter), R·H + R·H/TP + N_sp·H
+                                                  with tiles (R: one tile's rows), N·H else
+          + [CP>1]·2·N·g·(d + d_v)/TP ]           ring attention's K/V blocks
+        + 4·N·h/TP                                log-sum-exp (fp32)
+        + [unfused] 4·N·d·b                       unfused RoPE saves its cos and sin
+                                                  ([N, d], every call: Q and K)
+
+    or, while the tiled QKV projection runs, QKV + one tile gathered and projected. The
+    backward, above what the forward kept: dO + dQ, dK, dV. Stock's gathered input to the
+    QKV projection is not in it: Megatron's local layers gather into a persistent buffer
+    that is already live when the section opens (``other_term`` counts it).
+    """
+    b, H, TP = model.bytes_per_value, model.hidden, layout.tp
+    qkv, rope, out, g_local = _attention_widths(model, layout)
+    rows = 0
+    if gathers_sequence(layout):
+        rows = attn_tile_rows(n, TP, attn_tile_tokens) if attn_tile_tokens else 0
+        proj = (rows * H + rows * H // TP + n_sp * H) if rows else (n * H + n_sp * H)
+    else:
+        proj = n * H
+    kept = n * (qkv + rope + out)
+    if layout.cp > 1:
+        kept += 2 * n * g_local * (model.head_dim + model.dv) // TP
+    forward = b * (kept + proj) + 4 * n * model.heads // TP
+    if not layout.fused_kernels:
+        forward += 4 * n * model.head_dim * b
+    qkv_phase = b * (n * qkv + rows * H + rows * qkv)
+    backward = b * n * (out + qkv)
+    return max(forward, qkv_phase, backward)
 
 
 def stage_params(model: ModelSpec, layout: Layout, first: int, count: int,
@@ -784,7 +862,11 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         host_pinned = boundaries_host + state.host_pinned
 
     tiles = getattr(flat, "attn_tiles", 0) if flat is not None else 0
-    other = other_term(model, layout, n, n_sp, has_dense, attn_tile_tokens=tiles) if count else 0
+    # Other local layers gather through Megatron's persistent buffer too: where one runs on
+    # this stage, that buffer stays N·H with the tiles on.
+    buffer_kept = gather_buffer_kept(model, has_dense, has_moe, last_stage, flat)
+    other = other_term(model, layout, n, n_sp, has_dense, attn_tile_tokens=tiles,
+                       gather_buffer_kept=buffer_kept) if count else 0
 
     dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"])) + vocab_extra
     resident = weights + grads + optimizer_device
@@ -806,6 +888,8 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         METER_VOCAB: int(math.ceil(v["section"])),
         METER_BOUNDARIES: _held_at_exit(count, offloaded, B, fixed),
         METER_OPTIMIZER: optimizer_step_term(model, layout, shards, biggest, flat),
+        METER_ATTENTION: attention_block_section(model, layout, n, n_sp, tiles) if count else 0,
+        METER_GATHER_BUFFER: sp_gather_buffer(model, layout, n, tiles, buffer_kept),
     }
     # Steps after the first, above the live set before training (weights, gradient
     # buffers): the optimizer state the first step allocated, the boundaries held and the

@@ -335,6 +335,15 @@ class PeakReport:
     timeline: list  # [(seconds since the meter opened, live device bytes)], rank 0 only
 
 
+def gather_buffer_bytes() -> int:
+    """Bytes Megatron's persistent gather buffer holds now (``parallel_state``'s global
+    memory buffer, every name and dtype: sequence parallelism's all-gathers land there)."""
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state.get_global_memory_buffer(), "buffer", None) or {}
+    return sum(t.numel() * t.element_size() for t in buffer.values())
+
+
 def measure(trainer: Trainer, steps: int,
             on_step: Optional[Callable[[int, float, float], None]] = None, *,
             timeline: bool = False) -> PeakReport:
@@ -343,23 +352,33 @@ def measure(trainer: Trainer, steps: int,
     A forward-only warm-up runs first, outside the meter (see ``Trainer.warm_up``); the
     first step's optimizer-state allocation is inside it, as it is in a real run.
 
-    Peaks are reported for every name in ``peaks.COMPONENTS`` (each above the live set when
-    the component begins) plus ``"step"``: the whole run of steps above the lowest live set
-    before its peak (the model and its gradient buffers, once the warm-up's leftovers are
-    freed; ``MemoryMeter.peak_rise_bytes``), so the optimizer state the first step
-    allocates counts in every later step's figure, as it does in device memory; each
-    the worst rank's (collective over the world), for device memory and for the pinned
-    host pool (SCO's boundaries, OffloadStreamAdamW's state). The timeline's maximum above
-    its lowest point before it is the ``"step"`` figure.
+    Peaks are reported for every name in ``peaks.COMPONENTS`` and the attention block
+    (``peaks.ATTENTION``; each above the live set when the component begins) plus
+    ``"step"``: the whole run of steps above the lowest live set before its peak (the model
+    and its gradient buffers, once the warm-up's leftovers are freed;
+    ``MemoryMeter.peak_rise_bytes``), so the optimizer state the first step allocates
+    counts in every later step's figure, as it does in device memory, and so does
+    Megatron's persistent sequence-parallel gather buffer; each the worst rank's
+    (collective over the world), for device memory and for the pinned host pool (SCO's
+    boundaries, OffloadStreamAdamW's state). The timeline's maximum above
+    its lowest point before it, plus the gather buffer, is the ``"step"`` figure.
     ``on_step(step, loss, seconds)`` is called after every step. ``timeline``: also keep
     rank 0's device-memory samples.
     """
     import time
 
-    from megatron_flat.megatron.peaks import COMPONENTS, OPTIMIZER, attach_peak_sections
+    from megatron_flat.megatron.peaks import (
+        ATTENTION,
+        COMPONENTS,
+        OPTIMIZER,
+        attach_peak_sections,
+    )
     from megatron_flat.runtime.memory import MemoryMeter
 
     trainer.warm_up()
+    # The warm-up sized Megatron's gather buffer; held from then on, it sits in the floor
+    # the step's rise is measured from, so it is added back (device memory the run holds).
+    held = gather_buffer_bytes()
     with MemoryMeter(timeline=timeline and dist.get_rank() == 0) as meter:
         sections = attach_peak_sections(trainer.model, meter)
         try:
@@ -372,12 +391,12 @@ def measure(trainer: Trainer, steps: int,
                     on_step(step, loss, time.perf_counter() - start)
         finally:
             sections.remove()
-    names = list(COMPONENTS)
+    names = list(COMPONENTS) + [ATTENTION]
     stats = [meter.sections.get(n) for n in names]
     rows = [[0, 0] if st is None else [st.peak_device_bytes, st.peak_host_bytes]
             for st in stats]
     names.append("step")
-    rows.append([meter.peak_rise_bytes, meter.peak_host_bytes])
+    rows.append([meter.peak_rise_bytes + held, meter.peak_host_bytes])
     peaks = torch.tensor(rows, dtype=torch.int64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank binds
     device = dict(zip(names, peaks[:, 0].tolist()))

@@ -64,3 +64,50 @@ def test_the_tile_size_must_not_be_negative(megatron_cpu):
         with pytest.raises(ValueError, match="tile_tokens must be >= 0"):
             TiledColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.zeros_,
                                       tile_tokens=-1)
+
+
+def test_a_transformer_engine_qkv_keeps_its_fused_norm_as_the_layer_norm(megatron_cpu,
+                                                                          monkeypatch):
+    """transformer-engine's spec fuses the input norm into the QKV layer
+    (``TELayerNormColumnParallelLinear``; the layer's ``input_layernorm`` is an identity). The
+    transform puts the backend's norm back as ``input_layernorm`` and tiles a plain QKV
+    projection after it. transformer-engine is not importable here, so its spec is stood in
+    for by classes with its names and its extension module by one that holds ``TENorm``."""
+    import sys
+    import types
+
+    from megatron_flat.megatron.attention_tiles import (
+        TiledColumnParallelLinear,
+        TiledRowParallelLinear,
+        with_attn_tiles,
+    )
+
+    te_qkv = type("TELayerNormColumnParallelLinear", (), {})
+    te_proj = type("TERowParallelLinear", (), {})
+    te_norm = type("TENorm", (), {})
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine",
+                        types.SimpleNamespace(TENorm=te_norm))
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    stock = _local_spec()
+    attention = stock.submodules.self_attention
+    te_like = dataclasses.replace(stock, submodules=dataclasses.replace(
+        stock.submodules, input_layernorm=IdentityOp,
+        self_attention=dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, linear_qkv=ModuleSpec(module=te_qkv, params={"x": 1}),
+            linear_proj=te_proj))))
+    tiled = with_attn_tiles(te_like, FlatConfig(attn_tiles=512))
+    assert tiled.submodules.input_layernorm is te_norm
+    inner = tiled.submodules.self_attention.submodules
+    assert inner.linear_qkv.module is TiledColumnParallelLinear
+    assert inner.linear_qkv.params == {"x": 1, "tile_tokens": 512}  # the spec's own kept
+    assert inner.linear_proj.module is TiledRowParallelLinear
+    # a TE QKV layer without the fused norm leaves the layer's norm alone
+    plain = dataclasses.replace(te_like, submodules=dataclasses.replace(
+        te_like.submodules, self_attention=dataclasses.replace(
+            te_like.submodules.self_attention, submodules=dataclasses.replace(
+                te_like.submodules.self_attention.submodules,
+                linear_qkv=type("TEColumnParallelLinear", (), {})))))
+    assert with_attn_tiles(plain, FlatConfig(attn_tiles=512)).submodules.input_layernorm \
+        is IdentityOp

@@ -22,31 +22,40 @@ def _demo():
     return module
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp):
-    """At CP 1 (the demo's layout) and CP 2 (``--cp 2``: each rank holds half of every
-    sequence, attention through the CPU backend's CP attention)."""
+@pytest.mark.parametrize("cp,tp", [(1, 1), (2, 1), (1, 2)])
+def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp, tp):
+    """At CP 1 (the demo's layout), CP 2 (``--cp 2``: each rank holds half of every
+    sequence, attention through the CPU backend's CP attention) and TP 2 (``--tp 2``: TP 2
+    with sequence parallelism x EP 2, the attention tiles on, a third run without them)."""
     demo = _demo()
     tiny = demo.DEMO_MODEL.with_(num_layers=2, hidden_size=64, ffn_hidden_size=128,
                                  moe_ffn_hidden_size=64, vocab_size=2048, seq_length=128)
-    lengths = [128, 256]
-    args = argparse.Namespace(steps=2, lr=1e-3, timeline="", sweep=lengths, cp=cp)
-    assert demo.layout_for(args).cp == cp
+    # TP 2: long enough for the layer to bind the flat step, past the optimizer step's
+    # fixed buffers (where the tiles can show).
+    lengths = [256, 1024] if tp > 1 else [128, 256]
+    args = argparse.Namespace(steps=2, lr=1e-3, timeline="", sweep=lengths, cp=cp, tp=tp)
+    assert (demo.layout_for(args).cp, demo.layout_for(args).tp) == (cp, tp)
     # The demo's knobs scaled to this model (its fixed buffers would dwarf it otherwise).
+    # At TP 2 the strips are narrower still, so that at these lengths the layer, not the
+    # vocabulary's strip, binds the flat step (where the tiles can show).
     knobs = dataclasses.replace(demo.DEMO_FLAT, dispatch_chunk_tokens=32,
-                                optimizer_bucket_numel=4096, vocab_block_size=512)
+                                optimizer_bucket_numel=4096,
+                                vocab_block_size=128 if tp > 1 else 512,
+                                attn_tiles=32 if tp > 1 else 0)
     flat = demo.flat_for_sweep(knobs, lengths)
     assert flat.dispatch_max_chunks * flat.dispatch_chunk_tokens >= max(lengths)
     points = demo.sweep(tiny, flat, args, dist.get_rank())
     assert [p["seq"] for p in points] == lengths
+    runs = ("stock", "flat") + (("flat_without_tiles",) if tp > 1 else ())
+    assert [key for key, _, _ in demo.sweep_runs(points)] == list(runs)
     for p in points:
         assert p["losses_equal"], p["loss_rel_diff"]
-        for variant in ("stock", "flat"):
-            for name, _ in demo.SWEEP_PANELS:
+        for variant in runs:
+            for name, _ in demo.sweep_panels(points):
                 assert p["measured"][variant][name] > 0 and p["predicted"][variant][name] > 0
         # The flat step holds less than the stock one; the planner follows the meter.
         assert p["measured"]["flat"]["step"] < p["measured"]["stock"]["step"]
-        for variant in ("stock", "flat"):
+        for variant in runs:
             measured, planned = p["measured"][variant]["step"], p["predicted"][variant]["step"]
             assert abs(planned / measured - 1) < 0.2, (p["seq"], variant, planned, measured)
     small, large = points
@@ -65,6 +74,16 @@ def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp):
     # (to a few bytes: 0.19 keeps a small tensor or two that the meter sees at times)
     assert abs(large["measured"]["flat"]["optimizer step"]
                - small["measured"]["flat"]["optimizer step"]) <= 1024
+    if tp > 1:
+        # The tiles take the attention block's N x H partial sum and Megatron's persistent
+        # N x H gather buffer out of the step: a lower block, a lower step and a lower
+        # whole-step slope than the same flat run without them.
+        block = "attention block"
+        for p in points:
+            assert p["measured"]["flat"][block] < p["measured"]["flat_without_tiles"][block]
+            assert p["measured"]["flat"]["step"] < p["measured"]["flat_without_tiles"]["step"]
+        slope = demo.slopes(points)
+        assert slope["flat"] < slope["flat_without_tiles"] < slope["stock"]
     if dist.get_rank() == 0:
         path = tmp_path / "sweep.png"
         demo.plot_sweep(str(path), points, "test")
