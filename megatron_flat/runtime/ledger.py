@@ -46,6 +46,9 @@ meter measures bytes, the ledger counts what a CPU run's wall time hides:
 ``ops``
     aten (and c10d) operations executed that are not views or metadata: a
     proxy for kernel launches.
+``attention_forward_calls`` / ``attention_backward_calls``
+    Calls of fused attention kernels (torch's CPU flash kernel; CUDA's flash,
+    memory-efficient and cuDNN kernels), forward and backward.
 ``mem_bytes``
     Bytes read and written by those ops (inputs plus outputs, as tensors, not
     storages): a proxy for memory traffic that the step-time model uses for
@@ -215,6 +218,18 @@ _MASK_INDEX = _overloads(_aten, "index", "index_put", "index_put_", "_index_put_
 _COPIES = _overloads(_aten, "copy_", "_to_copy", "_copy_from")
 # torch.tensor(data) wraps a tensor made from Python data: host data, whatever its input.
 _LIFT = _overloads(_aten, "lift_fresh", "lift_fresh_copy", "lift")
+# Fused attention kernels (torch's CPU flash kernel and its CUDA backends), forward and
+# backward: what attention replay saves is counted in calls of these.
+_ATTENTION_FORWARD = _overloads(
+    _aten, "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward")
+_ATTENTION_BACKWARD = _overloads(
+    _aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward",
+    "_efficient_attention_backward")
 
 
 # -- FLOPs ------------------------------------------------------------------------
@@ -490,6 +505,8 @@ class Costs:
     sync_kinds: Counter = field(default_factory=Counter)
     ops: int = 0
     mem_bytes: int = 0
+    attention_forward_calls: int = 0
+    attention_backward_calls: int = 0
     entries: int = 0
 
     @property
@@ -526,6 +543,8 @@ class Costs:
             "sync_kinds": dict(self.sync_kinds),
             "ops": self.ops,
             "mem_bytes": self.mem_bytes,
+            "attention_forward_calls": self.attention_forward_calls,
+            "attention_backward_calls": self.attention_backward_calls,
         }
 
 
@@ -956,9 +975,12 @@ class CostLedger:
         mem = sum(_nbytes(t) for t in leaves) + sum(
             _nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
         )
+        attn_fwd, attn_bwd = func in _ATTENTION_FORWARD, func in _ATTENTION_BACKWARD
         for target in targets:
             target.ops += 1
             target.flops += f
+            target.attention_forward_calls += attn_fwd
+            target.attention_backward_calls += attn_bwd
             target.h2d_bytes += h2d + implicit
             target.d2h_bytes += d2h
             target.mem_bytes += mem

@@ -1,0 +1,136 @@
+"""Attention replay: under full recompute, the core attention's re-run returns the output of
+its first forward instead of running the kernel again.
+
+Full recompute runs every layer's forward twice: once without autograd (the step's forward,
+which keeps only the layer's input) and again inside the backward, with autograd, to rebuild
+what the layer's backward needs. The core attention is most of that second forward at long
+context, and it is deterministic: the re-run's O and log-sum-exp (LSE) are bitwise those of
+the first run, given the same Q, K, V, which the re-run rebuilds bitwise from the same
+input. So the first run keeps (O, LSE); the re-run takes them back and returns O without the
+kernel, saving (Q, K, V, O, LSE) for the backward, which runs the backend's own backward on
+exactly what stock's autograd node would have saved. Loss and every gradient are bitwise
+stock's; one attention forward per layer per step instead of two.
+
+This module is the kernel-level part, for torch's CPU flash kernel (what
+``testing.flash_attention`` and the CPU backend's attention run):
+
+- :class:`ReplayStore` keeps (O, LSE) per key (a layer) in first-in, first-out order, so
+  several microbatches in flight (1F1B, where the forwards of later microbatches run before
+  the backward of the first) each get their own back, in the order the re-runs come.
+- :func:`flash_attention` is the core attention: stock (``F.scaled_dot_product_attention``)
+  without a store; with one, a no-grad call runs the kernel and keeps its result, and a
+  grad-enabled call with something kept replays it (a grad-enabled call with nothing kept,
+  e.g. a run without recompute, runs stock).
+
+Causal self-attention without dropout, mask or bias: the first pass consumes no random
+numbers, so nothing is advanced in the re-run. The caller decides when a no-grad call is a
+recompute region's first pass (a no-grad forward that never re-runs, e.g. evaluation, must
+not keep anything: :meth:`ReplayStore.clear` drops what is kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Dict, Hashable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ReplayStore", "flash_attention"]
+
+_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class ReplayStore:
+    """(O, LSE) of first passes, per key, until their re-runs take them.
+
+    ``kernel_forwards`` counts the attention kernels this store's calls ran and
+    ``replays`` the re-runs served without one.
+    """
+
+    def __init__(self) -> None:
+        self._kept: Dict[Hashable, Deque[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.kernel_forwards = 0
+        self.replays = 0
+
+    def keep(self, key: Hashable, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self._kept.setdefault(key, deque()).append((out, lse))
+
+    def take(self, key: Hashable) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        queue = self._kept.get(key)
+        if not queue:
+            return None
+        kept = queue.popleft()
+        if not queue:
+            del self._kept[key]
+        return kept
+
+    def peek(self, key: Hashable) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """The pair the next :meth:`take` of ``key`` returns, left in place."""
+        queue = self._kept.get(key)
+        return queue[0] if queue else None
+
+    def kept_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for q in self._kept.values()
+                   for pair in q for t in pair)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._kept.values())
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+class _Replayed(torch.autograd.Function):
+    """O from the first pass as the re-run's output; the backend's backward on what stock's
+    autograd node would have saved (Q, K, V, O, LSE)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, lse, scale):
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _BACKWARD(grad_out, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.device.type != "cpu":
+        raise ValueError(f"attention replay runs torch's CPU flash kernel; got {q.device} "
+                         "tensors (CUDA backends are not wired yet)")
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"attention replay takes [b, heads, s, d] query, key and value with "
+                         f"matching batch and heads; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: Optional[float] = None, store: Optional[ReplayStore] = None,
+                    key: Hashable = None) -> torch.Tensor:
+    """Causal attention of ``[b, heads, s, d]`` tensors (module docstring): stock without
+    ``store``; with one, a no-grad call keeps (O, LSE) under ``key`` and a grad-enabled call
+    replays the oldest kept pair of ``key`` when there is one."""
+    if store is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    _check(q, k, v)
+    if not torch.is_grad_enabled():
+        out, lse = _FORWARD(q, k, v, 0.0, True, scale=scale)
+        store.kernel_forwards += 1
+        store.keep(key, out, lse)
+        return out
+    kept = store.take(key)
+    if kept is None:
+        store.kernel_forwards += 1
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out, lse = kept
+    if out.shape != q.shape[:-1] + v.shape[-1:]:
+        raise RuntimeError(f"attention replay: the kept output {tuple(out.shape)} does not "
+                           f"fit this call's query {tuple(q.shape)} (key {key!r}): the re-runs "
+                           "did not come in the first passes' order")
+    store.replays += 1
+    return _Replayed.apply(q, k, v, out, lse, scale)
