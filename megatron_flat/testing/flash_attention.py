@@ -18,15 +18,23 @@ Megatron's tracker), a padding mask, packed sequences, attention bias.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
+import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_flat.attention.replay import flash_attention
 
 __all__ = ["FlashCoreAttention", "with_flash_attention"]
 
 
 class FlashCoreAttention(DotProductAttention):
-    """``DotProductAttention`` through torch's fused attention (see the module doc)."""
+    """``DotProductAttention`` through torch's fused attention (see the module doc).
+
+    ``replay``: a ``ReplayStore`` (given by ``megatron.attention_replay.attach``) makes a
+    checkpoint's first pass keep the kernel's output and its re-run return it without the
+    kernel (``attention.replay``); None (the default): every call runs the kernel."""
+
+    replay = None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
@@ -45,8 +53,20 @@ class FlashCoreAttention(DotProductAttention):
         sq, b = query.shape[0], query.shape[1]
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = flash_attention(q, k, v, scale=self.softmax_scale, store=self._replay_store(),
+                              key=self.layer_number)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _replay_store(self):
+        """The store for this call: only in a checkpoint's no-grad first pass or its
+        grad-enabled re-run (a forward outside both runs the kernel and keeps nothing)."""
+        if self.replay is None:
+            return None
+        from megatron_flat.megatron.attention_replay import FIRST_PASS, RERUN, phase
+
+        now, grad = phase(), torch.is_grad_enabled()
+        return self.replay if (now == FIRST_PASS and not grad) or (now == RERUN and grad) \
+            else None
 
 
 def with_flash_attention(layer_spec):

@@ -1,0 +1,112 @@
+"""Attention replay in a Megatron GPT under full recompute (world of one, CPU flash core
+attention): ``megatron.attention_replay.attach`` against the same run without it, from the
+same weights. Every step's loss, every gradient and the parameters after the last step
+bitwise equal; the ledger counts one attention forward per layer and microbatch instead of
+two, the same backwards; nothing left kept between steps; a forward without a checkpoint
+(no recompute, or evaluation) keeps nothing."""
+
+import pytest
+import torch
+
+STEPS = 2
+
+
+def _tiny(**over):
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    return TinyMoE(attention="flash", **{"global_batch_size": 4, **over})
+
+
+def _train(tiny, replay: bool, recompute="full"):
+    from megatron_flat.megatron import attention_replay
+    from megatron_flat.runtime.ledger import CostLedger
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.training import Layout, Trainer
+
+    with megatron_layout(seed=tiny.seed):
+        trainer = Trainer(tiny, Layout(recompute=recompute))
+        stores = [a.replay for a in attention_replay.attach(trainer.model)] if replay else []
+        losses, grads, counts = [], None, []
+        try:
+            for step in range(STEPS):
+                with CostLedger() as ledger:
+                    losses.append(trainer.forward_backward(step))
+                counts.append((ledger.attention_forward_calls, ledger.attention_backward_calls))
+                assert all(len(s) == 0 for s in stores), "outputs left kept after a step"
+                if grads is None:
+                    grads = [p.main_grad.clone() for p in trainer.model.parameters()]
+                trainer.optimizer_step()
+        finally:
+            attention_replay.detach(trainer.model)
+            attention_replay.disable()  # process-wide: leave later tests Megatron's own
+        params = [p.detach().clone() for p in trainer.model.parameters()]
+    return losses, grads, params, counts, stores
+
+
+def test_replay_equals_stock_with_one_attention_forward_per_layer(megatron_cpu):
+    # fp32 (this Trainer's optimizer); bf16 is bitwise at the kernel level (attention/)
+    tiny = _tiny()
+    stock = _train(tiny, replay=False)
+    replay = _train(tiny, replay=True)
+    assert replay[0] == stock[0]  # losses, bitwise
+    for name, ours, theirs in (("gradient", replay[1], stock[1]),
+                               ("parameter", replay[2], stock[2])):
+        assert len(ours) == len(theirs)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), name
+    microbatches = tiny.global_batch_size // tiny.micro_batch_size
+    calls = tiny.num_layers * microbatches
+    assert stock[3] == [(2 * calls, calls)] * STEPS
+    assert replay[3] == [(calls, calls)] * STEPS
+    assert sum(s.replays for s in replay[4]) == calls * STEPS
+
+
+def test_without_recompute_nothing_is_kept(megatron_cpu):
+    tiny = _tiny()
+    stock = _train(tiny, replay=False, recompute=None)
+    replay = _train(tiny, replay=True, recompute=None)
+    assert replay[0] == stock[0]
+    assert replay[3] == stock[3]
+    assert all(s.kernel_forwards == 0 and s.replays == 0 for s in replay[4])
+
+
+def test_a_model_without_a_replayable_attention_is_refused(megatron_cpu):
+    from megatron_flat.megatron import attention_replay
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.training import Layout, Trainer
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    tiny = TinyMoE()  # Megatron's local DotProductAttention
+    with megatron_layout(seed=tiny.seed):
+        trainer = Trainer(tiny, Layout(recompute="full"))
+        with pytest.raises(ValueError, match="has none"):
+            attention_replay.attach(trainer.model)
+
+
+def test_phase_marks_compose_with_the_recompute_regions(megatron_cpu):
+    """``megatron.regions`` (graph-only recompute) wraps ``CheckpointFunction.backward`` too:
+    either order of enabling, both wrappers run, and each disable removes only its own."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    from megatron_flat.megatron import attention_replay, regions
+
+    had_regions = regions.enabled()  # other tests in this process may have left either on
+    regions.disable()
+    attention_replay.disable()
+    stock_forward, stock_backward = CheckpointFunction.forward, CheckpointFunction.backward
+    try:
+        for first, second in ((attention_replay, regions), (regions, attention_replay)):
+            first.enable()
+            second.enable()
+            assert attention_replay.enabled() and regions.enabled()
+            attention_replay.disable()
+            assert not attention_replay.enabled() and regions.enabled()
+            regions.disable()
+            attention_replay.disable()
+            assert CheckpointFunction.forward is stock_forward
+            if first is regions:  # ours was outermost: everything unwound
+                assert CheckpointFunction.backward is stock_backward
+    finally:
+        CheckpointFunction.forward = staticmethod(stock_forward)
+        CheckpointFunction.backward = staticmethod(stock_backward)
+        if had_regions:
+            regions.enable()
