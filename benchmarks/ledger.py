@@ -37,6 +37,13 @@ per unit and variant, ``variant`` in ``stock`` / ``flat``):
     distributed optimizer, Adam): Megatron's stock inner optimizer vs OffloadStreamAdamW
     (``--flat-optimizer-offload``, DEMO_FLAT's buckets and slots). ``stages``: the number of
     buckets the offloaded optimizer streams (dense and expert optimizers together).
+``attention-replay``
+    The demo model (DEMO_MODEL: 4 layers, CPU flash core attention, LAYOUT: EP 2, full
+    recompute), one forward + backward of every microbatch: Megatron's full recompute vs
+    the same with attention replay (``megatron.attention_replay.attach``: each layer's
+    core attention keeps its first pass's output and log-sum-exp and returns them in the
+    re-run without the kernel). Records add ``layers`` and the ledger's
+    ``attention_forward_calls`` / ``attention_backward_calls``. ``stages``: the layers.
 ``step``
     One whole ``make demo`` training step (forward + backward of every microbatch, grad
     finalization, optimizer step, the Trainer's loss report), stock vs all four techniques
@@ -92,10 +99,11 @@ from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-UNITS = ["moe", "moe-recompute", "vocab", "sco", "optimizer", "step"]
+UNITS = ["moe", "moe-recompute", "vocab", "sco", "attention-replay", "optimizer", "step"]
 VARIANTS = ["stock", "flat"]
 RECORD_KEYS = ["unit", "variant", "flops", "all_to_all_bytes", "other_collective_bytes",
                "h2d_bytes", "d2h_bytes", "syncs", "ops", "mem_bytes", "peak_device_bytes",
+               "attention_forward_calls", "attention_backward_calls",
                "sync_kinds", "collective_calls", "collective_bytes", "stages", "shape"]
 
 
@@ -470,11 +478,46 @@ def unit_step(args, trainers: Optional[DemoTrainers] = None) -> list[dict]:
     return out
 
 
+def unit_attention_replay(args) -> list[dict]:
+    """``attention-replay``: the demo model's forward + backward under full recompute, stock
+    vs attention replay, from the same weights."""
+    from megatron_flat.megatron import attention_replay
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.equivalence import full_tensors, load_full
+    from megatron_flat.testing.training import Trainer
+
+    bench = demo()
+    layout, tiny = bench.LAYOUT, bench.DEMO_MODEL.with_(seq_length=args.seq_length)
+    shape = dict(layers=tiny.num_layers, hidden=tiny.hidden_size,
+                 heads=tiny.num_attention_heads, seq=tiny.seq_length,
+                 micro_batch=tiny.micro_batch_size, global_batch=tiny.global_batch_size,
+                 layout=layout.name)
+    out = []
+    with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed):
+        stock = Trainer(tiny, layout, lr=args.lr)
+        initial = full_tensors([stock.model])
+        for variant in VARIANTS:
+            trainer = stock if variant == "stock" else Trainer(
+                tiny, layout, lr=args.lr, init=lambda model: load_full([model], initial))
+            if variant == "flat":
+                attention_replay.attach(trainer.model)
+            try:
+                peak, costs = measure(lambda trainer=trainer: trainer.forward_backward(0))
+            finally:
+                attention_replay.detach(trainer.model)
+                attention_replay.disable()
+            out.append(record("attention-replay", variant, peak, costs, tiny.num_layers,
+                              shape) | dict(layers=tiny.num_layers))
+            del trainer
+    return out
+
+
 UNIT_FUNCTIONS = {
     "moe": unit_moe,
     "moe-recompute": unit_moe_recompute,
     "vocab": unit_vocab,
     "sco": unit_sco,
+    "attention-replay": unit_attention_replay,
     "optimizer": unit_optimizer,
     "step": unit_step,
 }
@@ -488,7 +531,7 @@ def run_units(args, units: list[str]) -> list[dict]:
     moe = [u for u in units if u.startswith("moe")]
     if moe:
         records += _moe_units(args, moe)
-    for unit in ("vocab", "sco"):
+    for unit in ("vocab", "sco", "attention-replay"):
         if unit in units:
             records += UNIT_FUNCTIONS[unit](args)
     trained = [u for u in units if u in ("optimizer", "step")]
@@ -564,7 +607,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--vocab-per-rank", type=int, default=4096, help="V/TP")
     g.add_argument("--vocab-block", type=int, default=1024,
                    help="Ring-DTP strip rows (FlatConfig.vocab_block_size)")
-    g = p.add_argument_group("sco, optimizer, step (the demo model)")
+    g = p.add_argument_group("sco, attention-replay, optimizer, step (the demo model)")
     g.add_argument("--seq-length", type=int, default=512)
     g.add_argument("--lr", type=float, default=3e-3)
     return p.parse_args(argv)

@@ -6,7 +6,10 @@ meter measures bytes, the ledger counts what a CPU run's wall time hides:
 
 ``flops``
     2·M·N·K for every matmul-family aten op (``mm``, ``addmm``, ``bmm``,
-    ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``, ``_grouped_mm``);
+    ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``, ``_grouped_mm``), and
+    for torch's CPU flash attention kernel 2·pairs·(d + d_v) forward and
+    2·pairs·(3d + 2d_v) backward (pairs: the query-key pairs it computes,
+    causal ones only when causal);
     ``linear`` and ``matmul`` reach the dispatcher as these. Kernels the
     dispatcher does not see (a grouped-GEMM extension) report theirs with
     :func:`record_flops`.
@@ -269,6 +272,34 @@ for _op in _overloads(_aten, "dot", "vdot"):
     _FLOPS[_op] = lambda a, b, *r, **k: 2 * a.shape[0]
 for _op in _overloads(_aten, "_grouped_mm"):
     _FLOPS[_op] = _grouped_mm
+
+
+def _attention_pairs(sq: int, sk: int, causal: bool) -> int:
+    """Query-key pairs a fused kernel computes: all, or the causal ones (torch's is_causal
+    is aligned top-left: query i sees keys 0..i)."""
+    if not causal:
+        return sq * sk
+    full = min(sq, sk)
+    return full * (full + 1) // 2 + max(0, sq - sk) * sk
+
+
+def _cpu_flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *r, **kw) -> int:
+    # [b, h, s, d]: S = QK^T and O = PV, 2 FLOPs per multiply-add.
+    pairs = q.shape[0] * q.shape[1] * _attention_pairs(q.shape[2], k.shape[2], bool(is_causal))
+    return 2 * pairs * (q.shape[3] + v.shape[3])
+
+
+def _cpu_flash_backward(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *r,
+                        **kw) -> int:
+    # S again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
+    pairs = q.shape[0] * q.shape[1] * _attention_pairs(q.shape[2], k.shape[2], bool(is_causal))
+    return 2 * pairs * (3 * q.shape[3] + 2 * v.shape[3])
+
+
+for _op in _overloads(_aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _FLOPS[_op] = _cpu_flash_forward
+for _op in _overloads(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+    _FLOPS[_op] = _cpu_flash_backward
 
 
 # -- collectives --------------------------------------------------------------------

@@ -112,3 +112,15 @@ def test_a_rerun_out_of_order_is_refused():
         flash_attention(torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4), store=store)
     store.clear()
     assert len(store) == 0 and store.kept_bytes() == 0
+
+
+def test_the_ledger_counts_attention_flops():
+    # causal 24 x 24: 300 pairs per (batch, head); d = d_v = 8
+    q, k, v = (torch.randn(B, HEADS, S, 8, requires_grad=True) for _ in range(3))
+    with CostLedger() as ledger:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    pairs = B * HEADS * S * (S + 1) // 2
+    assert ledger.flops == 2 * pairs * (8 + 8)
+    with CostLedger() as ledger:
+        out.sum().backward()
+    assert ledger.flops == 2 * pairs * (3 * 8 + 2 * 8)

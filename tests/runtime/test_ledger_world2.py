@@ -218,3 +218,26 @@ def test_flat_moe_waits_once_per_forward_pass(run, unit, passes) -> None:
     assert flat["sync_kinds"] == {"cpu": passes}
     assert stock["sync_kinds"].get("event_synchronize") == passes
     assert flat["syncs"] <= stock["syncs"]
+
+
+def test_attention_replay_unit_saves_one_attention_forward_per_layer(megatron_cpu) -> None:
+    bench = _bench()
+    args = bench.parse_args(["--seq-length", "64"])
+    records = {r["variant"]: r for r in bench.unit_attention_replay(args)}
+    stock, flat = records["stock"], records["flat"]
+    for r in records.values():
+        assert set(bench.RECORD_KEYS) | {"layers"} <= set(r)
+    shape = stock["shape"]
+    layers = stock["layers"]
+    microbatches = shape["global_batch"] // shape["micro_batch"] // dist.get_world_size()
+    forwards = layers * microbatches
+    assert stock["attention_forward_calls"] == 2 * forwards
+    assert flat["attention_forward_calls"] == forwards
+    assert stock["attention_backward_calls"] == flat["attention_backward_calls"] == forwards
+    # the FLOPs of exactly those kernels: causal s x s per head, d = d_v = hidden / heads
+    s, d = shape["seq"], shape["hidden"] // shape["heads"]
+    per_call = 2 * shape["micro_batch"] * shape["heads"] * s * (s + 1) // 2 * (d + d)
+    assert stock["flops"] - flat["flops"] == forwards * per_call
+    # nothing else moves: the same collectives, no host traffic added
+    assert flat["collective_bytes"] == stock["collective_bytes"]
+    assert (flat["h2d_bytes"], flat["d2h_bytes"]) == (stock["h2d_bytes"], stock["d2h_bytes"])
