@@ -565,12 +565,13 @@ def attn_tile_rows(n: int, tp: int, tile_tokens: int) -> int:
 
 def _attention_widths(model: ModelSpec, layout: Layout):
     """Per-token widths on one TP rank: (QKV output, RoPE's rotated Q and K, attention
-    output O). KV heads are replicated when TP > g."""
+    output O, ring attention's K/V blocks: the one received and the next in flight, CP > 1
+    only). KV heads are replicated when TP > g."""
     TP = layout.tp
     h, g, d, dv = model.heads, model.kv_heads, model.head_dim, model.dv
     g_local = max(g // TP, 1) * TP
-    return ((h * d + g_local * (d + dv)) // TP, (h * d + g_local * d) // TP, h * dv // TP,
-            g_local)
+    ring = 2 * g_local * (d + dv) // TP if layout.cp > 1 else 0
+    return (h * d + g_local * (d + dv)) // TP, (h * d + g_local * d) // TP, h * dv // TP, ring
 
 
 def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: bool,
@@ -593,19 +594,16 @@ def other_term(model: ModelSpec, layout: Layout, n: int, n_sp: int, has_dense: b
 
     Megatron's local column-parallel layers gather the sequence into one persistent buffer
     (``parallel_state``'s global memory buffer, N·H once the first gather sized it), so
-    the tiles drop N_g to a tile only where nothing else gathers through it:
-    ``gather_buffer_kept`` (a dense FFN on the stage, or the stock output layer on the
-    last stage: ``gather_buffer_kept``) keeps N_g = N.
+    the tiles drop N_g to a tile only where nothing else gathers through it;
+    ``gather_buffer_kept`` (another local layer on the stage gathers: see the function of
+    that name) keeps N_g = N.
     """
     b, H, TP = model.bytes_per_value, model.hidden, layout.tp
-    qkv, rope, out, g_local = _attention_widths(model, layout)
+    qkv, rope, out, ring = _attention_widths(model, layout)
     gathered = gathers_sequence(layout)
     tile_tokens = 0 if gather_buffer_kept else attn_tile_tokens
     gathered_rows = attn_tile_rows(n, TP, tile_tokens) if gathered else 0
-    acts = gathered_rows * H + n * (qkv + rope + out)
-    if layout.cp > 1:
-        acts += 2 * n * g_local * (model.head_dim + model.dv) // TP
-    acts += 4 * n_sp * H
+    acts = gathered_rows * H + n * (qkv + rope + out + ring) + 4 * n_sp * H
     value = b * acts + 4 * n * model.heads // TP
     if has_dense:
         value += b * n * (3 if model.gated else 2) * model.dense_ffn // TP
@@ -653,16 +651,14 @@ def attention_block_section(model: ModelSpec, layout: Layout, n: int, n_sp: int,
     that is already live when the section opens (``other_term`` counts it).
     """
     b, H, TP = model.bytes_per_value, model.hidden, layout.tp
-    qkv, rope, out, g_local = _attention_widths(model, layout)
+    qkv, rope, out, ring = _attention_widths(model, layout)
     rows = 0
     if gathers_sequence(layout):
         rows = attn_tile_rows(n, TP, attn_tile_tokens) if attn_tile_tokens else 0
         proj = (rows * H + rows * H // TP + n_sp * H) if rows else (n * H + n_sp * H)
     else:
         proj = n * H
-    kept = n * (qkv + rope + out)
-    if layout.cp > 1:
-        kept += 2 * n * g_local * (model.head_dim + model.dv) // TP
+    kept = n * (qkv + rope + out + ring)
     forward = b * (kept + proj) + 4 * n * model.heads // TP
     if not layout.fused_kernels:
         forward += 4 * n * model.head_dim * b
