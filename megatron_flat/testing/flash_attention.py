@@ -62,7 +62,7 @@ class FlashCoreAttention(DotProductAttention):
         grad-enabled re-run (a forward outside both runs the kernel and keeps nothing)."""
         if self.replay is None:
             return None
-        from megatron_flat.megatron.attention_replay import FIRST_PASS, RERUN, phase
+        from megatron_flat.megatron.checkpoint_phase import FIRST_PASS, RERUN, phase
 
         now, grad = phase(), torch.is_grad_enabled()
         return self.replay if (now == FIRST_PASS and not grad) or (now == RERUN and grad) \
