@@ -25,16 +25,23 @@ from megatron_flat.megatron.checkpoint_phase import (
 __all__ = ["FIRST_PASS", "RERUN", "attach", "detach", "disable", "enable", "enabled", "phase"]
 
 
+def _replayable(model: Any) -> List[Any]:
+    """The core attentions in ``model`` (a module or a list of model chunks) that can
+    replay."""
+    from megatron_flat.testing.flash_attention import FlashCoreAttention
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, FlashCoreAttention)]
+
+
 def attach(model: Any) -> List[Any]:
     """Give every replay-capable core attention in ``model`` (a module or a list of model
     chunks) a fresh ``ReplayStore`` and :func:`enable` the phase marks; returns the
     attentions. ``ValueError`` when the model has none (its core attention cannot replay:
     Megatron's local ``DotProductAttention`` keeps no log-sum-exp to run a backward from)."""
     from megatron_flat.attention.replay import ReplayStore
-    from megatron_flat.testing.flash_attention import FlashCoreAttention
 
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    found = [m for chunk in chunks for m in chunk.modules() if isinstance(m, FlashCoreAttention)]
+    found = _replayable(model)
     if not found:
         raise ValueError("attention replay needs a core attention that can run its backward "
                          "from a kept output (the CPU flash attention); this model has none")
@@ -46,10 +53,5 @@ def attach(model: Any) -> List[Any]:
 
 def detach(model: Any) -> None:
     """Drop the stores :func:`attach` gave (the phase marks stay: they are inert)."""
-    from megatron_flat.testing.flash_attention import FlashCoreAttention
-
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        for m in chunk.modules():
-            if isinstance(m, FlashCoreAttention):
-                m.replay = None
+    for attention in _replayable(model):
+        attention.replay = None
