@@ -114,6 +114,18 @@ class FlatConfig:
                           "four peaks' techniques are not enough)."}
     )
 
+    # Attention replay: one core-attention forward per layer under full recompute.
+    attn_replay: bool = field(
+        default=False,
+        metadata={"help": "Under full recompute, keep each core attention's first output (O "
+                          "and its log-sum-exp) in SCO's host pool and return it in the "
+                          "re-run instead of running the kernel again: one attention forward "
+                          "per layer per step instead of two, bitwise equal. Its host bytes "
+                          "come out of --flat-sco-host-budget-gib; where it cannot be exact "
+                          "(an attention without a backward from a kept output, fp8, no host "
+                          "budget) the stock recompute runs, with one warning."}
+    )
+
     # SCO: the checkpoint-boundary peak.
     sco: bool = field(
         default=False, metadata={"help": "Offload checkpoint boundaries to pinned host memory."}
@@ -214,7 +226,7 @@ class FlatConfig:
     @property
     def any_enabled(self) -> bool:
         return (self.dispatch != "off" or self.vocab or self.sco or self.optimizer_offload
-                or self.attn_tiles > 0)
+                or self.attn_tiles > 0 or self.attn_replay)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "FlatConfig":
@@ -244,6 +256,8 @@ class FlatConfig:
                          f"{tiles})")
         if self.attn_tiles:
             parts.append(f"attention tiles ({self.attn_tiles:,} tokens)")
+        if self.attn_replay:
+            parts.append("attention replay")
         if self.sco:
             parts.append(f"SCO (host budget {self.sco_host_budget_gib:g} GiB, "
                          f"prefetch {self.sco_prefetch})")

@@ -11,7 +11,16 @@ def test_defaults_change_nothing():
     cfg = FlatConfig()
     assert not cfg.any_enabled
     assert cfg.dispatch == "off"
-    assert (cfg.vocab, cfg.sco, cfg.optimizer_offload) == (False,) * 3
+    assert (cfg.vocab, cfg.sco, cfg.optimizer_offload, cfg.attn_replay) == (False,) * 4
+
+
+def test_attention_replay_is_one_flag():
+    args = add_flat_args(argparse.ArgumentParser()).parse_args(["--flat-attn-replay"])
+    cfg = FlatConfig.from_args(args)
+    assert cfg.attn_replay and cfg.any_enabled
+    assert "attention replay" in cfg.describe()
+    with pytest.raises(ValueError, match="--flat-attn-replay"):
+        FlatConfig(attn_replay=1)
 
 
 @pytest.mark.parametrize(

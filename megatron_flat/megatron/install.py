@@ -157,6 +157,7 @@ _ENABLED = {
     "sco": lambda f: f.sco,
     "optimizer_offload": lambda f: f.optimizer_offload,
     "attn_tiles": lambda f: f.attn_tiles > 0,
+    "attn_replay": lambda f: f.attn_replay,
 }
 
 
