@@ -64,9 +64,14 @@ def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp, tp):
     dispatch = "expert dispatch"
 
     def growth(variant):
-        return large["measured"][variant][dispatch] / small["measured"][variant][dispatch]
+        return large["measured"][variant][dispatch] - small["measured"][variant][dispatch]
 
-    assert growth("stock") >= 1.8 and growth("flat") < 0.8 * growth("stock")
+    # In bytes added, not as a ratio: flat's dispatch at these lengths is a few hundred KiB
+    # and the CPU meter's figure for it moves by up to ~200 KiB from run to run (when Python
+    # frees a chunk's buffers), enough to swing a ratio of two small figures; stock's adds
+    # about 1 MiB here and flat's planned growth is 33 KiB.
+    assert large["measured"]["stock"][dispatch] >= 1.8 * small["measured"]["stock"][dispatch]
+    assert growth("flat") < 0.5 * growth("stock"), (growth("flat"), growth("stock"))
     # Stock's vocabulary transient doubles with the tokens (N·V logits); flat's strips do
     # not grow as fast, and its optimizer step does not grow at all.
     assert large["measured"]["stock"]["vocabulary projection + loss"] >= \
