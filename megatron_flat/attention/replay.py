@@ -16,7 +16,10 @@ This module is the kernel-level part, for torch's CPU flash kernel (what
 
 - :class:`ReplayStore` keeps (O, LSE) per key (a layer) in first-in, first-out order, so
   several microbatches in flight (1F1B, where the forwards of later microbatches run before
-  the backward of the first) each get their own back, in the order the re-runs come.
+  the backward of the first) each get their own back, in the order the re-runs come. With
+  a :class:`~megatron_flat.attention.replay_host.ReplayHost` the pairs wait in its host
+  pool and come back one layer ahead; without one they stay on the device (device bytes
+  L·(O + LSE) per microbatch in flight: for tests and short contexts only).
 - :func:`flash_attention` is the core attention: stock (``F.scaled_dot_product_attention``)
   without a store; with one, a no-grad call runs the kernel and keeps its result, and a
   grad-enabled call with something kept replays it (a grad-enabled call with nothing kept,
@@ -31,10 +34,12 @@ not keep anything: :meth:`ReplayStore.clear` drops what is kept).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, Hashable, Optional, Tuple
+from typing import Any, Deque, Dict, Hashable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from megatron_flat.attention.replay_host import HostKept, ReplayHost
 
 __all__ = ["ReplayStore", "flash_attention"]
 
@@ -45,35 +50,52 @@ _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 class ReplayStore:
     """(O, LSE) of first passes, per key, until their re-runs take them.
 
+    ``host``: the host tier the pairs wait in (shared by every store of a model, so that
+    a re-run can start the previous layer's reload); None keeps them on the device.
     ``kernel_forwards`` counts the attention kernels this store's calls ran and
     ``replays`` the re-runs served without one.
     """
 
-    def __init__(self) -> None:
-        self._kept: Dict[Hashable, Deque[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    def __init__(self, host: Optional[ReplayHost] = None) -> None:
+        self.host = host
+        self._kept: Dict[Hashable, Deque[Any]] = {}
         self.kernel_forwards = 0
         self.replays = 0
 
-    def keep(self, key: Hashable, out: torch.Tensor, lse: torch.Tensor) -> None:
-        self._kept.setdefault(key, deque()).append((out, lse))
+    def keep(self, key: Hashable, *tensors: torch.Tensor) -> bool:
+        """Keep ``tensors`` (the call's (O, LSE), or one pair per context-parallel slot) for
+        ``key``'s next re-run; False when the host pool had no room (that re-run then runs
+        the kernel)."""
+        kept = tensors if self.host is None else self.host.offload(tensors)
+        if kept is None:
+            return False
+        self._kept.setdefault(key, deque()).append(kept)
+        return True
 
-    def take(self, key: Hashable) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    def take(self, key: Hashable) -> Optional[Tuple[torch.Tensor, ...]]:
         queue = self._kept.get(key)
         if not queue:
             return None
         kept = queue.popleft()
         if not queue:
             del self._kept[key]
+        if isinstance(kept, HostKept):
+            return self.host.take(kept)
         return kept
 
-    def peek(self, key: Hashable) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """The pair the next :meth:`take` of ``key`` returns, left in place."""
+    def peek(self, key: Hashable) -> Optional[Tuple[torch.Tensor, ...]]:
+        """The pair the next :meth:`take` of ``key`` returns, left in place (device tier
+        only: a pair in the host pool has no device tensors to show)."""
+        if self.host is not None:
+            raise RuntimeError("ReplayStore.peek: the pairs are in the host pool")
         queue = self._kept.get(key)
         return queue[0] if queue else None
 
     def kept_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for q in self._kept.values()
-                   for pair in q for t in pair)
+        """Bytes kept now (on the device, or in the host pool with a host tier)."""
+        return sum(kept.nbytes if isinstance(kept, HostKept)
+                   else sum(t.numel() * t.element_size() for t in kept)
+                   for q in self._kept.values() for kept in q)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._kept.values())

@@ -339,6 +339,12 @@ class SelectiveCheckpointOffload:
         values["peak_host_bytes"] = pool["peak_used_bytes"]
         return SCOStats(**values)
 
+    @property
+    def mover(self) -> SpanMover:
+        """The copies of SCO's pool (its side streams): attention replay's kept outputs share
+        them, with the pool and its budget."""
+        return self._mover
+
     def reset_peak(self) -> None:
         """Restart ``max_restored_on_device`` from the current count."""
         with self._counters.lock:

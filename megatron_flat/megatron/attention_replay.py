@@ -1,12 +1,19 @@
 """Attention replay in Megatron-Core: each core attention that can replay gets a store.
 
-:func:`attach` gives every core attention of a model that supports replay
-(``testing.flash_attention.FlashCoreAttention``: torch's CPU flash kernel) its own
-:class:`~megatron_flat.attention.replay.ReplayStore` and turns on the phase marks of
-``megatron.checkpoint_phase``; such an attention keeps (O, LSE) in a checkpoint's first
-pass and returns them in its re-run (``attention.replay``). A no-grad forward outside a
-checkpoint (evaluation) keeps nothing; a forward with autograd outside a re-run (no
-recompute) runs stock.
+Two ways in:
+
+- ``install()`` with ``--flat-attn-replay`` (``megatron.replay_wiring``): every
+  replay-capable core attention the model builds gets its store at its first checkpointed
+  forward, its pairs in SCO's host pool; what cannot replay exactly falls back to the stock
+  recompute with one warning (a core attention that cannot replay says so when built).
+- :func:`attach` gives every replay-capable core attention of a built model a store at once
+  (tests and scripts that build models themselves), on the device or in a given host tier.
+
+A replay-capable attention (``testing.flash_attention.FlashCoreAttention``: torch's CPU
+flash kernel) keeps (O, LSE) in a checkpoint's first pass and returns them in its re-run
+(``attention.replay``). A no-grad forward outside a checkpoint (evaluation) keeps nothing;
+a forward with autograd outside a re-run (no recompute) runs stock. Megatron's local
+``DotProductAttention`` cannot replay: it keeps no log-sum-exp to run a backward from.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from megatron_flat.megatron.checkpoint_phase import (
     enabled,
     phase,
 )
-
-__all__ = ["FIRST_PASS", "RERUN", "attach", "detach", "disable", "enable", "enabled", "phase"]
+__all__ = ["FIRST_PASS", "RERUN", "attach", "detach", "disable", "enable",
+           "enabled", "phase"]
 
 
 def _replayable(model: Any) -> List[Any]:
@@ -34,11 +41,12 @@ def _replayable(model: Any) -> List[Any]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, FlashCoreAttention)]
 
 
-def attach(model: Any) -> List[Any]:
+def attach(model: Any, host: Any = None) -> List[Any]:
     """Give every replay-capable core attention in ``model`` (a module or a list of model
-    chunks) a fresh ``ReplayStore`` and :func:`enable` the phase marks; returns the
-    attentions. ``ValueError`` when the model has none (its core attention cannot replay:
-    Megatron's local ``DotProductAttention`` keeps no log-sum-exp to run a backward from)."""
+    chunks) a fresh ``ReplayStore`` (its pairs in ``host``, a shared ``ReplayHost``; None:
+    on the device) and :func:`enable` the phase marks; returns the attentions.
+    ``ValueError`` when the model has none (its core attention cannot replay: Megatron's
+    local ``DotProductAttention`` keeps no log-sum-exp to run a backward from)."""
     from megatron_flat.attention.replay import ReplayStore
 
     found = _replayable(model)
@@ -47,7 +55,7 @@ def attach(model: Any) -> List[Any]:
                          "from a kept output (the CPU flash attention); this model has none")
     enable()
     for attention in found:
-        attention.replay = ReplayStore()
+        attention.replay = ReplayStore(host)
     return found
 
 

@@ -92,23 +92,51 @@ def gather_sequence(tensor: torch.Tensor, group) -> torch.Tensor:
     return pieces[_global_order(size)].flatten(0, 1)
 
 
+def _prefix_forward(q, k, v, scale):
+    """(O, LSE) of queries ``q`` ([b, n, c, d], one chunk at global positions ``[T−c, T)``)
+    against keys and values ``[b, n, T, d]`` (positions ``[0, T)``), causal by global
+    position."""
+    c, total = q.shape[2], k.shape[2]
+    out, lse = _flash(q, k[:, :, total - c:], v[:, :, total - c:], 0.0, True, scale=scale)
+    if total > c:
+        prefix_out, prefix_lse = _flash(q, k[:, :, :total - c], v[:, :, :total - c], 0.0,
+                                        False, scale=scale)
+        merged = torch.logaddexp(prefix_lse, lse)
+        # Merged in fp32 (the lse is), returned in the queries' dtype as a flash kernel
+        # writes O: a bf16 model's output projection takes bf16.
+        out = (prefix_out * torch.exp(prefix_lse - merged).unsqueeze(-1)
+               + out * torch.exp(lse - merged).unsqueeze(-1)).to(q.dtype)
+        lse = merged
+    return out, lse
+
+
+def _prefix_backward(grad_out, q, k, v, out, lse, scale):
+    """dq, dk, dv of :func:`_prefix_forward` from its merged output and log-sum-exp."""
+    c, total = q.shape[2], k.shape[2]
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = _flash_backward(grad_out, q, k[:, :, total - c:], v[:, :, total - c:],
+                                 out, lse, 0.0, True, scale=scale)
+    if total > c:
+        dq_prefix, dk_prefix, dv_prefix = _flash_backward(
+            grad_out, q, k[:, :, :total - c], v[:, :, :total - c], out, lse, 0.0, False,
+            scale=scale)
+        dq = dq + dq_prefix
+        dk = torch.cat([dk_prefix, dk], dim=2)
+        dv = torch.cat([dv_prefix, dv], dim=2)
+    return dq, dk, dv
+
+
 class _PrefixCausalAttention(torch.autograd.Function):
-    """Queries ``q`` ([b, n, c, d], one chunk at global positions ``[T−c, T)``) against keys
-    and values ``[b, n, T, d]`` (positions ``[0, T)``), causal by global position."""
+    """:func:`_prefix_forward` with its backward. With ``kept`` (attention replay's re-run:
+    the first pass's (O, LSE)), the forward returns the kept O without the kernels and the
+    backward is the same, on the same saved tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        c, total = q.shape[2], k.shape[2]
-        out, lse = _flash(q, k[:, :, total - c:], v[:, :, total - c:], 0.0, True, scale=scale)
-        if total > c:
-            prefix_out, prefix_lse = _flash(q, k[:, :, :total - c], v[:, :, :total - c], 0.0,
-                                            False, scale=scale)
-            merged = torch.logaddexp(prefix_lse, lse)
-            # Merged in fp32 (the lse is), returned in the queries' dtype as a flash kernel
-            # writes O: a bf16 model's output projection takes bf16.
-            out = (prefix_out * torch.exp(prefix_lse - merged).unsqueeze(-1)
-                   + out * torch.exp(lse - merged).unsqueeze(-1)).to(q.dtype)
-            lse = merged
+    def forward(ctx, q, k, v, scale, kept_out=None, kept_lse=None):
+        if kept_out is None:
+            out, lse = _prefix_forward(q, k, v, scale)
+        else:
+            out, lse = kept_out, kept_lse
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         return out
@@ -116,18 +144,7 @@ class _PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        c, total = q.shape[2], k.shape[2]
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = _flash_backward(grad_out, q, k[:, :, total - c:], v[:, :, total - c:],
-                                     out, lse, 0.0, True, scale=ctx.scale)
-        if total > c:
-            dq_prefix, dk_prefix, dv_prefix = _flash_backward(
-                grad_out, q, k[:, :, :total - c], v[:, :, :total - c], out, lse, 0.0, False,
-                scale=ctx.scale)
-            dq = dq + dq_prefix
-            dk = torch.cat([dk_prefix, dk], dim=2)
-            dv = torch.cat([dv_prefix, dv], dim=2)
-        return dq, dk, dv, None
+        return _prefix_backward(grad_out, q, k, v, out, lse, ctx.scale) + (None, None, None)
 
 
 def attention_flops(seq: int, cp_size: int, heads: int, head_dim: int, batch: int = 1) -> int:
@@ -193,15 +210,38 @@ class ContextParallelCoreAttention(FlashCoreAttention):
         c, b = local // 2, query.shape[1]
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        scale = self.softmax_scale
-        outs = []
-        for slot, chunk in enumerate(load_balanced_chunks(dist.get_rank(group), self.cp_size)):
-            end = (chunk + 1) * c
-            outs.append(_PrefixCausalAttention.apply(
-                q[:, :, slot * c:(slot + 1) * c].contiguous(), k[:, :, :end].contiguous(),
-                v[:, :, :end].contiguous(), scale))
-        out = torch.cat(outs, dim=2)
+        slots = [(q[:, :, slot * c:(slot + 1) * c].contiguous(),
+                  k[:, :, :(chunk + 1) * c].contiguous(), v[:, :, :(chunk + 1) * c].contiguous())
+                 for slot, chunk in enumerate(load_balanced_chunks(dist.get_rank(group),
+                                                                   self.cp_size))]
+        out = torch.cat(self._attend(slots, self.softmax_scale), dim=2)
         return out.permute(2, 0, 1, 3).reshape(local, b, self.hidden_size_per_partition)
+
+    def _attend(self, slots, scale):
+        """Each slot's output; with attention replay (``attention.replay``) the first pass
+        keeps every slot's (O, LSE) (what the CP backward needs beside the gathered K/V,
+        which the re-run gathers again) and the re-run returns them without the kernels."""
+        store = self._replay_store()
+        if store is None:
+            return [_PrefixCausalAttention.apply(*slot, scale) for slot in slots]
+        if not torch.is_grad_enabled():  # the first pass
+            pairs = [_prefix_forward(*slot, scale) for slot in slots]
+            store.kernel_forwards += 1
+            store.keep(self.layer_number, *[t for pair in pairs for t in pair])
+            return [out for out, _ in pairs]
+        kept = store.take(self.layer_number)
+        if kept is None:  # not kept (no room in the host pool): the kernels run
+            store.kernel_forwards += 1
+            return [_PrefixCausalAttention.apply(*slot, scale) for slot in slots]
+        if len(kept) != 2 * len(slots) or any(
+                kept[2 * i].shape != slot[0].shape[:-1] + slot[2].shape[-1:]
+                for i, slot in enumerate(slots)):
+            raise RuntimeError(f"attention replay: the kept outputs do not fit this call's "
+                               f"queries (layer {self.layer_number}): the re-runs did not "
+                               "come in the first passes' order")
+        store.replays += 1
+        return [_PrefixCausalAttention.apply(*slot, scale, kept[2 * i], kept[2 * i + 1])
+                for i, slot in enumerate(slots)]
 
     def _check(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
         from megatron.core.transformer.enums import AttnMaskType

@@ -64,6 +64,10 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
             problems.append("--flat-optimizer-offload replaces --optimizer-cpu-offload: use one")
     if flat.attn_tiles:
         problems += attn_tiles_problems(megatron)
+    if flat.attn_replay:
+        from megatron_flat.megatron.replay_wiring import recompute_problems as replay_problems
+
+        problems += replay_problems(megatron)
     return problems
 
 
@@ -151,6 +155,18 @@ def _wire_attn_tiles(flat: FlatConfig, megatron: Any) -> None:
 
 WIRING["attn_tiles"] = _wire_attn_tiles
 
+
+def _wire_attn_replay(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-attn-replay: the checkpoint phase marks on; replay-capable core attentions get
+    their stores at first use, in SCO's host pool (wired before, above); or one warning and
+    the stock recompute where it cannot be exact (megatron.replay_wiring)."""
+    from megatron_flat.megatron.replay_wiring import wire_attn_replay
+
+    wire_attn_replay(flat, megatron)
+
+
+WIRING["attn_replay"] = _wire_attn_replay
+
 _ENABLED = {
     "dispatch": lambda f: f.dispatch != "off",
     "vocab": lambda f: f.vocab,
@@ -225,6 +241,9 @@ def _reset_for_tests() -> None:
     sco = sys.modules.get("megatron_flat.megatron.sco")
     if sco is not None and sco.enabled() is not None:
         sco.disable()
+    replay = sys.modules.get("megatron_flat.megatron.replay_wiring")
+    if replay is not None:
+        replay.unwire()
     from megatron_flat.runtime import host_tier
 
     host_tier.configure()

@@ -60,13 +60,16 @@ class FlashCoreAttention(DotProductAttention):
     def _replay_store(self):
         """The store for this call: only in a checkpoint's no-grad first pass or its
         grad-enabled re-run (a forward outside both runs the kernel and keeps nothing)."""
-        if self.replay is None:
-            return None
         from megatron_flat.megatron.checkpoint_phase import FIRST_PASS, RERUN, phase
 
         now, grad = phase(), torch.is_grad_enabled()
-        return self.replay if (now == FIRST_PASS and not grad) or (now == RERUN and grad) \
-            else None
+        if not ((now == FIRST_PASS and not grad) or (now == RERUN and grad)):
+            return None
+        if self.replay is None:  # --flat-attn-replay installed: the store comes at first use
+            from megatron_flat.megatron.replay_wiring import store_for
+
+            return store_for(self)
+        return self.replay
 
 
 def with_flash_attention(layer_spec):

@@ -183,6 +183,7 @@ class Trainer:
 
             self._sco = SelectiveCheckpointOffload(flat.sco_host_budget_bytes,
                                                    prefetch=flat.sco_prefetch)
+        self.replay_stores = self._attach_replay(model, flat)
         if wrap_model is not None:
             model = wrap_model(model)
         if init is not None:
@@ -220,6 +221,31 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.cp_size = parallel_state.get_context_parallel_world_size()
+
+    def _attach_replay(self, model, flat) -> list:
+        """``flat.attn_replay``: this trainer's replay-capable core attentions keep their
+        first outputs in its SCO's host pool (what ``install()`` wires process-wide); the
+        stock recompute with ``install()``'s one warning where that cannot be exact."""
+        if flat is None or not flat.attn_replay:
+            return []
+        from megatron_flat.megatron.replay_wiring import (
+            fallback_reasons,
+            recompute_problems,
+            warn_fallback,
+        )
+
+        problems = recompute_problems(self.config)
+        if problems:
+            raise ValueError(f"layout {self.layout.name}: " + "; ".join(problems))
+        reasons = fallback_reasons(flat, self.config)
+        if reasons:
+            warn_fallback(reasons)
+            return []
+        from megatron_flat.attention.replay_host import ReplayHost
+        from megatron_flat.megatron import attention_replay
+
+        host = ReplayHost(self._sco.mover)
+        return [a.replay for a in attention_replay.attach(model, host=host)]
 
     def microbatches(self, step: int) -> List[MicroBatch]:
         """This rank's microbatches of the step: its data-parallel share of the global batch,

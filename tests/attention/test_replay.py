@@ -124,3 +124,90 @@ def test_the_ledger_counts_attention_flops():
     with CostLedger() as ledger:
         out.sum().backward()
     assert ledger.flops == 2 * pairs * (3 * 8 + 2 * 8)
+
+
+# -- the host tier ----------------------------------------------------------------------------
+
+def _host_store(budget_bytes=1 << 20):
+    from megatron_flat.attention.replay_host import ReplayHost
+    from megatron_flat.checkpoint.transfer import SpanMover
+    from megatron_flat.runtime import HostPool
+
+    mover = SpanMover(HostPool(budget_bytes, pin_memory=False))
+    return ReplayStore(ReplayHost(mover)), mover
+
+
+PAIR_BYTES = {torch.float32: B * S * H * 4 + B * HEADS * S * 4,  # O, and the fp32 LSE
+              torch.bfloat16: B * S * H * 2 + B * HEADS * S * 4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_host_tier_is_bitwise_stock_and_prefetches_one_layer_ahead(dtype):
+    stock_losses, stock_grads, _ = _run(dtype, None)
+    store, mover = _host_store()
+    losses, grads, ledger = _run(dtype, store)
+    assert all(torch.equal(a, b) for a, b in zip(losses, stock_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+    assert ledger.attention_forward_calls == LAYERS
+    stats = store.host.stats
+    # the last layer's re-run comes first and reloads on demand; each re-run starts the
+    # reload of the layer below it, which finds it ready
+    assert (stats.kept, stats.not_kept) == (LAYERS, 0)
+    assert (stats.reloads_on_demand, stats.prefetched, stats.prefetch_hits) == \
+        (1, LAYERS - 1, LAYERS - 1)
+    assert stats.bytes_offloaded == stats.bytes_reloaded == LAYERS * PAIR_BYTES[dtype]
+    assert ledger.d2h_bytes == ledger.h2d_bytes == LAYERS * PAIR_BYTES[dtype]
+    mover.synchronize()
+    assert mover.pool.stats()["used_bytes"] == 0 and len(store) == 0
+
+
+def test_the_host_tier_serves_microbatches_in_flight():
+    stock_losses, stock_grads, _ = _run(torch.float32, None, microbatches=3)
+    store, mover = _host_store()
+    losses, grads, ledger = _run(torch.float32, store, microbatches=3)
+    assert all(torch.equal(a, b) for a, b in zip(losses, stock_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+    assert ledger.attention_forward_calls == 3 * LAYERS
+    stats = store.host.stats
+    # each microbatch's first re-run reloads on demand (the pair kept before it, the last
+    # layer of the microbatch before, was taken already)
+    assert (stats.reloads_on_demand, stats.prefetched) == (3, 3 * (LAYERS - 1))
+    mover.synchronize()
+    assert mover.pool.stats()["used_bytes"] == 0
+
+
+def test_a_full_pool_keeps_what_fits_and_the_rest_recomputes_with_one_warning():
+    stock_losses, stock_grads, _ = _run(torch.float32, None)
+    store, _ = _host_store(budget_bytes=PAIR_BYTES[torch.float32] + 512)  # one pair
+    with pytest.warns(UserWarning, match="no room for a kept output") as caught:
+        losses, grads, ledger = _run(torch.float32, store)
+    assert len([w for w in caught if "no room" in str(w.message)]) == 1
+    assert all(torch.equal(a, b) for a, b in zip(losses, stock_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+    assert (store.host.stats.kept, store.host.stats.not_kept) == (1, LAYERS - 1)
+    assert ledger.attention_forward_calls == LAYERS + (LAYERS - 1)
+
+
+def test_the_host_tier_holds_no_kept_output_on_the_device():
+    """Between the forwards and the backward the device holds L·(O + LSE) more with the
+    device tier and nothing more with the host tier (the meter's device figure; the pool
+    is host memory)."""
+    from megatron_flat.runtime.memory import MemoryMeter
+
+    def held(store):
+        layers = _model(torch.float32)
+        for layer in layers:
+            layer.store = store
+        x = torch.randn(B, S, H, requires_grad=True)
+        with MemoryMeter("cpu") as meter:
+            loss = _forward(layers, x)
+            after_forward = meter.current_device_bytes()
+        loss.backward()
+        return after_forward
+
+    stock = held(None)
+    device_tier = held(ReplayStore())
+    host_store, _ = _host_store()
+    host_tier = held(host_store)
+    assert device_tier - stock == LAYERS * PAIR_BYTES[torch.float32]
+    assert host_tier == stock

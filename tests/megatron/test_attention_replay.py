@@ -110,3 +110,72 @@ def test_phase_marks_compose_with_the_recompute_regions(megatron_cpu):
         CheckpointFunction.backward = staticmethod(stock_backward)
         if had_regions:
             regions.enable()
+
+
+# -- --flat-attn-replay: the Trainer's flat path, in SCO's host pool -----------------------
+
+def _train_flat(tiny, flat):
+    from megatron_flat.runtime.ledger import CostLedger
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.training import Layout, Trainer
+
+    with megatron_layout(seed=tiny.seed):
+        trainer = Trainer(tiny, Layout(recompute="full"), flat=flat)
+        losses, grads, counts = [], None, []
+        for step in range(STEPS):
+            with CostLedger() as ledger:
+                losses.append(trainer.forward_backward(step))
+            counts.append(ledger.attention_forward_calls)
+            if grads is None:
+                grads = [p.main_grad.clone() for p in trainer.model.parameters()]
+            trainer.optimizer_step()
+        trainer.sco.synchronize()
+        return losses, grads, counts, trainer
+
+
+def test_the_flag_keeps_outputs_in_scos_pool_bitwise(megatron_cpu):
+    """SCO with and without ``attn_replay``: the same losses and gradients bitwise, one
+    attention forward per layer and microbatch, every kept pair through SCO's pool (the
+    previous layer's prefetched), the pool empty after each step."""
+    from megatron_flat.config import FlatConfig
+    from megatron_flat.megatron import attention_replay
+
+    tiny = _tiny()
+    sco = dict(sco=True, sco_host_budget_gib=0.01)
+    try:
+        stock = _train_flat(tiny, FlatConfig(**sco))
+        replay = _train_flat(tiny, FlatConfig(attn_replay=True, **sco))
+    finally:
+        attention_replay.disable()
+    assert replay[0] == stock[0]
+    assert all(torch.equal(a, b) for a, b in zip(replay[1], stock[1]))
+    microbatches = tiny.global_batch_size // tiny.micro_batch_size
+    calls = tiny.num_layers * microbatches
+    assert stock[2] == [2 * calls] * STEPS and replay[2] == [calls] * STEPS
+    trainer = replay[3]
+    stats = trainer.replay_stores[0].host.stats
+    assert stats.kept == calls * STEPS and stats.not_kept == 0
+    # one on-demand reload per microbatch (its last layer's re-run comes first)
+    assert stats.reloads_on_demand == microbatches * STEPS
+    assert stats.prefetch_hits == stats.prefetched == (calls - microbatches) * STEPS
+    assert trainer.sco.pool.stats()["used_bytes"] == 0
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(sco=False), "no host budget"),
+    (dict(sco=True, sco_host_budget_gib=0.0), "no host budget"),
+])
+def test_no_host_budget_falls_back_to_the_stock_recompute_with_one_warning(
+        megatron_cpu, settings, reason):
+    from megatron_flat.config import FlatConfig
+
+    tiny = _tiny()
+    with pytest.warns(UserWarning, match=reason) as caught:
+        from megatron_flat.testing.distributed import megatron_layout
+        from megatron_flat.testing.training import Layout, Trainer
+
+        with megatron_layout(seed=tiny.seed):
+            trainer = Trainer(tiny, Layout(recompute="full"),
+                              flat=FlatConfig(attn_replay=True, **settings))
+    assert len([w for w in caught if "attn-replay" in str(w.message)]) == 1
+    assert trainer.replay_stores == []

@@ -179,3 +179,57 @@ def test_attention_tiles_are_installed_and_reach_the_flat_layer_spec(megatron_cp
     attention = spec.flat_gpt_layer_spec.resolve().submodules.self_attention.submodules
     assert attention.linear_qkv.module is TiledColumnParallelLinear
     assert attention.linear_qkv.params["tile_tokens"] == 512
+
+
+REPLAY = ("--flat-attn-replay", "--flat-sco", "--flat-sco-host-budget-gib", "1")
+
+
+def test_attention_replay_needs_full_recompute():
+    for granularity in ("selective", None):
+        problems = inst.check_against_megatron(
+            FlatConfig(attn_replay=True), argparse.Namespace(recompute_granularity=granularity))
+        assert len(problems) == 1 and "--recompute-granularity full" in problems[0]
+    assert inst.check_against_megatron(
+        FlatConfig(attn_replay=True), argparse.Namespace(recompute_granularity="full")) == []
+
+
+def test_attention_replay_is_wired_and_local_attention_says_it_cannot(megatron_cpu):
+    import warnings
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_flat.megatron import checkpoint_phase, replay_wiring
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.tiny_gpt import TinyMoE, build_tiny_gpt
+    from megatron_flat.testing.training import transformer_config
+
+    init = DotProductAttention.__init__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # wired: no fallback warning
+        megatron_flat.install(megatron_args(*REPLAY, recompute_granularity="full",
+                                            transformer_impl="local"))
+    assert replay_wiring.wired() and checkpoint_phase.enabled()
+    tiny = TinyMoE()  # Megatron's local DotProductAttention, in both layers
+    with megatron_layout(seed=tiny.seed), \
+            pytest.warns(UserWarning, match="DotProductAttention keeps no log-sum-exp") as caught:
+        build_tiny_gpt(tiny, transformer_config(tiny, recompute="full"))
+    assert tiny.num_layers > 1 and len([w for w in caught if "log-sum-exp" in str(w.message)]) == 1
+    inst._reset_for_tests()
+    assert not replay_wiring.wired() and DotProductAttention.__init__ is init
+
+
+@pytest.mark.parametrize("flags, settings, reason", [
+    (("--flat-attn-replay",), {}, "no host budget"),
+    (REPLAY, dict(transformer_impl="transformer_engine"), "transformer-engine"),
+    (REPLAY, dict(fp8="hybrid", fp8_dot_product_attention=True), "fp8 attention"),
+    (REPLAY, dict(attention_dropout=0.1), "attention dropout"),
+])
+def test_attention_replay_falls_back_with_one_warning(megatron_cpu, flags, settings, reason):
+    from megatron_flat.megatron import replay_wiring
+
+    args = megatron_args(*flags, **{"recompute_granularity": "full", "transformer_impl": "local",
+                                    "attention_dropout": 0.0, **settings})
+    with pytest.warns(UserWarning, match="attn-replay is off") as caught:
+        cfg = megatron_flat.install(args)
+    assert len(caught) == 1 and reason in str(caught[0].message)
+    assert cfg.attn_replay and not replay_wiring.wired()

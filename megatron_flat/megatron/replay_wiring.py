@@ -1,0 +1,161 @@
+"""The install-time half of attention replay: ``--flat-attn-replay`` wired in, and each
+replay-capable core attention's store handed out at its first checkpointed call.
+
+:func:`wire_attn_replay` (called by ``install()``) turns on the phase marks of
+``megatron.checkpoint_phase`` and lets :func:`store_for` give every replay-capable core
+attention its store at first use, its pairs in SCO's host pool (``attention.replay_host``:
+SCO's budget, pool and side streams). What cannot replay exactly falls back to the stock
+recompute with one warning: the whole run at install (:func:`fallback_reasons`), Megatron's
+local ``DotProductAttention`` when it is built. Kept apart from
+``megatron.attention_replay`` (which walks built models for ``FlashCoreAttention``) so the
+CPU attention can ask for its store without an import circle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import warnings
+from typing import Any, List, Optional
+
+from megatron_flat.megatron.checkpoint_phase import disable, enable
+
+__all__ = ["fallback_reasons", "recompute_problems", "store_for", "unwire", "warn_fallback",
+           "warn_once", "wire_attn_replay", "wired"]
+
+_lock = threading.Lock()
+_wiring: dict = {}  # "host": the ReplayHost every store shares (set by wire_attn_replay)
+_warned: set = set()
+
+
+def _get(source: Any, name: str, default: Any = None) -> Any:
+    return getattr(source, name, default) if source is not None else default
+
+
+def recompute_problems(megatron: Any) -> List[str]:
+    """Why ``--flat-attn-replay`` has nothing to replay with ``megatron``'s recompute
+    settings (only settings present are checked): it skips the attention kernel in full
+    recompute's re-run, so it needs full recompute."""
+    granularity = _get(megatron, "recompute_granularity", "absent")
+    if granularity == "absent" or granularity == "full":
+        return []
+    return [f"--flat-attn-replay replays full recompute's re-run of each layer: it needs "
+            f"--recompute-granularity full (got {granularity!r})"]
+
+
+def fallback_reasons(flat: Any, megatron: Any) -> List[str]:
+    """Why replay cannot be exact (or has nowhere to keep) for this whole run; empty when
+    it can. Each is a fallback to the stock recompute, not an error."""
+    reasons = []
+    if not (flat.sco and flat.sco_host_budget_bytes > 0):
+        reasons.append("no host budget: the kept outputs live in SCO's host pool (turn on "
+                       "--flat-sco with --flat-sco-host-budget-gib > 0)")
+    if _get(megatron, "fp8") and _get(megatron, "fp8_dot_product_attention", False):
+        reasons.append("fp8 attention: its output is rescaled per call, not replayable "
+                       "bitwise")
+    # Megatron-LM's arguments name the layer implementation (a TransformerConfig carries the
+    # field too, but its model may be built from any spec: local layers say so when built).
+    if (isinstance(megatron, argparse.Namespace)
+            and _get(megatron, "transformer_impl") == "transformer_engine"):
+        reasons.append("transformer-engine's core attention: its backward from a kept "
+                       "output is not wired yet")
+    if (_get(megatron, "attention_dropout") or 0) > 0:
+        reasons.append("attention dropout: the kept output's RNG state is not replayed yet")
+    return reasons
+
+
+def wire_attn_replay(flat: Any, megatron: Any = None) -> bool:
+    """``--flat-attn-replay``: the phase marks on, stores handed out at first use; or, when
+    :func:`fallback_reasons` finds any, one warning and nothing changed. True when wired."""
+    reasons = fallback_reasons(flat, megatron)
+    if reasons:
+        warn_fallback(reasons)
+        return False
+    enable()
+    with _lock:
+        _wiring.clear()
+        _wiring["on"] = True
+    _watch_local_attention()
+    return True
+
+
+def _watch_local_attention() -> None:
+    """Megatron's local ``DotProductAttention`` built from now on says once that it cannot
+    replay (a replay-capable subclass carries a ``replay`` attribute)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    init = DotProductAttention.__init__
+    if getattr(init, "__flat_replay_watch__", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if wired() and not hasattr(type(self), "replay"):
+            warn_once("local", f"megatron-flat: --flat-attn-replay: {type(self).__name__} "
+                               "keeps no log-sum-exp to run its backward from a kept output; "
+                               "its layers recompute attention as stock does")
+
+    __init__.__flat_replay_watch__ = True
+    __init__.__flat_replay_original__ = init
+    DotProductAttention.__init__ = __init__
+
+
+def warn_fallback(reasons: List[str]) -> None:
+    """The one warning of a run whose replay falls back to the stock recompute."""
+    warnings.warn("megatron-flat: --flat-attn-replay is off for this run; the stock "
+                  "recompute runs: " + "; ".join(reasons), stacklevel=4)
+
+
+def wired() -> bool:
+    return bool(_wiring.get("on"))
+
+
+def unwire() -> None:
+    """Undo :func:`wire_attn_replay` (stores already handed out stay with their modules)."""
+    with _lock:
+        _wiring.clear()
+        _warned.clear()
+    disable()
+    import sys
+
+    module = sys.modules.get("megatron.core.transformer.dot_product_attention")
+    init = getattr(module.DotProductAttention, "__init__", None) if module else None
+    if getattr(init, "__flat_replay_watch__", False):
+        module.DotProductAttention.__init__ = init.__flat_replay_original__
+
+
+def _shared_host():
+    """The ReplayHost on SCO's mover, made once SCO's pool exists to share."""
+    from megatron_flat.attention.replay_host import ReplayHost
+    from megatron_flat.megatron import sco
+
+    host = _wiring.get("host")
+    if host is None:
+        offload = sco.enabled()
+        if offload is None:
+            return None
+        host = _wiring["host"] = ReplayHost(offload.mover)
+    return host
+
+
+def warn_once(key: str, message: str) -> None:
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, stacklevel=4)
+
+
+def store_for(attention: Any) -> Optional[Any]:
+    """``attention``'s store when replay is wired (made at its first call), else None."""
+    if attention.replay is not None or not wired():
+        return attention.replay
+    from megatron_flat.attention.replay import ReplayStore
+
+    host = _shared_host()
+    if host is None:
+        warn_once("host", "megatron-flat: --flat-attn-replay found no SCO pool; the stock "
+                           "recompute runs")
+        return None
+    attention.replay = ReplayStore(host)
+    return attention.replay
