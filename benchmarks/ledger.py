@@ -39,11 +39,14 @@ per unit and variant, ``variant`` in ``stock`` / ``flat``):
     buckets the offloaded optimizer streams (dense and expert optimizers together).
 ``attention-replay``
     The demo model (DEMO_MODEL: 4 layers, CPU flash core attention, LAYOUT: EP 2, full
-    recompute), one forward + backward of every microbatch: Megatron's full recompute vs
-    the same with attention replay (``megatron.attention_replay.attach``: each layer's
-    core attention keeps its first pass's output and log-sum-exp and returns them in the
-    re-run without the kernel). Records add ``layers`` and the ledger's
-    ``attention_forward_calls`` / ``attention_backward_calls``. ``stages``: the layers.
+    recompute), one forward + backward of every microbatch: Megatron's full recompute with
+    SCO's boundaries (``--flat-sco``, DEMO_FLAT's budget; the host tier replay needs) vs the
+    same with ``--flat-attn-replay`` (each layer's core attention keeps its first pass's
+    output and log-sum-exp in SCO's host pool and returns them in the re-run without the
+    kernel, the previous layer's pair prefetched). Records add ``layers``, ``peak_bytes``
+    (= ``peak_device_bytes``), the ledger's ``attention_forward_calls`` /
+    ``attention_backward_calls`` and replay's own copies (``replay_d2h_bytes`` /
+    ``replay_h2d_bytes``, also in ``h2d_bytes`` / ``d2h_bytes``). ``stages``: the layers.
 ``step``
     One whole ``make demo`` training step (forward + backward of every microbatch, grad
     finalization, optimizer step, the Trainer's loss report), stock vs all four techniques
@@ -479,8 +482,11 @@ def unit_step(args, trainers: Optional[DemoTrainers] = None) -> list[dict]:
 
 
 def unit_attention_replay(args) -> list[dict]:
-    """``attention-replay``: the demo model's forward + backward under full recompute, stock
-    vs attention replay, from the same weights."""
+    """``attention-replay``: the demo model's forward + backward under full recompute with
+    SCO's boundaries, without and with ``--flat-attn-replay``, from the same weights."""
+    import dataclasses
+
+    from megatron_flat.config import FlatConfig
     from megatron_flat.megatron import attention_replay
     from megatron_flat.testing.distributed import megatron_layout
     from megatron_flat.testing.equivalence import full_tensors, load_full
@@ -488,28 +494,45 @@ def unit_attention_replay(args) -> list[dict]:
 
     bench = demo()
     layout, tiny = bench.LAYOUT, bench.DEMO_MODEL.with_(seq_length=args.seq_length)
+    sco = FlatConfig(sco=True, sco_host_budget_gib=bench.DEMO_FLAT.sco_host_budget_gib,
+                     sco_prefetch=bench.DEMO_FLAT.sco_prefetch)
+    configs = {"stock": sco, "flat": dataclasses.replace(sco, attn_replay=True)}
     shape = dict(layers=tiny.num_layers, hidden=tiny.hidden_size,
                  heads=tiny.num_attention_heads, seq=tiny.seq_length,
                  micro_batch=tiny.micro_batch_size, global_batch=tiny.global_batch_size,
-                 layout=layout.name)
+                 layout=layout.name, baseline="full recompute + SCO", flat="+ attention replay")
     out = []
     with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed):
-        stock = Trainer(tiny, layout, lr=args.lr)
-        initial = full_tensors([stock.model])
+        initial = None
         for variant in VARIANTS:
-            trainer = stock if variant == "stock" else Trainer(
-                tiny, layout, lr=args.lr, init=lambda model: load_full([model], initial))
-            if variant == "flat":
-                attention_replay.attach(trainer.model)
+            init = None if initial is None else (lambda model: load_full([model], initial))
+            trainer = Trainer(tiny, layout, lr=args.lr, flat=configs[variant], init=init)
+            if initial is None:
+                initial = full_tensors([trainer.model])
             try:
                 peak, costs = measure(lambda trainer=trainer: trainer.forward_backward(0))
+                # replay's own copies in one pass (its counters span every pass run)
+                before = _replay_copies(trainer)
+                warm(lambda trainer=trainer: trainer.forward_backward(0))
+                after = _replay_copies(trainer)
+                trainer.sco.synchronize()
             finally:
-                attention_replay.detach(trainer.model)
                 attention_replay.disable()
+            extra = dict(layers=tiny.num_layers, peak_bytes=peak,
+                         replay_d2h_bytes=after[0] - before[0],
+                         replay_h2d_bytes=after[1] - before[1])
             out.append(record("attention-replay", variant, peak, costs, tiny.num_layers,
-                              shape) | dict(layers=tiny.num_layers))
+                              shape) | extra)
             del trainer
     return out
+
+
+def _replay_copies(trainer) -> tuple[int, int]:
+    """(d2h, h2d) bytes attention replay's host tier has copied so far (0, 0 without it)."""
+    if not trainer.replay_stores:
+        return 0, 0
+    stats = trainer.replay_stores[0].host.stats  # one host tier, shared by every store
+    return stats.bytes_offloaded, stats.bytes_reloaded
 
 
 UNIT_FUNCTIONS = {

@@ -226,7 +226,7 @@ def test_attention_replay_unit_saves_one_attention_forward_per_layer(megatron_cp
     records = {r["variant"]: r for r in bench.unit_attention_replay(args)}
     stock, flat = records["stock"], records["flat"]
     for r in records.values():
-        assert set(bench.RECORD_KEYS) | {"layers"} <= set(r)
+        assert set(bench.RECORD_KEYS) | {"layers", "peak_bytes"} <= set(r)
     shape = stock["shape"]
     layers = stock["layers"]
     microbatches = shape["global_batch"] // shape["micro_batch"] // dist.get_world_size()
@@ -238,6 +238,11 @@ def test_attention_replay_unit_saves_one_attention_forward_per_layer(megatron_cp
     s, d = shape["seq"], shape["hidden"] // shape["heads"]
     per_call = 2 * shape["micro_batch"] * shape["heads"] * s * (s + 1) // 2 * (d + d)
     assert stock["flops"] - flat["flops"] == forwards * per_call
-    # nothing else moves: the same collectives, no host traffic added
+    # nothing else moves: the same collectives; the host traffic added is replay's own,
+    # O (fp32 [s, b, hidden]) + LSE (fp32 [b, heads, s]) per layer and microbatch each way
     assert flat["collective_bytes"] == stock["collective_bytes"]
-    assert (flat["h2d_bytes"], flat["d2h_bytes"]) == (stock["h2d_bytes"], stock["d2h_bytes"])
+    pair = shape["micro_batch"] * s * (shape["hidden"] + shape["heads"]) * 4
+    assert flat["replay_d2h_bytes"] == flat["replay_h2d_bytes"] == forwards * pair
+    assert stock["replay_d2h_bytes"] == 0
+    assert flat["d2h_bytes"] - stock["d2h_bytes"] == forwards * pair
+    assert flat["h2d_bytes"] - stock["h2d_bytes"] == forwards * pair
