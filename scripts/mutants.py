@@ -128,6 +128,11 @@ MUTANTS: List[Mutant] = [
            "        pass  # mutant: no wait\n"
            "        with torch.no_grad():\n            return rebuild(",
            ("tests/checkpoint/test_races.py",)),
+    # -- attention/replay_host.py: attention replay's reload consumer ----------------------
+    Mutant("replay_host.take-without-reload-wait", "megatron_flat/attention/replay_host.py",
+           "            event.wait()\n",
+           "            pass  # mutant: no wait\n",
+           ("tests/attention/test_replay.py",)),
     # -- optim/pipeline.py: OffloadStreamAdamW's slots --------------------------------------
     drop("pipeline.streams-ignore-caller", PIPELINE,
          "            stream.wait_stream(caller)", OPT_RACES,

@@ -48,10 +48,11 @@ done
 # The copy-race check: SCO's and OffloadStreamAdamW's tests again with delayed copies (a
 # side-stream copy lands only when a wait makes it due; its destination is poison until
 # then), so a missing wait fails bitwise instead of passing because CPU copies are instant.
-stage "delayed-copies tests (SCO, OffloadStreamAdamW)"
+stage "delayed-copies tests (SCO, OffloadStreamAdamW, attention replay's host tier)"
 scope=""; [ "$SCOPE" = megatron ] && scope=involved
 FLAT_DELAYED_COPIES=1 FLAT_JUNIT_TAG=delayed-copies FLAT_MEGATRON=$scope \
-  "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@" tests/checkpoint tests/optim
+  "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@" tests/checkpoint tests/optim \
+  tests/attention/test_replay.py
 rc=$?
 # Only a selection given on the command line (-k ...) may leave them nothing to run.
 [ $rc -eq 5 ] && [ $# -gt 0 ] && rc=0
