@@ -26,6 +26,11 @@
 #             beside set_sync_debug_mode's warnings, the steady-state backward under
 #             set_sync_debug_mode("error") (one sync fails the stage), host planning time
 #  6. vocab   benchmarks/vocab.py at P = 1 on CUDA (dense vs Ring-DTP blocked)
+#  6b. replay, replay-time  attention replay on the CUDA flash kernel (deterministic mode):
+#             tests/attention/test_replay_cuda.py (kept O equals a second kernel run,
+#             gradients bitwise on the device and through a pinned pool), then
+#             benchmarks/gpu_attention_replay.py (8 layers x 16K tokens: step time stock vs
+#             replay, measured saving against the FLOP-predicted one)
 #  7. summary OUTDIR/summary.txt and summary.json: stage results, predicted vs measured
 # megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
 # Uses the machine's python3 (CUDA torch), or $PYTHON.
@@ -90,6 +95,11 @@ run_stage dispatch-syncs 60 "$PY" benchmarks/dispatch_scale.py --device cuda --e
   --topk 8 --tokens 16384 --chunk-tokens 1639 --hidden 256 --ffn 256 --reps 3 \
   --json "$OUT/dispatch-scale-cuda.json"
 run_stage vocab 40 "$PY" benchmarks/vocab.py --device cuda --scale 4 --reps 2 --json "$OUT/vocab-cuda.json"
+# Attention replay on the CUDA flash kernel, deterministic mode: kept O/LSE equal a second
+# kernel run, gradients bitwise (device and pinned host tier), then its step time.
+run_stage replay 60 "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_replay_cuda.py \
+  --junitxml="$OUT/replay-cuda.xml"
+run_stage replay-time 60 "$PY" benchmarks/gpu_attention_replay.py --json "$OUT/replay-cuda.json"
 
 "$PY" - "$OUT" "$DRY" <<'PY' | tee "$OUT/summary.txt"
 import json, os, sys
@@ -119,6 +129,15 @@ if os.path.exists(path):
     summary["ledger"] = rows
     if dry:
         print("(dry run: CPU times and CPU counts; not comparable with the prediction)")
+path = os.path.join(out, "replay-cuda.json")
+if os.path.exists(path):
+    data = json.load(open(path))
+    steps = {r["variant"]: r["step_s"] for r in data["records"]}
+    print(f"\nattention replay ({data['layers']} layers x {data['seq']} tokens): step "
+          f"{steps['stock'] * 1e3:.1f} ms stock, {steps['replay'] * 1e3:.1f} ms replay; saving "
+          f"measured {data['measured_saving']:.1%}, predicted {data['predicted_saving']:.1%}; "
+          f"{'bitwise' if data['bitwise'] else 'NOT bitwise'}")
+    summary["replay"] = {k: data[k] for k in ("measured_saving", "predicted_saving", "bitwise")}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
 exit $status

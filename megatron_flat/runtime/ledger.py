@@ -296,10 +296,19 @@ def _cpu_flash_backward(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=Fa
     return 2 * pairs * (3 * q.shape[3] + 2 * v.shape[3])
 
 
-for _op in _overloads(_aten, "_scaled_dot_product_flash_attention_for_cpu"):
-    _FLOPS[_op] = _cpu_flash_forward
+def _cuda_flash_backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+                         dropout_p=0.0, is_causal=False, *r, **kw) -> int:
+    # The CUDA kernel's backward takes the sequence bounds before dropout_p and is_causal.
+    return _cpu_flash_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal)
+
+
+for _op in _overloads(_aten, "_scaled_dot_product_flash_attention_for_cpu",
+                      "_scaled_dot_product_flash_attention"):
+    _FLOPS[_op] = _cpu_flash_forward  # the same (q, k, v, dropout_p, is_causal, ...) head
 for _op in _overloads(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
     _FLOPS[_op] = _cpu_flash_backward
+for _op in _overloads(_aten, "_scaled_dot_product_flash_attention_backward"):
+    _FLOPS[_op] = _cuda_flash_backward
 
 
 # -- collectives --------------------------------------------------------------------

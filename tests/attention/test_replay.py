@@ -226,3 +226,38 @@ def test_the_host_tier_is_bitwise_under_delayed_copies():
         losses, grads, _ = _run(torch.float32, store, microbatches=2)
     assert all(torch.equal(a, b) for a, b in zip(losses, stock_losses))
     assert all(torch.equal(a, b) for a, b in zip(grads, stock_grads))
+
+
+def test_the_ledger_counts_the_cuda_flash_kernel_like_the_cpu_one():
+    """The CUDA kernel's ops take the sequence bounds before ``is_causal`` in their backward;
+    their counts equal the CPU kernel's for the same shapes (checked on meta tensors)."""
+    from megatron_flat.runtime import ledger
+
+    q, k, v, o = (torch.empty(B, HEADS, S, 8, device="meta") for _ in range(4))
+    lse = torch.empty(B, HEADS, S, device="meta")
+    aten = torch.ops.aten
+    count = {op: ledger._FLOPS[getattr(aten, op).default] for op in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward")}
+    assert count["_scaled_dot_product_flash_attention"](q, k, v, 0.0, True) == \
+        count["_scaled_dot_product_flash_attention_for_cpu"](q, k, v, 0.0, True)
+    assert count["_scaled_dot_product_flash_attention_backward"](
+        o, q, k, v, o, lse, None, None, S, S, 0.0, True) == \
+        count["_scaled_dot_product_flash_attention_for_cpu_backward"](o, q, k, v, o, lse, 0.0,
+                                                                      True)
+
+
+def test_the_gpu_step_time_benchmark_runs_on_cpu(benchmark_script, tmp_path):
+    """benchmarks/gpu_attention_replay.py at its CPU smoke shape: bitwise, half the attention
+    forwards, the FLOP-predicted saving positive (the GPU check runs it at 8 x 16K on CUDA)."""
+    import json
+
+    bench = benchmark_script("gpu_attention_replay")
+    out = tmp_path / "replay.json"
+    assert bench.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    stock, replay = data["records"]
+    assert data["bitwise"] and 2 * replay["attention_forward_calls"] == \
+        stock["attention_forward_calls"]
+    assert 0 < data["predicted_saving"] < 0.5 and replay["d2h_bytes"] == replay["h2d_bytes"] > 0
