@@ -27,8 +27,11 @@ the pair):
   grad-enabled call with something kept replays it (a grad-enabled call with nothing kept,
   e.g. a run without recompute, runs stock).
 
-Causal self-attention without dropout, mask or bias: the first pass consumes no random
-numbers, so nothing is advanced in the re-run. The caller decides when a no-grad call is a
+Causal self-attention without mask or bias. Attention dropout (the CUDA kernel only; the
+CPU kernel has none): the first pass keeps the Philox seed and offset its kernel drew, so the
+backward regenerates the same mask, and how far it advanced the generator, so the re-run
+advances it as far without the kernel and every later dropout mask (the re-run starts from
+the first pass's RNG state, restored by the checkpoint) is unchanged. The caller decides when a no-grad call is a
 recompute region's first pass (a no-grad forward that never re-runs, e.g. evaluation, must
 not keep anything: :meth:`ReplayStore.clear` drops what is kept).
 """
@@ -115,52 +118,74 @@ class ReplayStore:
 
 class _Kernel:
     """One backend's flash kernel: its forward with the statistics its backward needs, its
-    backward from them, and the stock call through autograd (the same kernel)."""
+    backward from them, the stock call through autograd (the same kernel), and what a
+    replayed call does to the RNG in place of the kernel."""
 
-    def forward(self, q, k, v, scale) -> Tuple[torch.Tensor, torch.Tensor, tuple]:
+    def forward(self, q, k, v, scale, dropout_p) -> Tuple[torch.Tensor, torch.Tensor, Any]:
         raise NotImplementedError
 
-    def backward(self, grad_out, q, k, v, out, lse, meta, scale):
+    def backward(self, grad_out, q, k, v, out, lse, meta, scale, dropout_p):
         raise NotImplementedError
 
-    def stock(self, q, k, v, scale) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    def stock(self, q, k, v, scale, dropout_p) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale)
+
+    def replayed(self, meta: Any, device: torch.device) -> None:
+        """Advance the RNG as the skipped kernel would have (nothing without dropout)."""
 
 
 class _CpuKernel(_Kernel):
     """torch's CPU flash kernel (what ``F.scaled_dot_product_attention`` runs on CPU)."""
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, dropout_p):
         out, lse = _FORWARD(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
 
-    def backward(self, grad_out, q, k, v, out, lse, meta, scale):
+    def backward(self, grad_out, q, k, v, out, lse, meta, scale, dropout_p):
         return _BACKWARD(grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
 
 
 class _CudaFlashKernel(_Kernel):
     """torch's CUDA flash kernel (``SDPBackend.FLASH_ATTENTION``; fp16/bf16). Its backward
     takes, besides (Q, K, V, O, LSE), the sequence bounds and the Philox seed and offset the
-    forward returned: kept as ``meta`` (dropout is 0 here, so they select no random
-    numbers; kept anyway, as the stock node keeps them)."""
+    forward returned (its dropout mask): kept as ``meta``, with how far the forward moved
+    the device's generator (its Philox offset), which a replayed call moves it instead."""
 
-    def forward(self, q, k, v, scale):
+    def forward(self, q, k, v, scale, dropout_p):
+        generator = _generator(q.device)
+        start = generator.get_offset()
         (out, lse, cum_q, cum_k, max_q, max_k, seed, offset,
-         _) = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False,
-                                                                 scale=scale)
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+         _) = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True,
+                                                                 False, scale=scale)
+        drawn = generator.get_offset() - start
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset, drawn)
 
-    def backward(self, grad_out, q, k, v, out, lse, meta, scale):
-        cum_q, cum_k, max_q, max_k, seed, offset = meta
+    def backward(self, grad_out, q, k, v, out, lse, meta, scale, dropout_p):
+        cum_q, cum_k, max_q, max_k, seed, offset, _ = meta
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True,
-            seed, offset, scale=scale)
+            grad_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
+            True, seed, offset, scale=scale)
 
-    def stock(self, q, k, v, scale):
+    def stock(self, q, k, v, scale, dropout_p):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                  scale=scale)
+
+    def replayed(self, meta, device):
+        drawn = meta[-1]
+        if drawn:
+            generator = _generator(device)
+            generator.set_offset(generator.get_offset() + drawn)
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The device's default generator: what the flash kernel draws from (Megatron's RNG
+    tracker swaps its states in and out of it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
 
 
 _KERNELS = {"cpu": _CpuKernel(), "cuda": _CudaFlashKernel()}
@@ -171,23 +196,27 @@ class _Replayed(torch.autograd.Function):
     autograd node would have saved (Q, K, V, O, LSE and the backend's ``meta``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, lse, scale, kernel, meta):
+    def forward(ctx, q, k, v, out, lse, scale, kernel, meta, dropout_p):
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.kernel, ctx.meta = scale, kernel, meta
+        ctx.scale, ctx.kernel, ctx.meta, ctx.dropout_p = scale, kernel, meta, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(grad_out, q, k, v, out, lse, ctx.meta, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = ctx.kernel.backward(grad_out, q, k, v, out, lse, ctx.meta, ctx.scale,
+                                         ctx.dropout_p)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Kernel:
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> _Kernel:
     kernel = _KERNELS.get(q.device.type)
     if kernel is None:
         raise ValueError(f"attention replay runs torch's CPU or CUDA flash kernel; got "
                          f"{q.device} tensors")
+    if dropout_p and q.device.type != "cuda":
+        raise ValueError(f"attention replay: torch's CPU flash kernel has no dropout; got "
+                         f"dropout_p={dropout_p}")
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"attention replay on CUDA runs the flash kernel, which takes fp16 or "
                          f"bf16; got {q.dtype}")
@@ -200,29 +229,32 @@ def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Kernel:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: Optional[float] = None, store: Optional[ReplayStore] = None,
-                    key: Hashable = None) -> torch.Tensor:
+                    key: Hashable = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of ``[b, heads, s, d]`` tensors (module docstring): stock without
     ``store``; with one, a no-grad call keeps (O, LSE) under ``key`` and a grad-enabled call
     replays the oldest kept pair of ``key`` when there is one. CPU tensors run torch's CPU
-    flash kernel, CUDA ones (fp16/bf16) its CUDA flash kernel, stock and replayed alike."""
+    flash kernel, CUDA ones (fp16/bf16) its CUDA flash kernel, stock and replayed alike;
+    ``dropout_p`` (CUDA only) is the attention dropout."""
     if store is None:
         if q.device.type == "cuda":
-            return _KERNELS["cuda"].stock(q, k, v, scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    kernel = _kernel(q, k, v)
+            return _KERNELS["cuda"].stock(q, k, v, scale, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale)
+    kernel = _kernel(q, k, v, dropout_p)
     if not torch.is_grad_enabled():
-        out, lse, meta = kernel.forward(q, k, v, scale)
+        out, lse, meta = kernel.forward(q, k, v, scale, dropout_p)
         store.kernel_forwards += 1
         store.keep(key, out, lse, meta=meta)
         return out
     entry = store.take_with_meta(key)
     if entry is None:
         store.kernel_forwards += 1
-        return kernel.stock(q, k, v, scale)
+        return kernel.stock(q, k, v, scale, dropout_p)
     (out, lse), meta = entry
     if out.shape != q.shape[:-1] + v.shape[-1:]:
         raise RuntimeError(f"attention replay: the kept output {tuple(out.shape)} does not "
                            f"fit this call's query {tuple(q.shape)} (key {key!r}): the re-runs "
                            "did not come in the first passes' order")
     store.replays += 1
-    return _Replayed.apply(q, k, v, out, lse, scale, kernel, meta)
+    kernel.replayed(meta, q.device)
+    return _Replayed.apply(q, k, v, out, lse, scale, kernel, meta, dropout_p)

@@ -261,3 +261,19 @@ def test_the_gpu_step_time_benchmark_runs_on_cpu(benchmark_script, tmp_path):
     assert data["bitwise"] and 2 * replay["attention_forward_calls"] == \
         stock["attention_forward_calls"]
     assert 0 < data["predicted_saving"] < 0.5 and replay["d2h_bytes"] == replay["h2d_bytes"] > 0
+
+
+def test_the_cuda_kernels_arguments_line_up_with_torchs_schemas():
+    """The CUDA flash kernel's forward outputs, kept as ``meta``, feed its backward in the
+    order the schema wants (checked on meta tensors, which run the ops' shape functions)."""
+    from megatron_flat.attention.replay import _KERNELS
+
+    q, k, v = (torch.empty(B, HEADS, S, 8, device="meta", dtype=torch.bfloat16)
+               for _ in range(3))
+    (out, lse, cum_q, cum_k, max_q, max_k, seed, offset,
+     _) = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.1, True, False)
+    meta = (cum_q, cum_k, max_q, max_k, seed, offset, 0)
+    dq, dk, dv = _KERNELS["cuda"].backward(torch.empty_like(out), q, k, v, out, lse, meta,
+                                           None, 0.1)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert lse.dtype == torch.float32 and out.shape == q.shape
