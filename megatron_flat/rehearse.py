@@ -472,6 +472,14 @@ def what_ran(flat: Run) -> List[str]:
                      f"{modules.get('TiledColumnParallelLinear', 0)} of "
                      f"{modules.get('layers', 0)} layers, up to {used} tile(s) per "
                      f"projection{note}")
+    if config.get("attn_replay"):
+        replays = modules.get("attention_replays", 0)
+        capable = modules.get("replay_capable_attentions", 0)
+        lines.append(f"attention replay: {replays} re-run(s) served without the kernel"
+                     if replays else
+                     f"attention replay: fell back to the stock recompute ({capable} core "
+                     "attention(s) can replay; Megatron's local DotProductAttention and "
+                     "transformer-engine's cannot yet: see the run's warning)")
     return lines
 
 

@@ -132,7 +132,8 @@ def _flat_modules(models) -> Dict[str, int]:
 
     counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0,
               "ContextParallelCoreAttention": 0, "TiledColumnParallelLinear": 0,
-              "attention_tiles_used": 0, "layers": 0}
+              "attention_tiles_used": 0, "layers": 0, "attention_replays": 0,
+              "replay_capable_attentions": 0}
     for model in models:
         for module in model.modules():
             counts["FlatMoELayer"] += isinstance(module, FlatMoELayer)
@@ -144,6 +145,11 @@ def _flat_modules(models) -> Dict[str, int]:
                 counts["TiledColumnParallelLinear"] += 1
                 counts["attention_tiles_used"] = max(counts["attention_tiles_used"],
                                                      module.most_tiles)
+            # Attention replay: core attentions that can replay, and the re-runs served.
+            if hasattr(type(module), "replay") and hasattr(module, "layer_number"):
+                counts["replay_capable_attentions"] += 1
+                store = module.replay
+                counts["attention_replays"] += store.replays if store is not None else 0
             # The CPU backend's stand-in for transformer-engine's CP attention (both runs).
             counts["ContextParallelCoreAttention"] += isinstance(
                 module, ContextParallelCoreAttention) and module.cp_size > 1

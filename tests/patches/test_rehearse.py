@@ -162,6 +162,18 @@ def test_attention_tiles_are_reported_and_missing_ones_fail():
     assert code == 1 and "--flat-attn-tiles 6 is on but no layer has the tiled" in last
 
 
+def test_attention_replay_is_reported_served_or_fallen_back():
+    modules = {"layers": 2, "replay_capable_attentions": 2, "attention_replays": 8}
+    flat = _run("flat", {1: 5.0}, modules=modules)
+    flat.ranks[0]["flat"] = {"attn_replay": True}
+    assert rehearse.what_ran(flat) == ["attention replay: 8 re-run(s) served without the kernel"]
+    modules.update(replay_capable_attentions=0, attention_replays=0)
+    assert rehearse.what_ran(flat)[0].startswith(
+        "attention replay: fell back to the stock recompute (0 core attention(s) can replay")
+    # a fallback is what replay promises where it cannot be exact: the verdict stands
+    assert rehearse.verdict(_run("stock", {1: 5.0}), flat, 1e-5)[0] == 0
+
+
 def test_first_error_skips_torchrun_noise():
     log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
            "[rank0]: RuntimeError: boom\n"
