@@ -47,3 +47,36 @@ def test_prefix_attention_equals_causal_attention_in_the_inputs_dtype(dtype):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     out.float().sum().backward()
     assert q.grad.dtype == kind and k.grad.dtype == kind
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kept_prefix_output_replays_bitwise(dtype):
+    """Attention replay under CP: the slot's (O, LSE) kept from a no-grad first pass and
+    handed to the re-run give the output and every input gradient bitwise (fp32 and bf16); a
+    one-ulp change to the kept O (every element) changes the gradients."""
+    import torch
+
+    from megatron_flat.megatron.cpu_context_attention import (
+        _PrefixCausalAttention,
+        _prefix_forward,
+    )
+
+    torch.manual_seed(0)
+    kind = getattr(torch, dtype)
+    b, n, total, c, d = 1, 2, 12, 4, 8
+    base = [torch.randn(b, n, total, d).to(kind) for _ in range(3)]
+    grad = torch.randn(b, n, c, d).to(kind)
+
+    def run(kept=None):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = _PrefixCausalAttention.apply(q[:, :, total - c:], k, v, d ** -0.5, *(kept or ()))
+        out.backward(grad)
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    stock = run()
+    with torch.no_grad():
+        kept = _prefix_forward(base[0][:, :, total - c:], base[1], base[2], d ** -0.5)
+    assert all(torch.equal(a, b) for a, b in zip(run(kept), stock))
+    out = torch.nextafter(kept[0], torch.full_like(kept[0], float("inf")))
+    lse = kept[1]
+    assert not all(torch.equal(a, b) for a, b in zip(run((out, lse))[1:], stock[1:]))
