@@ -4,7 +4,7 @@
 
     model = preset("paper-667b")
     search = search_layouts(model, 64, 141 << 30, 2 << 40, seq_len=1 << 20)
-    layout = search.chosen                             # TP 4 x CP 16, EP 64: searched
+    layout = search.chosen                             # TP 8 x CP 8, EP 64: searched
     search.reach["fsdp2-offload"]                      # a baseline's own best layouts
     report = estimate(model, layout, seq_len=1 << 20)  # baseline: flat=None
     report.total, report.binding                       # bytes per GPU, e.g. "optimizer"
@@ -20,6 +20,7 @@ search-free layout (TP in the node, CP the rest).
 """
 
 from megatron_flat.plan.fit import (
+    KNOBS,
     TECHNIQUES,
     DoesNotFit,
     Fit,
@@ -50,7 +51,7 @@ from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate
 from megatron_flat.plan.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
 __all__ = [
-    "DEFAULT_SKEW", "DoesNotFit", "Fit", "Layout", "LayoutSearch", "ModelSpec", "PRESETS",
+    "DEFAULT_SKEW", "DoesNotFit", "Fit", "KNOBS", "Layout", "LayoutSearch", "ModelSpec", "PRESETS",
     "PeakReport", "PlanError", "Reach", "TECHNIQUES", "candidate_layouts", "default_layout",
     "estimate", "fit", "format_bytes", "format_tokens", "layout_from_megatron_args",
     "load_model", "max_context", "model_from_hf_config", "model_from_megatron_args",

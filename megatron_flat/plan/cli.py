@@ -37,8 +37,8 @@ from megatron_flat.plan.baselines import (
 )
 from megatron_flat.plan.costs import UNITS, attn_tiles
 from megatron_flat.plan.fit import (
+    KNOBS,
     TECHNIQUE_NAMES,
-    TECHNIQUES,
     DoesNotFit,
     Reach,
     enabled,
@@ -116,14 +116,17 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
                    help=f"routing skew, max/mean routes per EP rank (default {DEFAULT_SKEW})")
     p.add_argument("--margin", type=float, default=0.1,
                    help="fraction of GPU memory kept free (default 0.1)")
-    p.add_argument("--without", action="append", default=[], choices=TECHNIQUES,
+    p.add_argument("--without", action="append", default=[], choices=KNOBS,
                    metavar="TECHNIQUE",
                    help="a technique fit and the reach may not turn on (repeatable; one of "
-                        f"{', '.join(TECHNIQUES)}), e.g. --without attn_tiles for the reach "
-                        "of the four peaks' techniques alone")
+                        f"{', '.join(KNOBS)}), e.g. --without attn_tiles for the reach "
+                        "of the four peaks' techniques alone, --without attn_replay for the "
+                        "step without attention replay")
     p.add_argument("--all-on", action="store_true",
-                   help="flat column: every technique at its smallest-memory setting "
-                        "(default: the fewest techniques that fit, at their cheapest settings)")
+                   help="flat column: every technique at its smallest-memory setting, "
+                        "attention replay (a speed knob) off (default: the fewest techniques "
+                        "that fit, at their cheapest settings, and attention replay where it "
+                        "fits)")
     p.add_argument("--device", default="H200", choices=sorted(DEVICES),
                    help="GPU the step-time model predicts for (default H200)")
     p.add_argument("--microbatches", type=int, default=None,
@@ -185,7 +188,8 @@ def _cost(base: float, flat: float) -> str:
     return f"{sign}{format_seconds(abs(delta))}{rel}"
 
 
-def _knob_summary(report: PeakReport, flat: FlatConfig) -> List[str]:
+def _knob_summary(report: PeakReport, flat: FlatConfig,
+                  replay_why: Optional[str] = None) -> List[str]:
     lines = []
     if flat.dispatch == "pipelined":
         lines.append(f"{TECHNIQUE_NAMES['dispatch']}: c = {flat.dispatch_chunk_tokens:,} tokens, "
@@ -198,10 +202,12 @@ def _knob_summary(report: PeakReport, flat: FlatConfig) -> List[str]:
         lines.append(f"{TECHNIQUE_NAMES['vocab']}: mode {flat.vocab_mode} "
                      f"(moves {report.vocab_mode})")
     if flat.sco:
+        replay = (f"; {format_bytes(report.replay_host)} of it attention replay's"
+                  if report.replay_kept else "")
         lines.append(f"{TECHNIQUE_NAMES['sco']}: host budget {flat.sco_host_budget_gib:.3f} GiB "
                      f"per GPU ({report.boundaries_offloaded} of {report.boundaries_held} "
-                     f"boundaries of {format_bytes(report.boundary_bytes)} on host), prefetch "
-                     f"{flat.sco_prefetch}")
+                     f"boundaries of {format_bytes(report.boundary_bytes)} on host{replay}), "
+                     f"prefetch {flat.sco_prefetch}")
     if flat.optimizer_offload:
         lines.append(f"{TECHNIQUE_NAMES['optimizer_offload']}: bucket "
                      f"{flat.optimizer_bucket_numel:,} params x {flat.optimizer_num_slots} "
@@ -212,6 +218,18 @@ def _knob_summary(report: PeakReport, flat: FlatConfig) -> List[str]:
         lines.append(f"{TECHNIQUE_NAMES['attn_tiles']}: {flat.attn_tiles:,} gathered tokens a "
                      f"tile ({attn_tiles(report.layout, report.tokens, flat)} tiles per "
                      "projection)")
+    if report.replay_kept:
+        lines.append(f"{TECHNIQUE_NAMES['attn_replay']}: O + LSE of {report.replay_kept} "
+                     f"layer{'s' if report.replay_kept != 1 else ''} of "
+                     f"{format_bytes(report.replay_bytes)} kept on host "
+                     f"({format_bytes(report.replay_host)} per GPU, in SCO's budget), one "
+                     "restored ahead of its layer; the recompute skips each layer's core "
+                     "attention (a core attention that can replay is needed: "
+                     "transformer-engine's falls back to the stock recompute, with a warning, "
+                     "until it is wired)")
+    elif lines:
+        why = replay_why or report.replay_off or "off"
+        lines.append(f"{TECHNIQUE_NAMES['attn_replay']}: off ({why})")
     return lines or ["none needed: the baseline fits"]
 
 
@@ -223,6 +241,7 @@ def flat_flags(flat: FlatConfig) -> str:
         "sco": ("sco_host_budget_gib", "sco_prefetch"),
         "optimizer_offload": ("optimizer_bucket_numel", "optimizer_num_slots"),
         "attn_tiles": (),
+        "attn_replay": (),
     }
     out = []
     for switch, knobs in groups.items():
@@ -302,6 +321,8 @@ class PlanResult:
     # would query-chunked core attention pay here (``plan.query_chunks``); None: no reach
     query_chunks: Optional[QueryChunkAssessment] = None
     not_allowed: Dict[str, str] = field(default_factory=dict)  # on the chosen layout
+    attn_replay_why: Optional[str] = None   # why attention replay is off (None: on)
+    flat_without_replay: Optional[FlatConfig] = None  # fit's knobs before replay (when on)
 
     @property
     def strongest(self) -> Optional[str]:
@@ -312,6 +333,32 @@ class PlanResult:
         need within the node's memory less ``HOST_MARGIN``, shared by its GPUs."""
         host = host_budget_per_device(report.layout, self.host_bytes, HOST_MARGIN)
         return report.total <= self.budget and (host is None or report.host_per_device <= host)
+
+    def replay_saving(self, times: Dict[str, Dict[str, Prediction]]) -> Optional[dict]:
+        """The flat step with and without attention replay (``times``: ``predict_units``),
+        on the chosen layout; None when replay is off."""
+        if self.flat_without_replay is None:
+            return None
+        report = estimate(self.model, self.layout, self.seq_len, self.flat_without_replay,
+                          skew=self.skew)
+        without = unit_times(self.model, self.layout, report, self.flat_without_replay,
+                             self.device)
+        lay = self.layout
+        step = step_seconds(times, "flat", self.microbatches, lay.pp)
+        before = _step_seconds(without, self.microbatches, lay.pp)
+        return {"step_s": step, "step_s_without": before, "saved_s": before - step}
+
+    def replay_json(self, times: Dict[str, Dict[str, Prediction]]) -> dict:
+        """The ``attn_replay`` object of ``--json``."""
+        r = self.flat_report
+        out = {"on": bool(r.replay_kept), "why_off": None if r.replay_kept else
+               (self.attn_replay_why or r.replay_off or "off"),
+               "bytes_per_layer": r.replay_bytes, "layers_kept": r.replay_kept,
+               "host_bytes_per_device": r.replay_host,
+               "prefetch_device_bytes": r.replay_device}
+        saving = self.replay_saving(times)
+        out.update(saving or {"step_s": None, "step_s_without": None, "saved_s": 0.0})
+        return out
 
     def _run_json(self, run: RunAt) -> dict:
         if run.report is None:
@@ -388,6 +435,7 @@ class PlanResult:
             "step_s": {v: step_seconds(times, v, self.microbatches, lay.pp)
                        for v in ("baseline", "flat")},
         }
+        out["attn_replay"] = self.replay_json(times)
         if self.error:
             out["error"] = self.error
         return out
@@ -446,8 +494,10 @@ def plan(args: argparse.Namespace) -> PlanResult:
     if gpus is None:
         raise PlanError(f"give --gpus for {model.name} (only the paper presets have a default)")
     fixed = _fixed_sizes(args)
+    # --all-on runs no speed knob, so its layout is ranked by the step it runs.
+    without = set(args.without) | ({"attn_replay"} if args.all_on else set())
     kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew,
-              allow=tuple(t for t in TECHNIQUES if t not in args.without))
+              allow=tuple(t for t in KNOBS if t not in without))
     dev = device_model(args.device).name
     search = search_layouts(model, gpus, device, host, fixed=fixed, seq_len=seq, device=dev,
                             microbatches=args.microbatches or 1,
@@ -464,18 +514,22 @@ def plan(args: argparse.Namespace) -> PlanResult:
     if seq is None:
         seq = reach.flat or reach.granularity  # the longest context flat fits here
     error = None
+    without_replay = None
     if args.all_on:
         flat_report = tightest_report(model, layout, seq, host, host_margin=HOST_MARGIN,
                                       skew=args.skew, allow=kw["allow"])
         flat = flat_report.flat or FlatConfig()
+        replay_why = "--all-on shows the smallest-memory settings"
     else:
         try:
-            result = fit(model, layout, seq, device, host, **kw)
+            result = fit(model, layout, seq, device, host, device=dev, **kw)
             flat_report, flat = result.report, result.flat
+            replay_why, without_replay = result.attn_replay_why, result.without_replay
         except DoesNotFit as err:
             error = str(err)
             flat_report = err.best
             flat = flat_report.flat or FlatConfig()
+            replay_why = "the step does not fit"
     on_layout: Dict[str, Optional[PeakReport]] = {}
     not_allowed: Dict[str, str] = {}
     runs: Dict[str, RunAt] = {}
@@ -509,6 +563,7 @@ def plan(args: argparse.Namespace) -> PlanResult:
                       error=error, all_on=args.all_on, device=dev, microbatches=microbatches,
                       global_batch=search.global_batch, baseline_name=name, runs=runs,
                       paper=paper, not_allowed=not_allowed,
+                      attn_replay_why=replay_why, flat_without_replay=without_replay,
                       query_chunks=query_chunks.assess(
                           model, layout, reach.flat, host, host_margin=HOST_MARGIN,
                           skew=args.skew, allow=kw["allow"]))
@@ -660,7 +715,7 @@ def render_table(res: PlanResult) -> str:
         lines.append("knobs (flat: every technique at its smallest-memory setting):")
     else:
         lines.append("knobs (flat: the fewest techniques that fit, at their cheapest settings):")
-    lines += ["  " + s for s in _knob_summary(r, res.flat)]
+    lines += ["  " + s for s in _knob_summary(r, res.flat, res.attn_replay_why)]
     flags = flat_flags(res.flat)
     if flags:
         lines.append("  flags: " + flags)
@@ -690,6 +745,13 @@ def render_table(res: PlanResult) -> str:
     lines.append(f"  {label:36s}{format_seconds(step['baseline']):>12s}"
                  f"{format_seconds(step['flat']):>12s}   "
                  f"{_cost(step['baseline'], step['flat'])}")
+    saving = res.replay_saving(times)
+    if saving is not None:
+        lines.append(f"  {'of which attention replay':36s}{'':12s}"
+                     f"{'-' + format_seconds(saving['saved_s']):>12s}   flat without it "
+                     f"{format_seconds(saving['step_s_without'])} "
+                     f"({-saving['saved_s'] / saving['step_s_without']:+.0%}): one core-"
+                     "attention forward per layer less")
     if res.error:
         lines += ["", "does not fit: " + res.error]
     return "\n".join(lines)

@@ -40,8 +40,8 @@ from megatron_flat.plan.peaks import (
 )
 from megatron_flat.plan.time import DeviceModel, Overlap, overlap_for
 
-__all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops", "attn_tile_counts",
-           "attn_tile_overhead", "attn_tiles"]
+__all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops", "attention_core_flops",
+           "attention_projection_flops", "attn_tile_counts", "attn_tile_overhead", "attn_tiles"]
 
 UNITS = ("dispatch", "vocab", "boundaries", "optimizer", "parameters")
 
@@ -132,13 +132,24 @@ def expert_units(gated: bool) -> Tuple[int, int]:
 
 
 def attention_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> float:
-    """Forward FLOPs of one attention layer on one GPU: projections 2·N·P_attn/TP and
-    causal scores + weighted values 2·2·N·(S/2)·h·d/TP (each of the N local queries sees
-    on average half of the S·mbs keys)."""
-    proj = 2 * n * model.attention_params_per_layer() / layout.tp
+    """Forward FLOPs of one attention layer on one GPU: its projections
+    (``attention_projection_flops``) and its core attention (``attention_core_flops``)."""
+    return attention_projection_flops(model, layout, n) + \
+        attention_core_flops(model, layout, seq_len, n)
+
+
+def attention_projection_flops(model: ModelSpec, layout: Layout, n: int) -> float:
+    """Forward FLOPs of one layer's attention projections (QKV and output) on one GPU:
+    2·N·P_attn/TP."""
+    return 2 * n * model.attention_params_per_layer() / layout.tp
+
+
+def attention_core_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> float:
+    """Forward FLOPs of one layer's core attention on one GPU, causal scores + weighted
+    values (QK^T and PV): 2·2·N·(S/2)·h·d/TP (each of the N local queries sees on average
+    half of the S·mbs keys). What attention replay skips in the recompute."""
     keys = seq_len * layout.micro_batch_size / 2
-    core = 2 * 2 * n * keys * model.heads * max(model.head_dim, model.dv) / layout.tp
-    return proj + core
+    return 2 * 2 * n * keys * model.heads * max(model.head_dim, model.dv) / layout.tp
 
 
 def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: int,
@@ -442,11 +453,21 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
     Only attention is counted as the compute that hides them (the experts are the
     dispatch unit's), so the units add up to a step without counting anything twice and
     the hiding is, if anything, underestimated.
+
+    Attention replay: the recompute of each layer it keeps (``report.replay_fraction`` of
+    them; all when SCO's pool holds them) skips the core attention (its projections still
+    run), so such a layer's FLOPs are 4·P + 3·C (P the projections' forward, C the core
+    attention's) instead of 4·(P + C); its O + LSE (``report.replay_bytes``) goes to the
+    host in the forward and comes back one layer ahead in the backward, on the copy streams
+    of SCO's boundaries.
     """
     first, count = stage_layers(model, layout)[report.stage]
     if not count:
         return {}, overlap_for("sco", "stock")
-    counts = {"flops": 4 * attention_flops(model, layout, report.seq_len, report.tokens) * count}
+    forward = attention_flops(model, layout, report.seq_len, report.tokens)
+    replayed = count * report.replay_fraction  # layers per microbatch that replay
+    skipped = replayed * attention_core_flops(model, layout, report.seq_len, report.tokens)
+    counts = {"flops": 4 * forward * count - skipped}
     tiles = attn_tiles(layout, report.tokens, flat)
     if tiles > 1:
         extra = attn_tile_counts(projection_params=model.attention_params_per_layer() // layout.tp,
@@ -454,7 +475,7 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
         counts.update(_scale(extra, count))
     if flat is None or not flat.sco:
         return counts, overlap_for("sco", "stock")
-    moved = report.boundaries_offloaded * report.boundary_bytes
+    moved = report.boundaries_offloaded * report.boundary_bytes + replayed * report.replay_bytes
     counts.update(h2d_bytes=moved, d2h_bytes=moved)
     return counts, overlap_for("sco", "flat", max(1, count))
 

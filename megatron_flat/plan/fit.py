@@ -17,6 +17,17 @@
    "llep"``, which still evens the load), the fewest offloaded boundaries, the largest
    attention tile (doubling from ``ATTN_TILE_TOKENS``).
 
+4. Attention replay (``attn_replay``), a speed knob, not a memory one: under full recompute
+   it keeps each layer's core-attention output (O and its log-sum-exp) in SCO's host pool so
+   the recompute skips that kernel. It is turned on last, where the layout runs full
+   recompute, the node's pinned host memory holds its L_s·m slots of O + LSE beside the
+   optimizer state and SCO's boundaries, the device still holds the step with one of them
+   prefetched, and the step-time model predicts the step faster. SCO's pool is filled first
+   come (each layer's boundary before its O + LSE), so keeping every layer's outputs takes
+   every boundary too: SCO is turned on (if off) with a budget of L_s·m·(B + O + LSE). Off,
+   ``Fit.attn_replay_why`` says why. It adds device bytes, so it never extends the reach; a
+   plan whose baseline fits runs stock Megatron: nothing is turned on, replay neither.
+
 When nothing fits, ``PlanError`` says by how much and which term binds at the smallest-
 memory setting. ``max_context`` bisects the longest sequence for which the baseline fits and
 for which ``fit`` succeeds.
@@ -42,8 +53,13 @@ from megatron_flat.plan.peaks import (
 )
 
 TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload", "attn_tiles")
+# Knobs that only save time: fit turns them on after the memory techniques, where they fit.
+SPEED_KNOBS = ("attn_replay",)
+# What ``allow`` may name (every one by default).
+KNOBS = TECHNIQUES + SPEED_KNOBS
 TECHNIQUE_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO",
-                   "optimizer_offload": "OffloadStreamAdamW", "attn_tiles": "attention tiles"}
+                   "optimizer_offload": "OffloadStreamAdamW", "attn_tiles": "attention tiles",
+                   "attn_replay": "attention replay"}
 BUCKET_LADDER = (100_000_000, 50_000_000, 25_000_000, 10_000_000, 5_000_000, 1_000_000)
 MIN_CHUNK_TOKENS = 1024  # smallest per-source chunk fit will choose (GEMM efficiency)
 MIB = 1 << 20
@@ -83,7 +99,10 @@ class Fit:
     ``flat``: the FlatConfig to launch with (everything off when the baseline fits);
     ``report``: its peaks; ``baseline``: the peaks without megatron-flat; ``budget``: usable
     device bytes (device size less the margin); ``host_budget``: usable pinned host bytes
-    per device (None: not limited); ``enabled``: the techniques turned on.
+    per device (None: not limited); ``enabled``: the memory techniques turned on (SCO may
+    also be on as attention replay's host pool alone); ``attn_replay_why``: why attention
+    replay is off (None: ``flat.attn_replay`` is on); ``without_replay``: the knobs before
+    replay was turned on (None when it is off), what the step would run without it.
     """
 
     flat: FlatConfig
@@ -92,6 +111,8 @@ class Fit:
     budget: int
     host_budget: Optional[int]
     enabled: Tuple[str, ...]
+    attn_replay_why: Optional[str] = None
+    without_replay: Optional[FlatConfig] = None
 
 
 @dataclass(frozen=True)
@@ -137,18 +158,20 @@ class _Planner:
     """Shared state of one fit / max-context question."""
 
     def __init__(self, model, layout, device_bytes, host_bytes, margin, host_margin, skew,
-                 min_chunk_tokens, allow):
-        unknown = [t for t in allow if t not in TECHNIQUES]
+                 min_chunk_tokens, allow, device="H200"):
+        unknown = [t for t in allow if t not in KNOBS]
         if unknown:
             raise PlanError(f"unknown technique(s) {', '.join(unknown)}; choose from "
-                            f"{', '.join(TECHNIQUES)}")
+                            f"{', '.join(KNOBS)}")
         if device_bytes is None or device_bytes <= 0:
             raise PlanError(f"device memory must be positive, got {device_bytes!r}")
         self.model, self.layout, self.skew = model, layout, skew
+        self.device = device  # what attention replay's speed is predicted for
         self.budget = usable(device_bytes, margin)
         self.host_budget = host_budget_per_device(layout, host_bytes, host_margin)
         self.min_chunk = max(1, int(min_chunk_tokens))
         self.allow = tuple(t for t in TECHNIQUES if t in allow and applies(t, layout))
+        self.replay_allowed = "attn_replay" in allow
 
     # -- predicates -----------------------------------------------------------------------
     def estimate(self, seq: int, flat: Optional[FlatConfig],
@@ -256,6 +279,64 @@ class _Planner:
                 cfg = replace(cfg, attn_tiles=2 * cfg.attn_tiles)
         return cfg
 
+    # -- attention replay -----------------------------------------------------------------
+    def replay(self, seq: int, cfg: FlatConfig) -> Tuple[FlatConfig, Optional[str]]:
+        """``cfg`` with attention replay on, when the layout runs full recompute, the node's
+        pinned host memory holds it beside the optimizer state, the step still fits the
+        device with one O + LSE prefetched, and the step-time model predicts it faster on
+        ``self.device``; else ``cfg`` unchanged and why not.
+
+        SCO's pool is filled first come in forward order, each layer's boundary before its
+        O + LSE (``peaks.sco_pool``), so replay keeping every layer means SCO offloading
+        every boundary too: SCO is turned on (if off) with a host budget of L_s·m·(B + O +
+        LSE), replay's bytes on top of every boundary's.
+        """
+        if not self.replay_allowed:
+            return cfg, "not allowed (--without attn_replay)"
+        if not self.layout.full_recompute:
+            return cfg, "needs full recompute (the re-run it skips)"
+        before = self.estimate(seq, cfg)
+        if not before.boundaries_held:
+            return cfg, "no layers on this stage"
+        B = before.boundary_bytes
+        pool = before.replay_need + before.boundaries_held * B
+        trial = replace(cfg, attn_replay=True, sco=True,
+                        sco_host_budget_gib=_replay_budget_gib(pool, B))
+        after = self.estimate(seq, trial)
+        if self.host_budget is not None and after.host_per_device > self.host_budget:
+            return cfg, self._replay_host_why(before, after)
+        if after.total > self.budget:
+            return cfg, self._replay_device_why(after)
+        saved = self._boundaries_s(before, cfg) - self._boundaries_s(after, trial)
+        if saved <= 0:
+            return cfg, (f"no faster on {self.device}: its copies over PCIe cost more than "
+                         "the attention kernels it skips")
+        return trial, None
+
+    def _boundaries_s(self, report: PeakReport, cfg: FlatConfig) -> float:
+        """Predicted seconds of the attention + SCO unit (the one unit replay changes)."""
+        from megatron_flat.plan.costs import unit_costs
+        from megatron_flat.plan.time import predict
+
+        counts, overlap = unit_costs(self.model, self.layout, report, cfg)["boundaries"]
+        return predict(counts, overlap, self.device).total_s
+
+    def _replay_device_why(self, report: PeakReport) -> str:
+        from megatron_flat.plan.units import format_bytes
+
+        return (f"device memory: its prefetched O + LSE ({format_bytes(report.replay_device)}) "
+                f"takes the step to {format_bytes(report.total)}, above the "
+                f"{format_bytes(self.budget)} usable")
+
+    def _replay_host_why(self, before: PeakReport, after: PeakReport) -> str:
+        from megatron_flat.plan.units import format_bytes
+
+        left = max(0, self.host_budget - before.host_per_device)
+        return (f"host memory: SCO's pool would hold {format_bytes(after.boundaries_host)} per "
+                f"GPU (every boundary, then each layer's O + LSE: "
+                f"{format_bytes(before.replay_need)}); {format_bytes(left)} per GPU is left of "
+                "the node's pinned host memory after the optimizer state and SCO's boundaries")
+
 
 def _budget_gib(nbytes: int, boundary: int) -> float:
     """``sco_host_budget_gib`` admitting exactly ``nbytes // boundary`` boundaries.
@@ -273,35 +354,55 @@ def _budget_gib(nbytes: int, boundary: int) -> float:
     return target / GIB
 
 
+def _replay_budget_gib(nbytes: int, boundary: int) -> float:
+    """``sco_host_budget_gib`` holding ``nbytes`` (every boundary and every O + LSE), as
+    ``_budget_gib`` aims it, rounded up to the 6 significant digits the
+    ``--flat-sco-host-budget-gib`` flag is printed with, so the printed budget still holds
+    them all."""
+    gib = _budget_gib(nbytes, boundary)
+    printed = float(format(gib, ".6g"))
+    if printed >= gib:
+        return printed
+    step = 10.0 ** (math.floor(math.log10(gib)) - 5)  # one unit of the 6th digit
+    return float(format((math.floor(gib / step) + 1) * step, ".6g"))
+
+
 def fit(model: ModelSpec, layout: Layout, seq_len: int, device_bytes: int,
         host_bytes: Optional[int] = None, *, margin: float = 0.1, host_margin: float = 0.1,
         skew: float = DEFAULT_SKEW, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
-        allow: Sequence[str] = TECHNIQUES) -> Fit:
+        allow: Sequence[str] = KNOBS, device: str = "H200") -> Fit:
     """Pick the FlatConfig knobs so the step fits ``device_bytes`` with ``margin`` to spare.
 
     ``host_bytes``: host memory per node (``layout.gpus_per_node`` devices share it), of which
     ``host_margin`` is kept free; None leaves pinned host memory unlimited. ``allow``: the
-    techniques fit may turn on. ``min_chunk_tokens``: the smallest dispatch chunk (c) fit
-    considers. Raises ``PlanError`` when no allowed combination fits.
+    techniques fit may turn on (``KNOBS``: the memory techniques and attention replay).
+    ``min_chunk_tokens``: the smallest dispatch chunk (c) fit considers. Raises
+    ``PlanError`` when no allowed combination fits. Attention replay is turned on last,
+    where it fits and the step-time model predicts it faster on ``device`` (module
+    docstring, step 4).
     """
     planner = _Planner(model, layout, device_bytes, host_bytes, margin, host_margin, skew,
-                       min_chunk_tokens, allow)
+                       min_chunk_tokens, allow, device)
     baseline = planner.estimate(seq_len, None)
     if planner.ok(baseline):
-        return Fit(FlatConfig(), baseline, baseline, planner.budget, planner.host_budget, ())
+        return Fit(FlatConfig(), baseline, baseline, planner.budget, planner.host_budget, (),
+                   attn_replay_why="the baseline fits: megatron-flat is not needed")
     found = planner.first_fitting(seq_len)
     if found is None:
         raise DoesNotFit(*_no_fit(planner, seq_len, baseline))
     techniques, cfg = found
-    cfg = planner.relax(seq_len, cfg)
+    relaxed = planner.relax(seq_len, cfg)
+    cfg, replay_why = planner.replay(seq_len, relaxed)
     report = planner.estimate(seq_len, cfg)
-    return Fit(cfg, report, baseline, planner.budget, planner.host_budget, techniques)
+    return Fit(cfg, report, baseline, planner.budget, planner.host_budget, techniques,
+               attn_replay_why=replay_why,
+               without_replay=relaxed if replay_why is None else None)
 
 
 def tightest_report(model: ModelSpec, layout: Layout, seq_len: int,
                     host_bytes: Optional[int] = None, *, host_margin: float = 0.1,
                     skew: float = DEFAULT_SKEW, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
-                    allow: Sequence[str] = TECHNIQUES) -> PeakReport:
+                    allow: Sequence[str] = KNOBS) -> PeakReport:
     """The peaks with every allowed technique at its smallest-memory setting (what is shown
     when nothing fits). The optimizer state stays on device when the host cannot hold it."""
     planner = _Planner(model, layout, 1, host_bytes, 0.0, host_margin, skew, min_chunk_tokens,
@@ -376,7 +477,7 @@ def reach_predicates(model: ModelSpec, layout: Layout, device_bytes: int,
                      host_bytes: Optional[int] = None, *, margin: float = 0.1,
                      host_margin: float = 0.1, skew: float = DEFAULT_SKEW,
                      min_chunk_tokens: int = MIN_CHUNK_TOKENS,
-                     allow: Sequence[str] = TECHNIQUES) -> Dict[str, Callable[[int], bool]]:
+                     allow: Sequence[str] = KNOBS) -> Dict[str, Callable[[int], bool]]:
     """``{run: fits(seq)}`` for ``"flat"`` and every baseline the layout allows: whether that
     run's step fits ``seq`` tokens (flat: the baseline fits or ``fit`` would succeed).
 
@@ -402,7 +503,7 @@ def reach_predicates(model: ModelSpec, layout: Layout, device_bytes: int,
 def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
                 host_bytes: Optional[int] = None, *, margin: float = 0.1,
                 host_margin: float = 0.1, skew: float = DEFAULT_SKEW,
-                min_chunk_tokens: int = MIN_CHUNK_TOKENS, allow: Sequence[str] = TECHNIQUES,
+                min_chunk_tokens: int = MIN_CHUNK_TOKENS, allow: Sequence[str] = KNOBS,
                 granularity: Optional[int] = None, limit: int = 1 << 30) -> Reach:
     """Longest sequence that fits, for every baseline the layout allows and flat (``fit``
     succeeds), by bisection.

@@ -46,8 +46,8 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.plan.baselines import BASELINES
 from megatron_flat.plan.costs import UNITS, unit_costs
 from megatron_flat.plan.fit import (
+    KNOBS,
     MIN_CHUNK_TOKENS,
-    TECHNIQUES,
     bisect_reach,
     fit,
     reach_predicates,
@@ -397,7 +397,7 @@ def search_layouts(model: ModelSpec, gpus: int, device_bytes: int,
                    top: int = TOP, margin: float = 0.1, host_margin: float = 0.1,
                    skew: float = DEFAULT_SKEW, min_chunk_tokens: int = MIN_CHUNK_TOKENS,
                    gpus_per_node: int = 8, micro_batch_size: int = 1,
-                   limit: int = 1 << 30, allow: Sequence[str] = TECHNIQUES) -> LayoutSearch:
+                   limit: int = 1 << 30, allow: Sequence[str] = KNOBS) -> LayoutSearch:
     """Rank every candidate layout (``candidate_layouts``) for flat and every baseline.
 
     Reach per run and layout is ``max_context``'s (same margins, skew, host budget), exact
@@ -409,7 +409,8 @@ def search_layouts(model: ModelSpec, gpus: int, device_bytes: int,
     the smallest DP among the candidates (1 when DP is searched: one replica's batch, so a
     DP > 1 is timed only with a larger ``global_batch``).
 
-    ``allow``: the techniques flat may turn on (``fit``'s).
+    ``allow``: the techniques flat may turn on (``fit``'s; attention replay among them, which
+    speeds up the steps timed).
 
     ``fastest``: the timed layouts within ``SAME_SPEED`` of the fastest predicted step,
     longest reach first, then the others by step time. The chosen layout is its first;
@@ -501,6 +502,6 @@ def _time(model, layout, seq_len, device_bytes, host_bytes, flat_fits, *, device
     and the predicted step (reach filled in by the caller); None when it does not fit."""
     if not flat_fits(seq_len):
         return None
-    chosen = fit(model, layout, seq_len, device_bytes, host_bytes, **kw)
+    chosen = fit(model, layout, seq_len, device_bytes, host_bytes, device=device, **kw)
     times = unit_times(model, layout, chosen.report, chosen.flat, device)
     return Ranked(layout, 0, step_seconds(times, microbatches, layout.pp), microbatches)

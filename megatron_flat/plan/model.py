@@ -406,7 +406,10 @@ class Layout:
     PipelinedLLEP does on CPU). ``grad_fp32``: gradient buffer in
     fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``), else in the model dtype.
     ``gpus_per_node``: devices sharing one host's memory (pinned-host accounting).
-    Full activation recompute (per-layer checkpoints) is assumed throughout.
+    Full activation recompute (per-layer checkpoints) is assumed throughout: every term is
+    written for it. ``full_recompute`` False says the run does not use it (Megatron's
+    ``recompute_granularity`` is not ``"full"``); the terms stay those of full recompute, and
+    only attention replay, which exists only under it, stops applying.
     """
 
     tp: int = 1
@@ -422,12 +425,16 @@ class Layout:
     fused_kernels: bool = True
     overlap: bool = True
     gpus_per_node: int = 8
+    full_recompute: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "pp", "cp", "dp", "micro_batch_size", "gpus_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"layout: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.full_recompute, bool):
+            raise PlanError(f"layout: full_recompute must be True or False, got "
+                            f"{self.full_recompute!r}")
         if self.microbatches_in_flight is not None and self.microbatches_in_flight < 1:
             raise PlanError("layout: microbatches_in_flight must be >= 1")
         if (self.tp * self.cp * self.dp) % self.ep:
@@ -552,7 +559,8 @@ def default_layout(model: ModelSpec, gpus: int, *, tp: Optional[int] = None,
 
 def layout_from_megatron_args(args, world_size: Optional[int] = None) -> Layout:
     """A ``Layout`` from Megatron-LM's parsed arguments; ``world_size`` defaults to
-    ``args.world_size`` (Megatron sets it), else TP·CP·PP (DP = 1)."""
+    ``args.world_size`` (Megatron sets it), else TP·CP·PP (DP = 1). ``full_recompute``:
+    ``recompute_granularity == "full"`` (an ``args`` without it: full, as planned)."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
@@ -567,5 +575,7 @@ def layout_from_megatron_args(args, world_size: Optional[int] = None) -> Layout:
                              distributed_optimizer=bool(getattr(args, "use_distributed_optimizer",
                                                                 False)),
                              grad_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32",
-                                                    True)))
+                                                    True)),
+                             full_recompute=getattr(args, "recompute_granularity",
+                                                    "full") == "full")
     return layout

@@ -8,7 +8,9 @@ pipeline stage and composes the step peak (DESIGN.md §2.5)::
 
 The two transients never coexist (the vocabulary projection runs after the last layer's
 forward and before its backward), and the attention/other activations of the layer being
-recomputed are live during that layer's MoE transient, hence ``dispatch + other``.
+recomputed are live during that layer's MoE transient, hence ``dispatch + other``. With
+attention replay, SCO's pool also holds each layer's core-attention output and log-sum-exp
+(``sco_pool``), and the one restored ahead of its layer counts with the boundaries on device.
 
 Symbols (per device, one microbatch unless noted):
 
@@ -64,6 +66,10 @@ NORM_BYTES_PER_TOKEN = 4
 CHUNK_INDEX_BYTES_PER_ROUTE = 24
 # PipelinedLLEP moves each route's router probability in fp32 beside its rows.
 PROB_BYTES = 4
+# Attention replay keeps each core attention's log-sum-exp in fp32 beside its output O.
+LSE_BYTES = 4
+# Attention replay restores one layer's O + LSE ahead of its recompute (one slot on device).
+REPLAY_PREFETCH = 1
 
 # --- optimizer state
 # Stock AdamW state per parameter (12 B mixed precision, 8 B fp32): ``plan.baselines``.
@@ -147,6 +153,10 @@ class PeakReport:
     params: int = 0             # parameters on this device
     baseline: str = "megatron"  # what runs without megatron-flat (``plan.baselines``)
     host_pinned: int = 0        # of host_per_device, pinned bytes as they are allocated
+    replay_bytes: int = 0       # one layer's kept O + LSE, one microbatch (``replay_slot``)
+    replay_kept: int = 0        # of boundaries_held, layers whose O + LSE replay keeps on host
+    replay_device: int = 0      # of boundaries_device, the O + LSE restored ahead of its layer
+    replay_off: Optional[str] = None  # why replay, asked for, keeps nothing (None otherwise)
 
     @property
     def optimizer(self) -> int:
@@ -162,6 +172,23 @@ class PeakReport:
         """Of SCO's pool (``boundaries_host``, allocated whole), the bytes the offloaded
         boundaries fill."""
         return self.boundaries_offloaded * self.boundary_bytes
+
+    @property
+    def replay_host(self) -> int:
+        """Of SCO's pool (``boundaries_host``), the bytes attention replay fills: the O + LSE
+        of the ``replay_kept`` layers (L_s·m of them when the pool holds every one)."""
+        return self.replay_kept * self.replay_bytes
+
+    @property
+    def replay_need(self) -> int:
+        """Host bytes attention replay needs for every layer on this stage, kept or not: one
+        O + LSE for every layer input held (L_s·m)."""
+        return self.boundaries_held * self.replay_bytes
+
+    @property
+    def replay_fraction(self) -> float:
+        """Of the stage's layer re-runs, the fraction that replays (skips the kernel)."""
+        return self.replay_kept / self.boundaries_held if self.boundaries_held else 0.0
 
     @property
     def host_per_device(self) -> int:
@@ -802,16 +829,26 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     # (1F1B). The last stage also keeps the last layer's output, the final RMSNorm's
     # normalised input and its output (3·B + 4·N_sp), which SCO does not offload.
     # SCO: boundaries go to pinned host up to the budget (n_host = min(count, ⌊budget/B⌋));
-    # on device stay the ones past the budget plus ≤ prefetch + 1 restored ones.
+    # on device stay the ones past the budget plus ≤ prefetch + 1 restored ones. With
+    # attention replay each layer's O + LSE shares the pool (``sco_pool``).
     B = n_sp * H * b
     in_flight = max(1, layout.in_flight - stage)
     held = count * in_flight
     fixed = (3 * B + NORM_BYTES_PER_TOKEN * n_sp) if last_stage else 0
-    offloaded = 0
+    slot = replay_slot(model, layout, n)
+    replay_off = replay_applies(flat, layout) if count else "no layers on this stage"
+    offloaded = replay_kept = 0
     if flat is not None and flat.sco and B > 0:
-        offloaded = min(held, flat.sco_host_budget_bytes // B)
+        offloaded, replay_kept = sco_pool(flat.sco_host_budget_bytes, held, B,
+                                          slot if replay_off is None else 0)
+    if replay_off is None and not replay_kept:
+        replay_off = (f"SCO's host budget ({flat.sco_host_budget_bytes:,} B) has no room for "
+                      f"an O + LSE ({slot:,} B) after the boundaries before it")
     on_device = held - offloaded + (min(offloaded, flat.sco_prefetch + 1) if offloaded else 0)
-    boundaries_device = on_device * B + fixed
+    # In the backward one layer's O + LSE is restored ahead of its recompute, as SCO restores
+    # boundaries: held on the device beside them.
+    replay_device = REPLAY_PREFETCH * slot if replay_kept else 0
+    boundaries_device = on_device * B + fixed + replay_device
     # The host tier allocates SCO's whole budget, exactly, at the first offload.
     boundaries_host = flat.sco_host_budget_bytes if flat is not None and flat.sco and held \
         else 0
@@ -900,8 +937,58 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         grads=grads, optimizer_device=optimizer_device, optimizer_host=optimizer_host,
         other=other, total=total, binding=binding, num_chunks=int(d["chunks"]),
         chunk_tokens=int(d["c_eff"]), vocab_mode=v["mode"], sections=sections, params=params,
-        baseline=baseline, host_pinned=host_pinned,
+        baseline=baseline, host_pinned=host_pinned, replay_bytes=slot, replay_kept=replay_kept,
+        replay_device=replay_device,
+        replay_off=replay_off if flat is not None and flat.attn_replay else None,
     )
+
+
+def replay_slot(model: ModelSpec, layout: Layout, n: int) -> int:
+    """Bytes attention replay keeps for one layer and one microbatch on one rank: the core
+    attention's output O, N·(h/TP)·d_v·b, and its log-sum-exp, N·h/TP fp32 (N: tokens per
+    CP rank; the core attention runs on the whole of them, heads split over TP)."""
+    _, _, out, _ = _attention_widths(model, layout)
+    return n * (out * model.bytes_per_value + LSE_BYTES * model.heads // layout.tp)
+
+
+def replay_applies(flat: Optional[FlatConfig], layout: Layout) -> Optional[str]:
+    """None when attention replay runs with ``flat`` on ``layout`` (how many layers it keeps
+    is ``sco_pool``'s); else why it keeps nothing. It exists only under full recompute (the
+    re-run is what it skips) and keeps its outputs in SCO's host pool, so it needs SCO on
+    with a host budget."""
+    if flat is None or not flat.attn_replay:
+        return "off"
+    if not layout.full_recompute:
+        return "needs full recompute (the re-run it skips)"
+    if not (flat.sco and flat.sco_host_budget_bytes > 0):
+        return "needs SCO on with a host budget (its outputs live in SCO's host pool)"
+    return None
+
+
+def sco_pool(budget: int, held: int, boundary: int, slot: int = 0) -> tuple:
+    """(boundaries offloaded, O + LSE kept) of ``held`` layer inputs in SCO's pool of
+    ``budget`` bytes.
+
+    The pool is filled first come, in forward order: each layer's input (``boundary``
+    bytes) as the layer starts, then, with attention replay (``slot`` > 0), its O + LSE
+    (``slot``) once the kernel ran. A span with no room is refused and later ones still
+    try: a refused boundary stays on the device, a refused O + LSE is not kept (that
+    layer's re-run runs the kernel, as stock). So replay keeps every layer's outputs only
+    when the pool holds every boundary too: ``held·(boundary + slot)`` bytes.
+    """
+    if not slot:
+        return min(held, budget // boundary), 0
+    whole = min(held, budget // (boundary + slot))  # layers with both in the pool
+    left = budget - whole * (boundary + slot)
+    offloaded = kept = whole
+    for _ in range(held - whole):  # past the first refusal, what still fits
+        if left >= boundary:
+            left, offloaded = left - boundary, offloaded + 1
+        if left >= slot:
+            left, kept = left - slot, kept + 1
+        if left < min(boundary, slot):
+            break
+    return offloaded, kept
 
 
 def _sub_optimizer_shards(p: Dict[str, int], layout: Layout) -> list:

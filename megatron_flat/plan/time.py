@@ -155,11 +155,12 @@ OVERLAPS: Dict[tuple, Overlap] = {
     ("vocab", "flat"): Overlap(comm_hidden=1.0, why="Ring-DTP: the next hop's send/receive is "
                                                     "posted before the current strip's GEMM"),
     ("sco", "stock"): Overlap(why="plain full recompute: boundaries stay on the device"),
-    ("sco", "flat"): Overlap(copy_hidden=1.0, why="SCO: each boundary's offload runs on a "
-                                                  "copy stream during the next layers' "
-                                                  "forward; boundary l-1's reload runs while "
-                                                  "layer l recomputes; the first reload of "
-                                                  "the backward is exposed"),
+    ("sco", "flat"): Overlap(copy_hidden=1.0, why="SCO: each boundary's offload (with "
+                                                  "attention replay, each layer's O + LSE's "
+                                                  "too) runs on a copy stream during the next "
+                                                  "layers' forward; layer l-1's reload runs "
+                                                  "while layer l recomputes; the first reload "
+                                                  "of the backward is exposed"),
     ("optimizer", "stock"): Overlap(why="AdamW on device state: no host copies"),
     ("optimizer", "flat"): Overlap(copy_hidden=1.0, why="OffloadStreamAdamW: bucket g+1 "
                                                         "uploads while g updates and g-1 "

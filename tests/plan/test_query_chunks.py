@@ -1,5 +1,5 @@
 """The planner's answer to "would query-chunked core attention pay?" (``plan.query_chunks``):
-the net saving's formula, the verdict at the paper's presets (about 3%: below the bar, so
+the net saving's formula, the verdict at the paper's presets (2-3%: below the bar, so
 the project does not build it), a model where it would pay, and where ``plan`` reports it."""
 
 import json
@@ -35,7 +35,9 @@ def test_the_paper_presets_gain_about_three_percent(name, gpus):
     search = search_layouts(model, gpus, 141 << 30, 2 << 40, seq_len=1 << 20)
     reach = max_context(model, search.chosen, 141 << 30, 2 << 40).flat
     verdict = assess(model, search.chosen, reach, 2 << 40)
-    assert 0.02 < verdict.reach_gain < QUERY_CHUNK_MIN_GAIN and not verdict.pays, verdict
+    # +3.1% on paper-120b's and paper-241b's chosen layouts, +2.0% on paper-667b's (TP 8 x
+    # CP 8 x EP 64, chosen since attention replay runs there)
+    assert 0.015 < verdict.reach_gain < QUERY_CHUNK_MIN_GAIN and not verdict.pays, verdict
 
 
 def test_many_query_heads_over_one_kv_head_would_pay():
