@@ -5,10 +5,17 @@ bitwise equal; the ledger counts one attention forward per layer and microbatch 
 two, the same backwards; nothing left kept between steps; a forward without a checkpoint
 (no recompute, or evaluation) keeps nothing."""
 
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 
 STEPS = 2
+_spec = importlib.util.spec_from_file_location(
+    "_replay", pathlib.Path(__file__).with_name("_replay.py"))
+replay_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(replay_runs)
 
 
 def _tiny(**over):
@@ -115,22 +122,9 @@ def test_phase_marks_compose_with_the_recompute_regions(megatron_cpu):
 # -- --flat-attn-replay: the Trainer's flat path, in SCO's host pool -----------------------
 
 def _train_flat(tiny, flat):
-    from megatron_flat.runtime.ledger import CostLedger
-    from megatron_flat.testing.distributed import megatron_layout
-    from megatron_flat.testing.training import Layout, Trainer
+    from megatron_flat.testing.training import Layout
 
-    with megatron_layout(seed=tiny.seed):
-        trainer = Trainer(tiny, Layout(recompute="full"), flat=flat)
-        losses, grads, counts = [], None, []
-        for step in range(STEPS):
-            with CostLedger() as ledger:
-                losses.append(trainer.forward_backward(step))
-            counts.append(ledger.attention_forward_calls)
-            if grads is None:
-                grads = [p.main_grad.clone() for p in trainer.model.parameters()]
-            trainer.optimizer_step()
-        trainer.sco.synchronize()
-        return losses, grads, counts, trainer
+    return replay_runs.train(tiny, Layout(recompute="full"), flat, STEPS)
 
 
 def test_the_flag_keeps_outputs_in_scos_pool_bitwise(megatron_cpu):
@@ -147,18 +141,17 @@ def test_the_flag_keeps_outputs_in_scos_pool_bitwise(megatron_cpu):
         replay = _train_flat(tiny, FlatConfig(attn_replay=True, **sco))
     finally:
         attention_replay.disable()
-    assert replay[0] == stock[0]
-    assert all(torch.equal(a, b) for a, b in zip(replay[1], stock[1]))
+    assert replay.losses == stock.losses
+    assert all(torch.equal(a, b) for a, b in zip(replay.grads, stock.grads))
     microbatches = tiny.global_batch_size // tiny.micro_batch_size
     calls = tiny.num_layers * microbatches
-    assert stock[2] == [2 * calls] * STEPS and replay[2] == [calls] * STEPS
-    trainer = replay[3]
-    stats = trainer.replay_stores[0].host.stats
+    assert stock.calls == [2 * calls] * STEPS and replay.calls == [calls] * STEPS
+    stats = replay.stats
     assert stats.kept == calls * STEPS and stats.not_kept == 0
     # one on-demand reload per microbatch (its last layer's re-run comes first)
     assert stats.reloads_on_demand == microbatches * STEPS
     assert stats.prefetch_hits == stats.prefetched == (calls - microbatches) * STEPS
-    assert trainer.sco.pool.stats()["used_bytes"] == 0
+    assert replay.pool_used == 0
 
 
 @pytest.mark.parametrize("settings, reason", [
