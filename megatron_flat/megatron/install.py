@@ -16,17 +16,9 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron.state import FlatConfigError, installed, set_installed
+from megatron_flat.megatron.state import setting as _get
 
 __all__ = ["FlatConfigError", "check_against_megatron", "install", "installed"]
-
-
-def _get(source: Any, *names: str, default: Any = None) -> Any:
-    """First attribute of ``source`` found under ``names`` (Megatron-LM args use other
-    names than TransformerConfig for a few settings)."""
-    for name in names:
-        if source is not None and hasattr(source, name):
-            return getattr(source, name)
-    return default
 
 
 def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:

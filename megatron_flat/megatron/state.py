@@ -7,7 +7,7 @@ writer of the installed FlatConfig; everyone else reads it with :func:`installed
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_flat.config import FlatConfig
 
@@ -27,3 +27,13 @@ def set_installed(flat: Optional[FlatConfig]) -> None:
     """Record ``flat`` as installed (``install.install``), or forget it (None: tests)."""
     global _INSTALLED
     _INSTALLED = flat
+
+
+def setting(source: Any, *names: str, default: Any = None) -> Any:
+    """First attribute of ``source`` found under ``names`` (Megatron-LM's args use other
+    names than TransformerConfig for a few settings); ``default`` when none is, or when
+    ``source`` is None."""
+    for name in names:
+        if source is not None and hasattr(source, name):
+            return getattr(source, name)
+    return default

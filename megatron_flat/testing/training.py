@@ -207,7 +207,11 @@ class Trainer:
         self.optimizer = build_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-                adam_eps=1e-8, clip_grad=CLIP_GRAD, params_dtype=torch.float32,
+                adam_eps=1e-8, clip_grad=CLIP_GRAD,
+                # bf16 parameters (config_overrides={"bf16": True, "params_dtype": bf16})
+                # get Megatron's mixed-precision optimizer: fp32 main params and grads
+                bf16=bool(getattr(self.config, "bf16", False)),
+                params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=layout.distributed_optimizer,
             ),
             [self.ddp],

@@ -24,14 +24,14 @@ def _tiny(**over):
     return TinyMoE(attention="flash", **{"global_batch_size": 4, **over})
 
 
-def _train(tiny, replay: bool, recompute="full"):
+def _train(tiny, replay: bool, recompute="full", bf16=False):
     from megatron_flat.megatron import attention_replay
     from megatron_flat.runtime.ledger import CostLedger
     from megatron_flat.testing.distributed import megatron_layout
     from megatron_flat.testing.training import Layout, Trainer
 
     with megatron_layout(seed=tiny.seed):
-        trainer = Trainer(tiny, Layout(recompute=recompute))
+        trainer = Trainer(tiny, Layout(recompute=recompute), **(replay_runs.bf16() if bf16 else {}))
         stores = [a.replay for a in attention_replay.attach(trainer.model)] if replay else []
         losses, grads, counts = [], None, []
         try:
@@ -50,11 +50,13 @@ def _train(tiny, replay: bool, recompute="full"):
     return losses, grads, params, counts, stores
 
 
-def test_replay_equals_stock_with_one_attention_forward_per_layer(megatron_cpu):
-    # fp32 (this Trainer's optimizer); bf16 is bitwise at the kernel level (attention/)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_replay_equals_stock_with_one_attention_forward_per_layer(megatron_cpu, bf16):
     tiny = _tiny()
-    stock = _train(tiny, replay=False)
-    replay = _train(tiny, replay=True)
+    stock = _train(tiny, replay=False, bf16=bf16)
+    replay = _train(tiny, replay=True, bf16=bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    assert {p.dtype for p in replay[2]} == {dtype}  # the run is in the dtype it claims
     assert replay[0] == stock[0]  # losses, bitwise
     for name, ours, theirs in (("gradient", replay[1], stock[1]),
                                ("parameter", replay[2], stock[2])):

@@ -3,7 +3,7 @@ backend's context-parallel attention, which keeps both of its slots' (O, LSE)), 
 hidden dropout on. ``--flat-attn-replay`` with SCO against SCO alone, same weights: every
 step's loss and every gradient bitwise equal, the ledger's attention kernels halved (CP:
 two kernels per slot but the first, all skipped in the re-run), every kept output through
-SCO's host pool."""
+SCO's host pool; in fp32 and in Megatron's bf16 training."""
 
 import importlib.util
 import pathlib
@@ -22,8 +22,9 @@ STEPS = 2
 SCO = dict(sco=True, sco_host_budget_gib=0.01)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["ep2", "tp2-sp", "pp2", "cp2"])
-def test_replay_equals_stock_recompute_in_every_layout(megatron_cpu, layout):
+def test_replay_equals_stock_recompute_in_every_layout(megatron_cpu, layout, dtype):
     from megatron_flat.config import FlatConfig
     from megatron_flat.megatron import attention_replay
     from megatron_flat.testing.tiny_gpt import TinyMoE
@@ -34,11 +35,13 @@ def test_replay_equals_stock_recompute_in_every_layout(megatron_cpu, layout):
     tiny = TinyMoE(attention="flash", global_batch_size=4, hidden_dropout=0.1,
                    **({"num_layers": 4} if layout == "pp2" else {}))
     run = Layout(recompute="full", **split)
+    settings = replay_runs.bf16() if dtype == "bf16" else {}
     try:
-        stock = replay_runs.train(tiny, run, FlatConfig(**SCO))
-        replay = replay_runs.train(tiny, run, FlatConfig(attn_replay=True, **SCO))
+        stock = replay_runs.train(tiny, run, FlatConfig(**SCO), **settings)
+        replay = replay_runs.train(tiny, run, FlatConfig(attn_replay=True, **SCO), **settings)
     finally:
         attention_replay.disable()
+    assert replay.dtypes == {getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])}
     assert replay.losses == stock.losses, layout  # bitwise
     assert len(replay.grads) == len(stock.grads)
     assert all(torch.equal(a, b) for a, b in zip(replay.grads, stock.grads)), layout
