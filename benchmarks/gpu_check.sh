@@ -31,6 +31,9 @@
 #             gradients bitwise on the device and through a pinned pool), then
 #             benchmarks/gpu_attention_replay.py (8 layers x 16K tokens: step time stock vs
 #             replay, measured saving against the FLOP-predicted one)
+#  6c. replay-te  attention replay in transformer-engine's fused attention (needs TE):
+#             tests/megatron/test_te_replay_cuda.py (bitwise stock under Megatron's checkpoint,
+#             device and pinned host tiers, attention dropout 0 and 0.1)
 #  7. summary OUTDIR/summary.txt and summary.json: stage results, predicted vs measured
 # megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
 # Uses the machine's python3 (CUDA torch), or $PYTHON.
@@ -100,6 +103,10 @@ run_stage vocab 40 "$PY" benchmarks/vocab.py --device cuda --scale 4 --reps 2 --
 run_stage replay 60 "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_replay_cuda.py \
   --junitxml="$OUT/replay-cuda.xml"
 run_stage replay-time 60 "$PY" benchmarks/gpu_attention_replay.py --json "$OUT/replay-cuda.json"
+# Attention replay in transformer-engine's fused attention (skipped where TE is missing):
+# bitwise stock under Megatron's checkpoint, with and without attention dropout.
+run_stage replay-te 90 "$PY" -m pytest -q -p no:cacheprovider tests/megatron/test_te_replay_cuda.py \
+  --junitxml="$OUT/replay-te.xml"
 
 "$PY" - "$OUT" "$DRY" <<'PY' | tee "$OUT/summary.txt"
 import json, os, sys

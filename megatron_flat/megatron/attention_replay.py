@@ -10,7 +10,8 @@ Two ways in:
   (tests and scripts that build models themselves), on the device or in a given host tier.
 
 A replay-capable attention (``testing.flash_attention.FlashCoreAttention``: torch's CPU
-flash kernel) keeps (O, LSE) in a checkpoint's first pass and returns them in its re-run
+flash kernel; transformer-engine's ``DotProductAttention`` through ``megatron.te_replay``)
+keeps (O, LSE) in a checkpoint's first pass and returns them in its re-run
 (``attention.replay``). A no-grad forward outside a checkpoint (evaluation) keeps nothing;
 a forward with autograd outside a re-run (no recompute) runs stock. Megatron's local
 ``DotProductAttention`` cannot replay: it keeps no log-sum-exp to run a backward from.
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any, List
 
+from megatron_flat.megatron.checkpoint_phase import disable as _disable_phase_marks
 from megatron_flat.megatron.checkpoint_phase import (
     FIRST_PASS,
     RERUN,
-    disable,
     enable,
     enabled,
     phase,
@@ -35,10 +36,12 @@ __all__ = ["FIRST_PASS", "RERUN", "attach", "detach", "disable", "enable",
 def _replayable(model: Any) -> List[Any]:
     """The core attentions in ``model`` (a module or a list of model chunks) that can
     replay."""
+    from megatron_flat.megatron import te_replay
     from megatron_flat.testing.flash_attention import FlashCoreAttention
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, FlashCoreAttention)]
+    ours = [m for chunk in chunks for m in chunk.modules() if isinstance(m, FlashCoreAttention)]
+    return ours + (te_replay.attentions(model) if te_replay.kernel_module() else [])
 
 
 def attach(model: Any, host: Any = None) -> List[Any]:
@@ -49,11 +52,18 @@ def attach(model: Any, host: Any = None) -> List[Any]:
     local ``DotProductAttention`` keeps no log-sum-exp to run a backward from)."""
     from megatron_flat.attention.replay import ReplayStore
 
+    from megatron_flat.megatron import te_replay
+
     found = _replayable(model)
     if not found:
         raise ValueError("attention replay needs a core attention that can run its backward "
-                         "from a kept output (the CPU flash attention); this model has none")
+                         "from a kept output (the CPU flash attention, transformer-engine's "
+                         "fused attention); this model has none")
     enable()
+    if te_replay.attentions(model):
+        from megatron_flat.megatron.replay_wiring import current_store, warn_once
+
+        te_replay.enable(current_store, warn_once)
     for attention in found:
         attention.replay = ReplayStore(host)
     return found
@@ -63,3 +73,13 @@ def detach(model: Any) -> None:
     """Drop the stores :func:`attach` gave (the phase marks stay: they are inert)."""
     for attention in _replayable(model):
         attention.replay = None
+
+
+def disable() -> None:
+    """The phase marks off and transformer-engine's kernel its own again (process-wide)."""
+    import sys
+
+    _disable_phase_marks()
+    te = sys.modules.get("megatron_flat.megatron.te_replay")
+    if te is not None:
+        te.disable()

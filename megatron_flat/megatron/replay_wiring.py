@@ -18,25 +18,22 @@ import threading
 import warnings
 from typing import Any, List, Optional
 
-from megatron_flat.megatron.checkpoint_phase import disable, enable
+from megatron_flat.megatron.checkpoint_phase import FIRST_PASS, RERUN, disable, enable, phase
+from megatron_flat.megatron.state import setting
 
-__all__ = ["fallback_reasons", "recompute_problems", "store_for", "unwire", "warn_fallback",
-           "warn_once", "wire_attn_replay", "wired"]
+__all__ = ["current_store", "fallback_reasons", "recompute_problems", "store_for", "unwire",
+           "warn_fallback", "warn_once", "wire_attn_replay", "wired"]
 
 _lock = threading.Lock()
-_wiring: dict = {}  # "host": the ReplayHost every store shares (set by wire_attn_replay)
+_wiring: dict = {}  # "on": wired; "host": the ReplayHost every store shares (_shared_host)
 _warned: set = set()
-
-
-def _get(source: Any, name: str, default: Any = None) -> Any:
-    return getattr(source, name, default) if source is not None else default
 
 
 def recompute_problems(megatron: Any) -> List[str]:
     """Why ``--flat-attn-replay`` has nothing to replay with ``megatron``'s recompute
     settings (only settings present are checked): it skips the attention kernel in full
     recompute's re-run, so it needs full recompute."""
-    granularity = _get(megatron, "recompute_granularity", "absent")
+    granularity = setting(megatron, "recompute_granularity", default="absent")
     if granularity == "absent" or granularity == "full":
         return []
     return [f"--flat-attn-replay replays full recompute's re-run of each layer: it needs "
@@ -50,17 +47,23 @@ def fallback_reasons(flat: Any, megatron: Any) -> List[str]:
     if not (flat.sco and flat.sco_host_budget_bytes > 0):
         reasons.append("no host budget: the kept outputs live in SCO's host pool (turn on "
                        "--flat-sco with --flat-sco-host-budget-gib > 0)")
-    if _get(megatron, "fp8") and _get(megatron, "fp8_dot_product_attention", False):
+    if setting(megatron, "fp8") and setting(megatron, "fp8_dot_product_attention", default=False):
         reasons.append("fp8 attention: its output is rescaled per call, not replayable "
                        "bitwise")
     # Megatron-LM's arguments name the layer implementation (a TransformerConfig carries the
     # field too, but its model may be built from any spec: local layers say so when built).
     if (isinstance(megatron, argparse.Namespace)
-            and _get(megatron, "transformer_impl") == "transformer_engine"):
-        reasons.append("transformer-engine's core attention: its backward from a kept "
-                       "output is not wired yet")
-    if (_get(megatron, "attention_dropout") or 0) > 0:
-        reasons.append("attention dropout: the kept output's RNG state is not replayed yet")
+            and setting(megatron, "transformer_impl") == "transformer_engine"):
+        from megatron_flat.megatron import te_replay
+
+        reason = te_replay.unsupported(setting(megatron, "context_parallel_size", default=1)
+                                       or 1)
+        if reason is not None:
+            reasons.append(reason)
+        # TE's kernel keeps its dropout's [seed, offset] beside the statistics: replayed
+    elif (setting(megatron, "attention_dropout") or 0) > 0:
+        reasons.append("attention dropout outside transformer-engine: the CPU flash kernel "
+                       "has none to replay")
     return reasons
 
 
@@ -76,6 +79,10 @@ def wire_attn_replay(flat: Any, megatron: Any = None) -> bool:
         _wiring.clear()
         _wiring["on"] = True
     _watch_local_attention()
+    from megatron_flat.megatron import te_replay
+
+    if te_replay.unsupported() is None:  # TE importable: its fused attention replays too
+        te_replay.enable(current_store, warn_once)
     return True
 
 
@@ -118,6 +125,10 @@ def unwire() -> None:
     disable()
     import sys
 
+    te = sys.modules.get("megatron_flat.megatron.te_replay")
+    if te is not None:
+        te.disable()
+
     module = sys.modules.get("megatron.core.transformer.dot_product_attention")
     init = getattr(module.DotProductAttention, "__init__", None) if module else None
     if getattr(init, "__flat_replay_watch__", False):
@@ -146,10 +157,23 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(message, stacklevel=4)
 
 
+def current_store(attention: Any) -> Optional[Any]:
+    """The store ``attention`` (a replay-capable core attention, or TE's) uses for the call
+    now starting: only in a checkpoint's no-grad first pass or its grad-enabled re-run (a
+    forward outside both runs the kernel and keeps nothing); None otherwise, or when it has
+    none (``attach`` gives one, ``--flat-attn-replay`` at its first call)."""
+    import torch
+
+    now, grad = phase(), torch.is_grad_enabled()
+    if not ((now == FIRST_PASS and not grad) or (now == RERUN and grad)):
+        return None
+    return store_for(attention)
+
+
 def store_for(attention: Any) -> Optional[Any]:
     """``attention``'s store when replay is wired (made at its first call), else None."""
-    if attention.replay is not None or not wired():
-        return attention.replay
+    if getattr(attention, "replay", None) is not None or not wired():
+        return getattr(attention, "replay", None)
     from megatron_flat.attention.replay import ReplayStore
 
     host = _shared_host()

@@ -224,9 +224,9 @@ def _knob_summary(report: PeakReport, flat: FlatConfig,
                      f"{format_bytes(report.replay_bytes)} kept on host "
                      f"({format_bytes(report.replay_host)} per GPU, in SCO's budget), one "
                      "restored ahead of its layer; the recompute skips each layer's core "
-                     "attention (a core attention that can replay is needed: "
-                     "transformer-engine's falls back to the stock recompute, with a warning, "
-                     "until it is wired)")
+                     "attention (transformer-engine's fused backend, or the project's flash "
+                     "attention; TE's flash-attn backend and TE under CP recompute as stock, "
+                     "with a warning)")
     elif lines:
         why = replay_why or report.replay_off or "off"
         lines.append(f"{TECHNIQUE_NAMES['attn_replay']}: off ({why})")

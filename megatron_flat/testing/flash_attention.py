@@ -58,18 +58,10 @@ class FlashCoreAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _replay_store(self):
-        """The store for this call: only in a checkpoint's no-grad first pass or its
-        grad-enabled re-run (a forward outside both runs the kernel and keeps nothing)."""
-        from megatron_flat.megatron.checkpoint_phase import FIRST_PASS, RERUN, phase
+        """The store for this call (``megatron.replay_wiring.current_store``)."""
+        from megatron_flat.megatron.replay_wiring import current_store
 
-        now, grad = phase(), torch.is_grad_enabled()
-        if not ((now == FIRST_PASS and not grad) or (now == RERUN and grad)):
-            return None
-        if self.replay is None:  # --flat-attn-replay installed: the store comes at first use
-            from megatron_flat.megatron.replay_wiring import store_for
-
-            return store_for(self)
-        return self.replay
+        return current_store(self)
 
 
 def with_flash_attention(layer_spec):
