@@ -56,8 +56,7 @@ def fallback_reasons(flat: Any, megatron: Any) -> List[str]:
             and setting(megatron, "transformer_impl") == "transformer_engine"):
         from megatron_flat.megatron import te_replay
 
-        reason = te_replay.unsupported(setting(megatron, "context_parallel_size", default=1)
-                                       or 1)
+        reason = te_replay.unsupported()
         if reason is not None:
             reasons.append(reason)
         # TE's kernel keeps its dropout's [seed, offset] beside the statistics: replayed

@@ -20,10 +20,14 @@ Calls are keyed by their index inside the ``DotProductAttention`` forward that m
 ``super().forward``). A call runs as stock, kept and replayed by nobody, when it is fp8 (its
 forward rescales O and moves the quantizers' amaxes), when its ``aux`` carries more than the
 statistics and the RNG state (an attention bias or a softmax offset: inputs, not results),
-or outside a checkpoint's two passes. TE's context-parallel ring calls the kernel from
-another module, once per ring step: ``install()`` falls back for TE under CP
-(:func:`unsupported`). A TE attention whose first pass runs no fused kernel (TE chose its
-flash-attn or unfused backend) says so once; its re-run recomputes as stock.
+or outside a checkpoint's two passes. Under CP, TE's context-parallel attention calls the
+kernel by its own global (``...dot_product_attention.context_parallel``, swapped too) once per
+ring step: each step's partial output and statistics are kept under its call index, the
+re-run's ring exchanges K/V as stock's and merges the kept partials, so its outputs and what
+its backward saves are bitwise stock's; the host keeps every step's partial O + LSE (up to CP
+times one layer's pair on the last rank of the ring: ``plan.peaks.replay_slot``). A TE
+attention whose first pass runs no fused kernel (TE chose its flash-attn or unfused backend)
+says so once; its re-run recomputes as stock.
 
 Version-gated here only; nothing imports transformer-engine unless it is asked to.
 """
@@ -44,9 +48,13 @@ __all__ = ["attention_class", "attentions", "disable", "enable", "enabled", "ker
 # Where each TE release keeps FusedAttnFunc and the fused_attn_fwd it calls, newest first.
 _KERNEL_MODULES = ("transformer_engine.pytorch.attention.dot_product_attention.backends",
                    "transformer_engine.pytorch.attention")
+# Where TE 2.3+ keeps its context-parallel attention, which calls the kernel once per ring
+# step (or once after its all-to-all) by the same global name; before 2.3 it shares the
+# module above.
+_CP_MODULES = ("transformer_engine.pytorch.attention.dot_product_attention.context_parallel",)
 _lock = threading.Lock()
 _frames = threading.local()
-_patched: dict = {}  # what enable swapped (module, cls, forward, fused_attn_fwd) and was given
+_patched: dict = {}  # what enable swapped ("kernels", "cls", "forward") and was given
 
 
 def kernel_module() -> Optional[Any]:
@@ -71,16 +79,26 @@ def attention_class() -> Optional[type]:
     return getattr(te, "DotProductAttention", None)
 
 
-def unsupported(context_parallel_size: int = 1) -> Optional[str]:
+def _cp_modules() -> List[Any]:
+    """TE's context-parallel modules that call ``fused_attn_fwd`` by their own global."""
+    found = []
+    for name in _CP_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, "fused_attn_fwd", None)):
+            found.append(module)
+    return found
+
+
+def unsupported() -> Optional[str]:
     """Why TE's attention cannot replay in this process (a fallback reason), or None."""
     if attention_class() is None:
         return "transformer-engine's attention: transformer_engine.pytorch is not importable"
     if kernel_module() is None:
         return ("transformer-engine's attention: this release keeps FusedAttnFunc's "
                 "fused_attn_fwd in none of " + ", ".join(_KERNEL_MODULES))
-    if context_parallel_size > 1:
-        return ("transformer-engine's context-parallel attention: its ring calls the kernel "
-                "once per step from another module; not replayed")
     return None
 
 
@@ -100,11 +118,12 @@ def enable(store: Callable[[Any], Any], warn_once: Callable[[str, str], None]) -
         reason = unsupported()
         if reason is not None:
             raise RuntimeError(f"attention replay: {reason}")
-        module, cls = kernel_module(), attention_class()
-        original = module.fused_attn_fwd
-        _patched.update(module=module, cls=cls, forward=cls.forward, fused_attn_fwd=original,
-                        signature=inspect.signature(original), store=store, warn=warn_once)
-        module.fused_attn_fwd = functools.wraps(original)(_fused_attn_fwd)
+        cls = attention_class()
+        modules = [kernel_module()] + _cp_modules()
+        _patched.update(cls=cls, forward=cls.forward, store=store, warn=warn_once,
+                        kernels=[(m, m.fused_attn_fwd) for m in modules])
+        for module in modules:
+            module.fused_attn_fwd = _replaying(module.fused_attn_fwd)
         cls.forward = _wrap_forward(cls.forward)
 
 
@@ -113,7 +132,8 @@ def disable() -> None:
     with _lock:
         if not _patched:
             return
-        _patched["module"].fused_attn_fwd = _patched["fused_attn_fwd"]
+        for module, original in _patched["kernels"]:
+            module.fused_attn_fwd = original
         _patched["cls"].forward = _patched["forward"]
         _patched.clear()
 
@@ -169,15 +189,25 @@ def _is_fp8(arguments: dict) -> bool:
     return q.dtype in _FP8_DTYPES or q.dtype == torch.uint8
 
 
-def _fused_attn_fwd(*args, **kwargs):
+def _replaying(original):
+    """``original`` (TE's ``fused_attn_fwd`` as one module binds it) with replay."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fused_attn_fwd(*args, **kwargs):
+        return _fused_attn_fwd(original, signature, *args, **kwargs)
+
+    return fused_attn_fwd
+
+
+def _fused_attn_fwd(original, signature, *args, **kwargs):
     """TE's ``fused_attn_fwd`` with replay (module doc)."""
-    original = _patched["fused_attn_fwd"]
     frame = _frame()
     if frame is None or frame.store is None:
         return original(*args, **kwargs)
     store, index = frame.store, frame.calls
     frame.calls += 1
-    arguments = _patched["signature"].bind(*args, **kwargs).arguments
+    arguments = signature.bind(*args, **kwargs).arguments
     if _is_fp8(arguments):
         _patched["warn"]("te-fp8",
                          "megatron-flat: --flat-attn-replay: transformer-engine's fp8 attention "

@@ -225,8 +225,8 @@ def _knob_summary(report: PeakReport, flat: FlatConfig,
                      f"({format_bytes(report.replay_host)} per GPU, in SCO's budget), one "
                      "restored ahead of its layer; the recompute skips each layer's core "
                      "attention (transformer-engine's fused backend, or the project's flash "
-                     "attention; TE's flash-attn backend and TE under CP recompute as stock, "
-                     "with a warning)")
+                     "attention; TE's flash-attn backend recomputes as stock, with a warning; "
+                     "under CP every ring step's partial is kept)")
     elif lines:
         why = replay_why or report.replay_off or "off"
         lines.append(f"{TECHNIQUE_NAMES['attn_replay']}: off ({why})")

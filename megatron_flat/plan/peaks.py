@@ -946,9 +946,13 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
 def replay_slot(model: ModelSpec, layout: Layout, n: int) -> int:
     """Bytes attention replay keeps for one layer and one microbatch on one rank: the core
     attention's output O, N·(h/TP)·d_v·b, and its log-sum-exp, N·h/TP fp32 (N: tokens per
-    CP rank; the core attention runs on the whole of them, heads split over TP)."""
+    CP rank; the core attention runs on the whole of them, heads split over TP). Under CP,
+    transformer-engine's ring calls its kernel once per step and merges the partials, so
+    replay keeps every step's partial (O, LSE): CP of them on the ring's last rank, each for
+    all of its queries (the binding rank; the first keeps (CP+1)/2 pairs' worth)."""
     _, _, out, _ = _attention_widths(model, layout)
-    return n * (out * model.bytes_per_value + LSE_BYTES * model.heads // layout.tp)
+    pair = n * (out * model.bytes_per_value + LSE_BYTES * model.heads // layout.tp)
+    return pair * layout.cp
 
 
 def replay_applies(flat: Optional[FlatConfig], layout: Layout) -> Optional[str]:

@@ -7,8 +7,9 @@ A tiny Megatron GPT with the stand-in as its core attention, full recompute, hid
 on: replay against the same run without it, bitwise (losses, every gradient), half the
 kernels; with attention dropout too; both TE layouts (2.3+ and 1.12–2.2). Negative controls:
 a replay that does not move the generator, or returns a one-ulp different kept O, changes
-the gradients. Where it cannot replay (fp8 calls, TE's flash-attn backend, TE's CP ring, a
-release keeping the kernel elsewhere) it runs stock and says so."""
+the gradients. TE's context-parallel ring (its own module's global, once per step) replays
+every step. Where it cannot replay (fp8 calls, TE's flash-attn backend, a release keeping the
+kernel elsewhere) it runs stock and says so."""
 
 import argparse
 import importlib.util
@@ -208,9 +209,7 @@ def test_fallback_reasons_under_transformer_engine(megatron_cpu, te):
 
     assert reasons() == []
     assert reasons(attention_dropout=0.1) == []  # TE replays its dropout
-    assert reasons(context_parallel_size=1) == []
-    (cp,) = reasons(context_parallel_size=2)
-    assert "context-parallel" in cp
+    assert reasons(context_parallel_size=2) == []  # and its ring's steps
     local = argparse.Namespace(transformer_impl="local", attention_dropout=0.1)
     assert any("attention dropout" in r for r in
                replay_wiring.fallback_reasons(_flat(True), local))
@@ -222,6 +221,34 @@ def test_without_transformer_engine_the_te_line_falls_back(megatron_cpu):
     if te_replay.attention_class() is not None:
         pytest.skip("transformer-engine is importable here")
     assert "not importable" in te_replay.unsupported()
+
+
+def test_te_context_parallel_ring_replays_every_step(megatron_cpu, monkeypatch):
+    """TE's CP attention calls the kernel by its own module's global once per ring step and
+    merges the partials by their log-sum-exps: every step's partial is kept under its call
+    index and the re-run merges the kept ones; bitwise stock, half the kernels, the same
+    backward kernels (one per step, on the merged output and statistics)."""
+    from megatron_flat.megatron import attention_replay, te_replay
+    from megatron_flat.testing.training import Layout
+
+    monkeypatch.setattr("megatron_flat.testing.flash_attention.FlashCoreAttention",
+                        standin.CoreAttention)
+    with standin.installed(cp=True):
+        try:
+            assert len(te_replay._cp_modules()) == 1
+            tiny = _tiny()
+            layout = Layout(recompute="full")
+            stock, stock_calls = _kernels(lambda: replay_runs.train(tiny, layout, _flat(False),
+                                                                    STEPS))
+            replay, replay_calls = _kernels(lambda: replay_runs.train(tiny, layout, _flat(True),
+                                                                      STEPS))
+        finally:
+            attention_replay.disable()
+    _assert_bitwise(replay, stock)
+    steps = 3 * tiny.num_layers * (tiny.global_batch_size // tiny.micro_batch_size) * STEPS
+    assert stock_calls == {"forward": 2 * steps, "backward": steps}
+    assert replay_calls == {"forward": steps, "backward": steps}
+    assert replay.stats.kept == steps and replay.pool_used == 0
 
 
 def test_te_flash_backend_runs_stock_and_says_so_once(megatron_cpu, monkeypatch):
@@ -271,9 +298,9 @@ def test_outside_a_checkpoint_nothing_is_kept(megatron_cpu, te):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-def test_install_wires_te_replay_or_falls_back_under_cp(megatron_cpu, te, cp):
+def test_install_wires_te_replay(megatron_cpu, te, cp):
     """``--flat-attn-replay --transformer-impl transformer_engine``: TE's kernel swapped (and
-    restored by the reset), with attention dropout; under CP, one warning and stock."""
+    restored by the reset), with attention dropout, with and without CP."""
     import megatron_flat
     from megatron_flat.megatron import install as inst
     from megatron_flat.megatron import replay_wiring, te_replay
@@ -288,13 +315,9 @@ def test_install_wires_te_replay_or_falls_back_under_cp(megatron_cpu, te, cp):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             megatron_flat.install(args)
-        fallbacks = [w for w in caught if "attn-replay is off" in str(w.message)]
-        if cp == 1:
-            assert fallbacks == [] and replay_wiring.wired() and te_replay.enabled()
-            assert te.fused_attn_fwd is not original
-        else:
-            assert len(fallbacks) == 1 and "context-parallel" in str(fallbacks[0].message)
-            assert not replay_wiring.wired() and not te_replay.enabled()
+        assert [w for w in caught if "attn-replay is off" in str(w.message)] == []
+        assert replay_wiring.wired() and te_replay.enabled()
+        assert te.fused_attn_fwd is not original
     finally:
         inst._reset_for_tests()
     assert te.fused_attn_fwd is original and not te_replay.enabled()

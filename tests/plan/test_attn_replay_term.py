@@ -53,6 +53,16 @@ def test_a_slot_is_one_layers_o_and_lse():
     assert replay_slot(SMALL, layout, n) == o + lse
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_under_cp_the_ring_keeps_one_partial_per_step(cp):
+    """transformer-engine's CP ring runs its kernel once per step and merges the partials:
+    replay keeps each step's (O, LSE), on the ring's last rank every one for all its queries
+    (n: tokens on this CP rank)."""
+    n = 4096
+    pair = replay_slot(SMALL, Layout(tp=2, ep=2), n)
+    assert replay_slot(SMALL, Layout(tp=2, ep=2, cp=cp), n) == cp * pair
+
+
 def test_host_bytes_are_layers_times_slot_times_microbatches_in_flight():
     layout = Layout(tp=2, pp=2, ep=2)           # stage 0: 2 layers, 2 microbatches in flight
     seq = 4096
