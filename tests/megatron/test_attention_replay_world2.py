@@ -3,7 +3,8 @@ backend's context-parallel attention, which keeps both of its slots' (O, LSE)), 
 hidden dropout on. ``--flat-attn-replay`` with SCO against SCO alone, same weights: every
 step's loss and every gradient bitwise equal, the ledger's attention kernels halved (CP:
 two kernels per slot but the first, all skipped in the re-run), every kept output through
-SCO's host pool; in fp32 and in Megatron's bf16 training."""
+SCO's host pool; in fp32 and in Megatron's bf16 training. transformer-engine's fused
+attention (its CPU stand-in) replays the same way at EP 2, TP 2 + SP and PP 2."""
 
 import importlib.util
 import pathlib
@@ -88,3 +89,41 @@ def test_replay_composes_with_the_other_techniques(megatron_cpu, layout):
     built = {"ep2-four": {"FlatMoELayer", "FlashCoreAttention"},
              "tp2-tiles": {"TiledColumnParallelLinear", "TiledRowParallelLinear"}}[layout]
     assert built <= replay.modules, replay.modules
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2-sp", "pp2"])
+def test_te_replay_in_every_layout(megatron_cpu, monkeypatch, layout):
+    """transformer-engine's fused attention (``megatron.te_replay``, on the CPU stand-in of
+    ``_te_standin``) in the same layouts: bitwise the same run without replay, half the
+    stand-in's forward kernels, the same backward kernels."""
+    from megatron_flat.config import FlatConfig
+    from megatron_flat.megatron import attention_replay
+    from megatron_flat.testing import flash_attention
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+    from megatron_flat.testing.training import Layout
+
+    spec = importlib.util.spec_from_file_location(
+        "_te_standin", pathlib.Path(__file__).with_name("_te_standin.py"))
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    monkeypatch.setattr(flash_attention, "FlashCoreAttention", standin.CoreAttention)
+    split = {"ep2": dict(ep=2), "tp2-sp": dict(tp=2), "pp2": dict(pp=2)}[layout]
+    tiny = TinyMoE(attention="flash", global_batch_size=4, hidden_dropout=0.1,
+                   **({"num_layers": 4} if layout == "pp2" else {}))
+    run = Layout(recompute="full", **split)
+    calls = []
+    with standin.installed():
+        try:
+            for replay in (False, True):
+                standin.calls.update(forward=0, backward=0)
+                calls.append((replay_runs.train(tiny, run, FlatConfig(attn_replay=replay, **SCO)),
+                              dict(standin.calls)))
+        finally:
+            attention_replay.disable()
+    (stock, stock_calls), (replay, replay_calls) = calls
+    assert "CoreAttention" in replay.modules
+    assert replay.losses == stock.losses, layout
+    assert all(torch.equal(a, b) for a, b in zip(replay.grads, stock.grads)), layout
+    assert stock_calls["forward"] > 0 and replay_calls == {
+        "forward": stock_calls["forward"] // 2, "backward": stock_calls["backward"]}
+    assert replay.stats.kept > 0 and replay.stats.not_kept == 0 and replay.pool_used == 0
