@@ -52,6 +52,9 @@ _KERNEL_MODULES = ("transformer_engine.pytorch.attention.dot_product_attention.b
 # step (or once after its all-to-all) by the same global name; before 2.3 it shares the
 # module above.
 _CP_MODULES = ("transformer_engine.pytorch.attention.dot_product_attention.context_parallel",)
+# A TE built for another CUDA or torch fails its import with these as well as ImportError:
+# either way its attention is not there to replay (a fallback, not an error).
+_IMPORT_ERRORS = (ImportError, OSError, RuntimeError)
 _lock = threading.Lock()
 _frames = threading.local()
 _patched: dict = {}  # what enable swapped ("kernels", "cls", "forward") and was given
@@ -63,7 +66,7 @@ def kernel_module() -> Optional[Any]:
     for name in _KERNEL_MODULES:
         try:
             module = importlib.import_module(name)
-        except ImportError:
+        except _IMPORT_ERRORS:
             continue
         if hasattr(module, "FusedAttnFunc") and callable(getattr(module, "fused_attn_fwd", None)):
             return module
@@ -74,7 +77,7 @@ def attention_class() -> Optional[type]:
     """TE's ``DotProductAttention`` (what Megatron's ``TEDotProductAttention`` subclasses)."""
     try:
         te = importlib.import_module("transformer_engine.pytorch")
-    except ImportError:
+    except _IMPORT_ERRORS:
         return None
     return getattr(te, "DotProductAttention", None)
 
@@ -85,7 +88,7 @@ def _cp_modules() -> List[Any]:
     for name in _CP_MODULES:
         try:
             module = importlib.import_module(name)
-        except ImportError:
+        except _IMPORT_ERRORS:
             continue
         if callable(getattr(module, "fused_attn_fwd", None)):
             found.append(module)
