@@ -60,7 +60,8 @@ def attach(model: Any, host: Any = None) -> List[Any]:
                          "from a kept output (the CPU flash attention, transformer-engine's "
                          "fused attention); this model has none")
     enable()
-    if te_replay.attentions(model):
+    te = te_replay.attention_class()
+    if te is not None and any(isinstance(a, te) for a in found):
         from megatron_flat.megatron.replay_wiring import current_store, warn_once
 
         te_replay.enable(current_store, warn_once)
@@ -77,9 +78,7 @@ def detach(model: Any) -> None:
 
 def disable() -> None:
     """The phase marks off and transformer-engine's kernel its own again (process-wide)."""
-    import sys
+    from megatron_flat.megatron import te_replay
 
     _disable_phase_marks()
-    te = sys.modules.get("megatron_flat.megatron.te_replay")
-    if te is not None:
-        te.disable()
+    te_replay.disable()

@@ -124,9 +124,9 @@ def unwire() -> None:
     disable()
     import sys
 
-    te = sys.modules.get("megatron_flat.megatron.te_replay")
-    if te is not None:
-        te.disable()
+    from megatron_flat.megatron import te_replay
+
+    te_replay.disable()
 
     module = sys.modules.get("megatron.core.transformer.dot_product_attention")
     init = getattr(module.DotProductAttention, "__init__", None) if module else None

@@ -60,39 +60,35 @@ _frames = threading.local()
 _patched: dict = {}  # what enable swapped ("kernels", "cls", "forward") and was given
 
 
+def _imported(name: str) -> Optional[Any]:
+    """The module ``name``, or None when it does not import."""
+    try:
+        return importlib.import_module(name)
+    except _IMPORT_ERRORS:
+        return None
+
+
+def _calling_kernel(names) -> List[Any]:
+    """Of the modules ``names``, those that import and hold a global ``fused_attn_fwd``."""
+    modules = (_imported(name) for name in names)
+    return [m for m in modules if callable(getattr(m, "fused_attn_fwd", None))]
+
+
 def kernel_module() -> Optional[Any]:
     """The TE module whose ``FusedAttnFunc`` calls its global ``fused_attn_fwd``; None when
     transformer-engine is not importable or keeps them nowhere this module knows."""
-    for name in _KERNEL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except _IMPORT_ERRORS:
-            continue
-        if hasattr(module, "FusedAttnFunc") and callable(getattr(module, "fused_attn_fwd", None)):
-            return module
-    return None
+    found = [m for m in _calling_kernel(_KERNEL_MODULES) if hasattr(m, "FusedAttnFunc")]
+    return found[0] if found else None
 
 
 def attention_class() -> Optional[type]:
     """TE's ``DotProductAttention`` (what Megatron's ``TEDotProductAttention`` subclasses)."""
-    try:
-        te = importlib.import_module("transformer_engine.pytorch")
-    except _IMPORT_ERRORS:
-        return None
-    return getattr(te, "DotProductAttention", None)
+    return getattr(_imported("transformer_engine.pytorch"), "DotProductAttention", None)
 
 
 def _cp_modules() -> List[Any]:
     """TE's context-parallel modules that call ``fused_attn_fwd`` by their own global."""
-    found = []
-    for name in _CP_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except _IMPORT_ERRORS:
-            continue
-        if callable(getattr(module, "fused_attn_fwd", None)):
-            found.append(module)
-    return found
+    return _calling_kernel(_CP_MODULES)
 
 
 def unsupported() -> Optional[str]:
