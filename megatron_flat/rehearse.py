@@ -6,8 +6,8 @@ Runs the user's own training script (Megatron-LM's ``pretrain_gpt.py``, patched 
 the checkout is not) twice with ``torch.distributed.run`` on this machine's CPU, gloo as the
 backend, at the tiny shape ARGS give:
 
-* **stock**: ARGS with every ``--flat-*`` flag removed. A megatron-flat ``--spec`` stays: with
-  every technique off it builds Megatron's own layer spec.
+* **stock**: ARGS with every ``--flat-*`` flag and a megatron-flat ``--spec`` removed: the model
+  Megatron builds from the line without megatron-flat (its own spec for the line).
 * **flat**: ARGS as given.
 
 Before the runs, the checkout's own parser is asked what the line sets
@@ -24,6 +24,10 @@ parallelism ``--attention-dropout 0`` (the CPU backend's CP core attention has n
 Megatron-LM's default is 0.1); ``--save`` / ``--load`` and logging destinations are dropped, so
 a production line can be rehearsed as it is (given tiny shapes and ``--mock-data``); SCO's host
 budget is capped (``--host-budget-gib``), because the CPU allocates it as plain memory.
+
+Before the losses are compared, the two models must be the same: per rank, the same parameter
+names, shapes and dtypes (a flat module keeps the parameters of the module it replaces). Both
+parameter counts are printed; any difference fails the rehearsal whatever the losses say.
 
 Prints each iteration's ``lm loss`` from both runs, the per-component peak table (the worst
 rank's, measured by the memory meter: ``megatron_flat.megatron.rehearsal``), which flat modules
@@ -235,8 +239,24 @@ def launch_lines(args: Sequence[str], *, iters: int, host_budget_gib: float,
                      f"{host_budget_gib:g} GiB per rank (--host-budget-gib)")
         flat = flat_config_of(flat_args)
     stock, removed = strip_options(common, _flat_arities())
-    notes.append("stock run: without " + (" ".join(removed) if removed else "any --flat-* flag"))
+    stock, spec = _without_flat_spec(stock)
+    removed += spec
+    notes.append("stock run: without " + (" ".join(removed) if removed else "any --flat-* flag")
+                 + (" (Megatron builds its own spec for the line)" if spec else ""))
     return Lines(stock, flat_args, notes, flat)
+
+
+FLAT_SPEC_MODULE = "megatron_flat.megatron.spec"
+
+
+def _without_flat_spec(args: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``args`` without a ``--spec`` naming a megatron-flat spec, and what was removed (a
+    user's own ``--spec`` stays: it is part of the model)."""
+    values = cpu_line.option_values(args, "--spec", 2)
+    if not values or values[0] != FLAT_SPEC_MODULE:
+        return list(args), []
+    kept, removed = strip_options(args, {"--spec": 2})
+    return kept, removed
 
 
 # ---------------------------------------------------------------------------- one run
@@ -512,6 +532,43 @@ def missing_techniques(flat: Run) -> List[str]:
     return missing
 
 
+def parameter_count(run: Run) -> Optional[int]:
+    """The parameters of the run's model, summed over its ranks (a replicated parameter counts
+    once per rank that holds it), or None when no rank reported its model."""
+    if not run.ranks or not all("parameters" in r for r in run.ranks):
+        return None
+    return sum(math.prod(shape) for r in run.ranks for _, _, shape, _ in r["parameters"])
+
+
+def parameter_line(stock: Run, flat: Run) -> Optional[str]:
+    """``parameters: stock N, flat M (over R ranks)`` for the report, or None."""
+    counts = [parameter_count(run) for run in (stock, flat)]
+    if counts == [None, None]:
+        return None
+    shown = ["-" if c is None else f"{c:,}" for c in counts]
+    return f"parameters: stock {shown[0]}, flat {shown[1]} (over {len(stock.ranks)} rank(s))"
+
+
+def parameter_difference(stock: Run, flat: Run) -> Optional[str]:
+    """Where the flat model's parameters first differ from stock's (rank, name, shape), or None
+    when every rank's are the same (or a run reported none: its failure is reported)."""
+    if parameter_count(stock) is None or parameter_count(flat) is None:
+        return None
+    for rank, (a, b) in enumerate(zip(stock.ranks, flat.ranks)):
+        ours, theirs = a["parameters"], b["parameters"]
+        if ours == theirs:
+            continue
+        for x, y in zip(ours, theirs):
+            if x != y:
+                return (f"rank {rank}: stock has {x[1]} {x[2]} {x[3]} where flat has "
+                        f"{y[1]} {y[2]} {y[3]}")
+        longer, name = (ours, "stock") if len(ours) > len(theirs) else (theirs, "flat")
+        extra = longer[min(len(ours), len(theirs))]
+        return (f"rank {rank}: {len(ours)} parameters in stock, {len(theirs)} in flat; only "
+                f"{name} has {extra[1]} {extra[2]}")
+    return None
+
+
 def verdict(stock: Run, flat: Run, rtol: float, substitutions: int = 0) -> Tuple[int, str]:
     for run in (stock, flat):
         if not run.ok:
@@ -520,6 +577,10 @@ def verdict(stock: Run, flat: Run, rtol: float, substitutions: int = 0) -> Tuple
         if not run.losses:
             return EXIT_DIFFER, (f"rehearsal: the {run.name} run printed no 'lm loss' lines; "
                                  f"its log: {run.log}")
+    differs = parameter_difference(stock, flat)
+    if differs:
+        return EXIT_DIFFER, (f"rehearsal: the flat model is not the stock model "
+                             f"({parameter_line(stock, flat)}): {differs}")
     if set(stock.losses) != set(flat.losses):
         return EXIT_DIFFER, (f"rehearsal: the runs logged different iterations (stock "
                              f"{sorted(stock.losses)}, flat {sorted(flat.losses)})")
@@ -718,6 +779,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
             print("(at rehearsal shapes the fixed-size buffers -- dispatch chunk cap, optimizer "
                   "buckets and staging -- can outweigh what they save; python -m megatron_flat "
                   "plan predicts the peaks at the real shape)", file=out)
+    params = parameter_line(stock, flat)
+    if params:
+        print("", file=out)
+        print(params, file=out)
     ran = what_ran(flat)
     if ran:
         print("", file=out)

@@ -99,6 +99,8 @@ def _tiled(module: Any, tiled_cls: type, flat_tokens: int, stock: Tuple[str, ...
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     cls = module.module if isinstance(module, ModuleSpec) else module
+    if cls is tiled_cls:
+        return module  # already tiled: the transform is idempotent
     if not isinstance(cls, type) or cls.__name__ not in stock:
         raise ValueError(f"--flat-attn-tiles tiles Megatron's {' / '.join(stock)}; this layer "
                          f"spec has {getattr(cls, '__name__', cls)!r}")

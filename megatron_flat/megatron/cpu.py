@@ -558,6 +558,14 @@ def _context_parallel_core_attention() -> None:
 
     def __new__(cls, config=None, *args, **kwargs):
         # Python then runs the returned object's own __init__ with the same arguments.
+        if cls is DotProductAttention and ("k_channels" in kwargs or "v_channels" in kwargs):
+            from megatron_flat.megatron.cpu_mla_attention import (
+                MLADotProductAttention,
+                announce_once,
+            )
+
+            announce_once()  # multi-latent attention: separate q/k and v head dims
+            return original(MLADotProductAttention)
         if cls in substituted and getattr(config, "context_parallel_size", 1) > 1:
             if not _ANNOUNCED:
                 _ANNOUNCED.append(True)
@@ -575,6 +583,21 @@ def _context_parallel_core_attention() -> None:
 _ANNOUNCED: List[bool] = []
 
 
+def _mla_te_half_imported() -> bool:
+    try:
+        from megatron.core.transformer import multi_latent_attention as mla
+    except ImportError:
+        return False
+    return bool(getattr(mla, "HAVE_TE", False)) and not isinstance(getattr(mla, "TELinear", None),
+                                                                  type)
+
+
+def _mla_without_te() -> None:
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 def _grouped_reference() -> None:
     from megatron_flat.megatron.cpu_grouped import install_reference_gmm
 
@@ -584,9 +607,9 @@ def _grouped_reference() -> None:
 PATCHES: List[Patch] = [
     Patch(
         "torch.cuda view",
-        "MoE dispatchers, p2p communication, schedules, DDP buffers, the optimizer and MTP's "
-        "loss tracker call torch.cuda.current_device()/Stream()/current_stream() "
-        "unconditionally.",
+        "MoE dispatchers, p2p communication, schedules, DDP buffers, the optimizer, MTP's "
+        "loss tracker, attention sinks and MLA's YaRN rotary call "
+        "torch.cuda.current_device()/Stream()/current_stream() unconditionally.",
         _proxy_torch_in(
             "megatron.core.transformer.moe.token_dispatcher",
             "megatron.core.transformer.moe.moe_utils",
@@ -609,6 +632,11 @@ PATCHES: List[Patch] = [
             "megatron.core.optimizer.clip_grads",
             "megatron.core.optimizer.grad_scaler",
             "megatron.core.transformer.multi_token_prediction",
+            # Attention sinks' learnable softmax offset and MLA's YaRN rotary are created on
+            # torch.cuda.current_device() (GPT-OSS, DeepSeek-V3 / Kimi K2 lines).
+            "megatron.core.transformer.dot_product_attention",
+            "megatron.core.transformer.multi_latent_attention",
+            "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         ),
     ),
     Patch(
@@ -678,8 +706,19 @@ PATCHES: List[Patch] = [
         "core attention under context parallelism",
         "DotProductAttention (the local spec's core attention) refuses context_parallel_size > 1 "
         "(Megatron's CP lives in transformer-engine's attention); under CP it is built as "
-        "megatron.cpu_context_attention.ContextParallelCoreAttention, exact and O(N).",
+        "megatron.cpu_context_attention.ContextParallelCoreAttention, exact and O(N). "
+        "Multi-latent attention builds it with k_channels/v_channels, which it does not take: "
+        "there it is megatron.cpu_mla_attention.MLADotProductAttention (the stock forward).",
         _context_parallel_core_attention,
+    ),
+    Patch(
+        "MLA without transformer-engine",
+        "multi_latent_attention sets HAVE_TE when megatron.core.extensions.transformer_engine "
+        "imports, which it does without transformer-engine, leaving TELinear a placeholder "
+        "that is not a class; its isinstance(linear_proj, TELinear) then raises. HAVE_TE is "
+        "set to what is true.",
+        _mla_without_te,
+        needed=_mla_te_half_imported,
     ),
     Patch(
         "grouped_gemm reference",

@@ -27,6 +27,10 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
     Empty when compatible. Only settings present on ``megatron`` are checked.
     """
     problems = []
+    if hasattr(megatron, "spec"):  # Megatron-LM's args: a flat --spec must name its modules
+        from megatron_flat.megatron.spec import flat_spec_problems
+
+        problems += flat_spec_problems(megatron)
     experts = _get(megatron, "num_moe_experts", "num_experts")
     ep = _get(megatron, "expert_model_parallel_size", default=1) or 1
     if flat.dispatch != "off":
@@ -215,6 +219,12 @@ def install(config_or_args: Union[FlatConfig, argparse.Namespace],
 
     host_tier.configure(node_budget_bytes=flat.host_mem_per_node_bytes or None,
                         allow_pageable=flat.host_pageable)
+    if megatron is not None and hasattr(megatron, "spec"):
+        # A flat --spec means Megatron's own spec for the line with the flat modules swapped
+        # in: Megatron-LM's builder builds it once the name is off the line.
+        from megatron_flat.megatron.spec import redirect_flat_spec
+
+        redirect_flat_spec(megatron)
     for name, on in _ENABLED.items():
         if on(flat):
             WIRING[name](flat, megatron)
@@ -233,6 +243,9 @@ def _reset_for_tests() -> None:
     sco = sys.modules.get("megatron_flat.megatron.sco")
     if sco is not None and sco.enabled() is not None:
         sco.disable()
+    spec = sys.modules.get("megatron_flat.megatron.spec")
+    if spec is not None:
+        spec._unredirect_for_tests()
     replay = sys.modules.get("megatron_flat.megatron.replay_wiring")
     if replay is not None:
         replay.unwire()

@@ -15,8 +15,9 @@ be run by hand. Per rank it
    optimizer step (every ``MegatronOptimizer.step``, outermost call), and ``step`` (from the
    forward-backward call to the end of the optimizer step that follows);
 4. writes ``rank<R>.json`` into ``$MEGATRON_FLAT_REHEARSAL_OUT``: the peaks, the whole run's
-   peak, which flat modules were really in the model, SCO's counters and the CPU workarounds
-   applied. It is written also when the script fails (``"ok": false``).
+   peak, which flat modules were really in the model, its parameters (names, shapes,
+   dtypes), SCO's counters and the CPU workarounds applied. It is written also when the
+   script fails (``"ok": false``).
 """
 
 from __future__ import annotations
@@ -158,6 +159,16 @@ def _flat_modules(models) -> Dict[str, int]:
     return counts
 
 
+def _parameters(models) -> List[list]:
+    """This rank's parameters, ``[chunk, name, shape, dtype]`` in registration order: what a
+    flat model must share with the stock one built from the same line."""
+    found = []
+    for index, model in enumerate(models):
+        for name, param in model.named_parameters():
+            found.append([index, name, list(param.shape), str(param.dtype).replace("torch.", "")])
+    return found
+
+
 def _offload_optimizers() -> int:
     import gc
 
@@ -245,6 +256,7 @@ def _what_ran(models) -> Dict[str, Any]:
     flat = installed()
     found: Dict[str, Any] = {"flat": None if flat is None else flat.to_dict(),
                              "modules": _flat_modules(models),
+                             "parameters": _parameters(models),
                              "offload_optimizers": _offload_optimizers()}
     active = sco.enabled()
     if active is not None:

@@ -14,12 +14,16 @@ Ways in, one transform behind all of them:
   provider, wrapped): pass it wherever Megatron takes a ``backend``; its MoE specs build the
   flat MoE layer. :func:`flat_gpt_spec` (or its ``layer_spec`` / ``decoder_block_spec``) gives
   the GPT layer or decoder block spec.
-* :data:`flat_gpt_layer_spec` / :data:`flat_gpt_layer_te_spec` — layer specs for Megatron-LM's
-  ``--spec megatron_flat.megatron.spec flat_gpt_layer_spec`` (Megatron-Core modules) or
-  ``--spec megatron_flat.megatron.spec flat_gpt_layer_te_spec`` (transformer-engine modules).
-  Megatron-LM imports them before ``megatron_flat.install()`` has run, so they read the
-  installed FlatConfig when the model is built (:class:`LazyFlatLayerSpec`). One layer spec is
-  repeated over every layer: for mixed dense/MoE models leave ``--spec`` out (next item).
+* :data:`flat_gpt_layer_spec` / :data:`flat_gpt_layer_te_spec` — for Megatron-LM's
+  ``--spec megatron_flat.megatron.spec flat_gpt_layer_spec`` (Megatron-Core modules, with
+  ``--transformer-impl local``) or ``... flat_gpt_layer_te_spec`` (transformer-engine modules).
+  Either builds *Megatron's own spec for the line* with the flat modules swapped in, never a
+  fixed layer: ``install()`` takes the name off the line (``args.spec = None``, see
+  :func:`redirect_flat_spec`), so Megatron-LM's builder makes its own choice (dense/MoE pattern,
+  q/k norms, MLA, MTP block, shared experts, biases, grouped GEMM, ...) and every decoder block
+  it builds passes through :data:`LAYER_TRANSFORMS` (:func:`_block_submodules`). Built in code
+  (``GPTModel(transformer_layer_spec=flat_gpt_layer_spec)``), the block is the one Megatron-LM's
+  GPT builder makes for the model's ``TransformerConfig`` (:func:`megatron_decoder_spec`).
 * :func:`flat_moe_specs` / :func:`wire_dispatch` — Megatron's *stock* spec functions return the
   flat MoE layer (how a model built by code we don't control, e.g. ``pretrain_gpt.py`` without
   ``--spec``, or a test harness, gets it).
@@ -46,10 +50,12 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
 from megatron_flat.runtime import extras
 
-__all__ = ["FlatSpecProvider", "LAYER_TRANSFORMS", "LazyFlatLayerSpec", "current_flat",
-           "flat_gpt_layer_spec", "flat_gpt_layer_te_spec", "flat_gpt_spec", "flat_layer_spec",
-           "flat_moe_spec", "flat_moe_specs", "gpt_decoder_block_spec", "gpt_layer_local_spec",
-           "gpt_layer_spec", "is_moe_spec", "wire_dispatch", "with_flat_moe"]
+__all__ = ["FLAT_SPECS", "FlatSpecProvider", "LAYER_TRANSFORMS", "LazyFlatLayerSpec",
+           "current_flat", "flat_gpt_layer_spec", "flat_gpt_layer_te_spec", "flat_gpt_spec",
+           "flat_layer_spec", "flat_moe_spec", "flat_moe_specs", "flat_spec_named",
+           "flat_spec_problems", "gpt_decoder_block_spec", "gpt_layer_local_spec",
+           "gpt_layer_spec", "is_moe_spec", "megatron_decoder_spec", "redirect_flat_spec",
+           "wire_dispatch", "with_flat_moe"]
 
 _OFF = FlatConfig()
 _ACTIVE: List[FlatConfig] = []
@@ -103,6 +109,17 @@ def with_flat_moe(layer_spec: Any, flat: FlatConfig) -> Any:
     mlp = getattr(submodules, "mlp", None)
     if mlp is None or not is_moe_spec(mlp):
         return layer_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_flat.megatron.moe import FlatMoELayer
+
+    module = compat.moe_spec_module(mlp)
+    if issubclass(module, FlatMoELayer):
+        return layer_spec  # already swapped (Megatron's spec functions build it when wired)
+    if module is not MoELayer:
+        # Swapping a subclass for FlatMoELayer would drop what the subclass adds.
+        raise ValueError(f"--flat-dispatch replaces Megatron's MoELayer; this layer spec builds "
+                         f"{module.__module__}.{module.__name__}, a subclass it would drop")
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(submodules, mlp=flat_moe_spec(mlp, flat)))
 
@@ -308,32 +325,39 @@ def flat_gpt_spec(flat: Optional[FlatConfig] = None, config: Any = None, *,
 
 # ---------------------------------------------------------------------------- --spec objects
 class LazyFlatLayerSpec(ModuleSpec):
-    """A ``TransformerLayer`` ``ModuleSpec`` whose fields are resolved each time they are read:
-    the stock layer spec (built once, on first read, by ``build_stock``) with the flat layers
-    of :func:`current_flat` — the FlatConfig installed *when the model is built*.
+    """The object ``--spec megatron_flat.megatron.spec <name>`` names: Megatron's own spec for
+    the model, with the flat modules of :func:`current_flat` swapped in.
 
-    For Megatron-LM's ``--spec <module> <name>``, which imports the named object as it is and
-    uses it as ``transformer_layer_spec``, before ``megatron_flat.install()`` has run. With
-    nothing installed, or ``--flat-dispatch off``, every field is the stock spec's own object,
-    so the model is the stock one. The fields are read-only views: use :meth:`resolve` for a
-    plain ``ModuleSpec`` to edit.
+    Megatron-LM imports it as it is and would repeat one layer spec over every layer, so it
+    never reaches Megatron-LM's builder: ``install()`` takes it off the line
+    (:func:`redirect_flat_spec`). Given to ``GPTModel`` in code, the decoder block is built by
+    :func:`_block_submodules` from the model's ``TransformerConfig`` (what Megatron-LM's GPT
+    builder builds for it without ``--spec``, :func:`megatron_decoder_spec`), this pipeline
+    stage's slice. ``transformer_engine`` says which modules: transformer-engine's or
+    Megatron-Core's local ones.
+
+    Its fields (``module``, ``submodules``, ...) show the MoE layer of that spec, the stock
+    ``get_gpt_layer_*_spec(num_experts)`` with the flat layers (read-only views, resolved when
+    read; :meth:`resolve` gives a plain ``ModuleSpec``); they are not what a model is built from.
     """
 
-    def __init__(self, build_stock: Callable[[], ModuleSpec], name: str):
+    def __init__(self, build_stock: Callable[[], ModuleSpec], name: str, *,
+                 transformer_engine: bool):
         # Not ModuleSpec.__init__: it would assign the fields, which are views here.
         self._build_stock = build_stock
         self._name = name
         self._stock: Optional[ModuleSpec] = None
+        self.transformer_engine = transformer_engine
 
     def stock(self) -> ModuleSpec:
-        """The stock layer spec (``MoELayer`` whatever is installed); built on first call."""
+        """The stock MoE layer spec (``MoELayer`` whatever is installed); built on first call."""
         if self._stock is None:
             with _stock_moe():
                 self._stock = self._build_stock()
         return self._stock
 
     def resolve(self, flat: Optional[FlatConfig] = None) -> ModuleSpec:
-        """The plain ``ModuleSpec`` for ``flat`` (default :func:`current_flat`)."""
+        """The MoE layer's plain ``ModuleSpec`` for ``flat`` (default :func:`current_flat`)."""
         return flat_layer_spec(self.stock(), flat if flat is not None else current_flat())
 
     module = property(lambda self: self.resolve().module)
@@ -357,34 +381,167 @@ def _stock_local_moe_layer() -> ModuleSpec:
     return get_gpt_layer_local_spec(num_experts=_MOE_LAYER, normalization="RMSNorm")
 
 
-def _stock_te_moe_layer() -> ModuleSpec:
+def _need_transformer_engine(name: str) -> None:
     if not extras.available("transformer_engine"):
-        raise RuntimeError("megatron_flat.megatron.spec.flat_gpt_layer_te_spec builds "
-                           "transformer-engine modules, and transformer-engine is not importable "
-                           "here; use flat_gpt_layer_spec (Megatron-Core modules) instead")
+        raise RuntimeError(f"megatron_flat.megatron.spec.{name} builds transformer-engine "
+                           "modules, and transformer-engine is not importable here; use "
+                           "flat_gpt_layer_spec (Megatron-Core modules) instead")
+
+
+def _stock_te_moe_layer() -> ModuleSpec:
+    _need_transformer_engine("flat_gpt_layer_te_spec")
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=_MOE_LAYER,
-                                                      moe_grouped_gemm=False)
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=_MOE_LAYER)
 
 
-flat_gpt_layer_spec = LazyFlatLayerSpec(_stock_local_moe_layer, "flat_gpt_layer_spec")
-"""``--spec megatron_flat.megatron.spec flat_gpt_layer_spec``: Megatron's local MoE layer spec
-(``get_gpt_layer_local_spec(num_experts, normalization="RMSNorm")``: Megatron-Core modules,
-``SequentialMLP`` experts) with ``FlatMoELayer`` when the installed ``--flat-dispatch`` is on.
+flat_gpt_layer_spec = LazyFlatLayerSpec(_stock_local_moe_layer, "flat_gpt_layer_spec",
+                                        transformer_engine=False)
+"""``--spec megatron_flat.megatron.spec flat_gpt_layer_spec`` (with ``--transformer-impl
+local``): Megatron's own spec for the line, Megatron-Core modules, with the flat modules of the
+installed FlatConfig (``FlatMoELayer`` for ``--flat-dispatch``, the tiled projections for
+``--flat-attn-tiles``). The local attention does not support context parallelism."""
 
-Megatron-LM repeats one layer spec over every layer, so every layer is MoE: for mixed dense/MoE
-models (``--moe-layer-freq``), a grouped-GEMM, MLA or qk-layernorm layer, leave ``--spec`` out
-— with ``--flat-dispatch`` the installed wiring (:func:`wire_dispatch`) puts ``FlatMoELayer``
-into Megatron's own block spec. The local attention does not support context parallelism."""
+flat_gpt_layer_te_spec = LazyFlatLayerSpec(_stock_te_moe_layer, "flat_gpt_layer_te_spec",
+                                           transformer_engine=True)
+"""``--spec megatron_flat.megatron.spec flat_gpt_layer_te_spec`` (with ``--transformer-impl
+transformer_engine``, Megatron-LM's default): as :data:`flat_gpt_layer_spec` with
+transformer-engine modules; needs transformer-engine when the model is built."""
 
-flat_gpt_layer_te_spec = LazyFlatLayerSpec(_stock_te_moe_layer, "flat_gpt_layer_te_spec")
-"""``--spec megatron_flat.megatron.spec flat_gpt_layer_te_spec``: as
-:data:`flat_gpt_layer_spec` with transformer-engine modules
-(``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm=False)``); needs
-transformer-engine when the model is built (fused attention, context parallelism)."""
+FLAT_SPECS = {"flat_gpt_layer_spec": flat_gpt_layer_spec,
+              "flat_gpt_layer_te_spec": flat_gpt_layer_te_spec}
+"""The names ``--spec megatron_flat.megatron.spec NAME`` takes."""
+
+SPEC_MODULE = __name__
+
+
+# ---------------------------------------------------------------------------- Megatron's spec
+def megatron_decoder_spec(config: Any, *, use_transformer_engine: bool,
+                          vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> Any:
+    """The decoder spec Megatron-LM's GPT builder gives ``GPTModel`` for ``config`` when the
+    line has no ``--spec`` (``gpt_builders.gpt_builder``, core_v0.16 to main): an MoE model's
+    decoder block spec (``get_gpt_decoder_block_spec``: dense/MoE layers by
+    ``moe_layer_freq``, this stage's slice), else the one dense layer spec. Stock modules
+    (``MoELayer``), whatever is installed. Raises ``ValueError`` for the builder's other
+    branches (experimental attention variants, heterogeneous layers), which the flat spec does
+    not build in code: give Megatron-LM the line without ``--spec`` there."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    for name in ("experimental_attention_variant", "heterogeneous_block_specs"):
+        if getattr(config, name, None):
+            raise ValueError(f"the flat layer spec builds Megatron's GPT decoder; this config "
+                             f"sets {name}: leave --spec out (install() wires the flat modules "
+                             "into Megatron-LM's own builder)")
+    if use_transformer_engine:
+        _need_transformer_engine("flat_gpt_layer_te_spec")
+    with _stock_moe():
+        if config.num_moe_experts:
+            return specs.get_gpt_decoder_block_spec(
+                config, use_transformer_engine, normalization=config.normalization,
+                qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage, pp_rank=pp_rank)
+        dense = dict(num_experts=None, moe_grouped_gemm=config.moe_grouped_gemm,
+                     qk_layernorm=config.qk_layernorm,
+                     multi_latent_attention=config.multi_latent_attention,
+                     qk_l2_norm=config.qk_l2_norm)
+        if use_transformer_engine:
+            return specs.get_gpt_layer_with_transformer_engine_spec(**dense)
+        return specs.get_gpt_layer_local_spec(normalization=config.normalization, **dense)
+
+
+_FLAT_BLOCKS: List[bool] = []  # [True] once install() took a flat --spec off the line
+
+
+def flat_spec_named(spec_arg: Any) -> Optional[LazyFlatLayerSpec]:
+    """The flat spec object Megatron-LM's ``--spec MODULE NAME`` value names, or None for any
+    other spec (or none). Raises ``ValueError`` for an unknown name in this module."""
+    if not spec_arg or len(spec_arg) != 2 or spec_arg[0] != SPEC_MODULE:
+        return None
+    if spec_arg[1] not in FLAT_SPECS:
+        raise ValueError(f"--spec {SPEC_MODULE} {spec_arg[1]}: no such flat spec (there are "
+                         f"{', '.join(FLAT_SPECS)})")
+    return FLAT_SPECS[spec_arg[1]]
+
+
+def flat_spec_problems(args: Any) -> List[str]:
+    """Why Megatron-LM ``args`` naming a flat ``--spec`` cannot be honoured (empty when they
+    can, or name none): the spec's modules must be the ones ``--transformer-impl`` asks for,
+    since the model built without megatron-flat is made of those."""
+    try:
+        spec = flat_spec_named(getattr(args, "spec", None))
+    except ValueError as exc:
+        return [str(exc)]
+    impl = getattr(args, "transformer_impl", None)
+    if spec is None or impl is None:
+        return []
+    want = "transformer_engine" if spec.transformer_engine else "local"
+    if impl == want:
+        return []
+    other = "flat_gpt_layer_te_spec" if want == "local" else "flat_gpt_layer_spec"
+    return [f"--spec {SPEC_MODULE} {spec._name} builds "
+            f"{'transformer-engine' if spec.transformer_engine else 'Megatron-Core local'} "
+            f"modules, but the line has --transformer-impl {impl}: without megatron-flat "
+            f"Megatron would build {impl} modules. Use --spec {SPEC_MODULE} {other}, or "
+            f"--transformer-impl {want}"]
+
+
+def redirect_flat_spec(args: Any) -> Optional[str]:
+    """``install()``'s step for Megatron-LM ``args``: when ``--spec`` names a flat spec, take it
+    off the line (``args.spec = None``) so that Megatron-LM's GPT builder builds its own spec
+    for the line (its MTP block included, which its ``--spec`` path cannot build), and swap
+    the flat modules into every decoder block it builds from then on. Returns the name taken
+    off (kept as ``args.flat_spec``), or None. Call :func:`flat_spec_problems` first."""
+    spec = flat_spec_named(getattr(args, "spec", None))
+    if spec is None:
+        return None
+    args.spec = None
+    args.flat_spec = spec._name
+    _patch_block_submodules()
+    if not _FLAT_BLOCKS:
+        _FLAT_BLOCKS.append(True)
+    return spec._name
+
+
+def _block_submodules(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``transformer_block._get_block_submodules`` wrapped: a flat spec object becomes
+    Megatron's own decoder spec for the config; the block's layer specs then get
+    :data:`LAYER_TRANSFORMS` (for a flat spec object, or any block once ``install()`` took a
+    flat ``--spec`` off the line). Other specs are Megatron's, untouched."""
+
+    @functools.wraps(stock)
+    def get_block_submodules(config: Any, spec: Any, vp_stage: Optional[int] = None,
+                             pp_rank: Optional[int] = None) -> Any:
+        flat_spec = isinstance(spec, LazyFlatLayerSpec)
+        if flat_spec:
+            spec = megatron_decoder_spec(config, use_transformer_engine=spec.transformer_engine,
+                                         vp_stage=vp_stage, pp_rank=pp_rank)
+        submodules = stock(config, spec, vp_stage, pp_rank)
+        if not (flat_spec or _FLAT_BLOCKS):
+            return submodules
+        flat = current_flat()
+        return dataclasses.replace(
+            submodules, layer_specs=[flat_layer_spec(s, flat) for s in submodules.layer_specs])
+
+    get_block_submodules._megatron_flat_stock = stock
+    return get_block_submodules
+
+
+def _patch_block_submodules() -> None:
+    from megatron.core.transformer import transformer_block
+
+    current = transformer_block._get_block_submodules
+    if getattr(current, "_megatron_flat_stock", None) is None:
+        transformer_block._get_block_submodules = _block_submodules(current)
+
+
+def _unredirect_for_tests() -> None:
+    """Forget that a flat ``--spec`` was taken off a line (``install._reset_for_tests``)."""
+    _FLAT_BLOCKS.clear()
+
+
+# The flat spec objects resolve at model build: the seam is in place once they exist.
+_patch_block_submodules()
 
 
 # ---------------------------------------------------------------------------- stock specs

@@ -78,6 +78,10 @@ def _parser():
     ):
         group.add_argument(flag, type=kind, default=default, help=f"{flag[2:]} (100% synthetic)")
     group.add_argument("--spec", nargs=2, default=None, help="module and layer spec name")
+    group.add_argument("--qk-layernorm", action="store_true")
+    group.add_argument("--moe-layer-freq", default=1,
+                       type=lambda v: eval(v) if "[" in v else int(v))  # as Megatron-LM's
+    group.add_argument("--drop-qk-norm-when-flat", action="store_true")
     # GPU-only settings with Megatron-LM's defaults (transformer-engine modules, fused
     # kernels on); the synthetic training refuses each one still on, as a CPU run fails.
     group.add_argument("--transformer-impl", default="transformer_engine",
@@ -276,11 +280,43 @@ def build_gpt(args, pre_process=True, post_process=True):
                          recompute_num_layers=args.recompute_num_layers or 1)
     config = transformer_config(tiny_of(args), tp=args.tensor_model_parallel_size,
                                 ep=args.expert_model_parallel_size,
-                                context_parallel_size=args.context_parallel_size, **recompute)
-    spec = None
+                                context_parallel_size=args.context_parallel_size,
+                                qk_layernorm=args.qk_layernorm,
+                                moe_layer_freq=args.moe_layer_freq, **recompute)
+    # As Megatron-LM's GPT builder: --spec is imported and used as it is; without it, its own
+    # decoder block spec for the config (dense/MoE pattern, q/k norms).
     if args.spec:
         spec = getattr(importlib.import_module(args.spec[0]), args.spec[1])
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization="RMSNorm")
+        if args.drop_qk_norm_when_flat and _flat_on():  # test knob: a flat spec gone wrong
+            spec = _without_qk_norm(spec)
     return build_tiny_gpt(tiny_of(args), config, layer_spec=spec)
+
+
+def _without_qk_norm(block):
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    def layer(spec):
+        attention = spec.submodules.self_attention
+        inner = dataclasses.replace(attention.submodules, q_layernorm=IdentityOp,
+                                    k_layernorm=IdentityOp)
+        return dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, self_attention=dataclasses.replace(attention, submodules=inner)))
+
+    return dataclasses.replace(block, layer_specs=[layer(s) for s in block.layer_specs])
+
+
+def _flat_on():
+    from megatron_flat.megatron.state import installed
+
+    flat = installed()
+    return flat is not None and flat != type(flat)()
 '''
 
 TRAINING = '''\

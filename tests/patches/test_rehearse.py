@@ -274,6 +274,44 @@ def test_rehearsal_of_a_context_parallel_line_finds_flat_equal_to_stock(tmp_path
     assert offloaded and int(offloaded.group(1)) > 0, out
 
 
+def test_rehearsal_of_a_deepseek_style_line_builds_stocks_model(tmp_path):
+    """A first dense layer and q/k norms (``--moe-layer-freq '([0]*1+[1]*1)' --qk-layernorm``)
+    with the flat spec: the flat run builds Megatron's own spec for the line (the stock run has
+    no --spec at all), the report prints both parameter counts, and they are equal."""
+    script = checkout.write_checkout(tmp_path / "mlm", "0.16")
+    line = list(checkout.LINE) + ["--moe-layer-freq", "([0]*1+[1]*1)", "--qk-layernorm"]
+    done, work = _rehearse(tmp_path, script, line + checkout.FLAT, nproc=2)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations"
+    assert ("stock run: without --spec megatron_flat.megatron.spec flat_gpt_layer_spec"
+            in out.replace("--flat-preset paper --flat-dispatch-chunk-tokens 4 "
+                           "--flat-optimizer-bucket-numel 4096 ", ""))
+    assert "FlatMoELayer in 1 of 1 MoE layers" in out
+    counts = re.search(r"parameters: stock ([\d,]+), flat ([\d,]+) \(over 2 rank", out)
+    assert counts and counts.group(1) == counts.group(2), out
+    import json
+
+    ranks = [json.loads((work / "flat" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    names = [name for _, name, _, _ in ranks[0]["parameters"]]
+    assert any("q_layernorm" in n for n in names) and any("linear_fc1" in n for n in names)
+
+
+def test_rehearsal_fails_a_flat_model_that_drops_a_qk_norm(tmp_path):
+    """Negative control: a flat spec that loses the q/k norms fails on parameters, before and
+    whatever the losses say."""
+    script = checkout.write_checkout(tmp_path / "mlm", "0.19")
+    line = list(checkout.LINE) + ["--qk-layernorm"]
+    line[line.index("--expert-model-parallel-size") + 1] = "1"
+    done, _ = _rehearse(tmp_path, script, line + ["--flat-dispatch", "pipelined",
+                                                  "--drop-qk-norm-when-flat"], nproc=1)
+    assert done.returncode == 1, done.stdout
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("rehearsal: the flat model is not the stock model (parameters: "
+                           "stock "), last
+    assert "q_layernorm" in last, last
+
+
 def test_rehearsal_catches_a_loss_difference(tmp_path):
     script = checkout.write_checkout(tmp_path / "mlm", "0.19")
     line = list(checkout.LINE)
