@@ -616,6 +616,7 @@ PATCHES: List[Patch] = [
             "megatron.core.transformer.moe.router",
             "megatron.core.transformer.moe.experts",
             "megatron.core.transformer.moe.moe_layer",
+            "megatron.core.transformer.moe.shared_experts",
             "megatron.core.tensor_parallel.layers",
             "megatron.core.tensor_parallel.mappings",
             "megatron.core.utils",

@@ -225,6 +225,19 @@ class FlatMoELayer(MoELayer):
             topk=config.moe_router_topk, options=DispatchOptions.from_flat_config(flat),
             group=self.ep_group)
 
+    def _issue_shared_experts(self, hidden_states: torch.Tensor) -> None:
+        """``--moe-shared-expert-overlap``: the shared experts' whole forward (TP gather, fc1
+        and activation, fc2, TP reduce) is issued on their own stream before routing, so on a
+        GPU it runs while the router and PipelinedLLEP's first dispatch run on the main
+        stream; :meth:`SharedExpertMLP.get_output` joins it after the routed experts (the
+        same stages, in the same order, as Megatron's alltoall dispatcher calls them). The
+        math is the shared experts' own forward: the output equals the unoverlapped one."""
+        shared = self.shared_experts
+        shared.pre_forward_comm(hidden_states)
+        shared.linear_fc1_forward_and_act()
+        shared.linear_fc2_forward()
+        shared.post_forward_comm()
+
     @staticmethod
     def _refuse(flat: FlatConfig, problems: list) -> None:
         if problems:
@@ -267,9 +280,16 @@ class FlatMoELayer(MoELayer):
             padding_mask = padding_mask.transpose(0, 1).bool()
 
         def custom_forward(hidden_states, padding_mask=None):
-            shared_expert_output = self.shared_experts_compute(hidden_states)
+            overlap = self.use_shared_expert and self.shared_expert_overlap
+            if overlap:
+                self._issue_shared_experts(hidden_states)
+                shared_expert_output = None
+            else:
+                shared_expert_output = self.shared_experts_compute(hidden_states)
             probs, routing_map = self.route(hidden_states, padding_mask)
             output = self.routed_experts_flat(hidden_states, probs, routing_map, padding_mask)
+            if overlap:
+                shared_expert_output = self.shared_experts.get_output()
             if shared_expert_output is not None:
                 output = output + shared_expert_output
             return output, None

@@ -174,12 +174,6 @@ REFUSALS: Tuple[Refusal, ...] = (
         "capture attention only (--cuda-graph-impl transformer_engine with --cuda-graph-scope "
         "attn, or --cuda-graph-modules attn from 0.19), or use --flat-dispatch off"),
     Refusal(
-        "--moe-shared-expert-overlap",
-        _field("moe_shared_expert_overlap"),
-        f"the stock dispatcher computes the shared experts during its communication and "
-        f"{_NO_STOCK} (their output would be lost)",
-        "drop it: shared experts without overlap are supported"),
-    Refusal(
         "--moe-pad-expert-input-to-capacity",
         _field("moe_pad_expert_input_to_capacity"),
         "the flat dispatcher sends exactly the routed tokens and never pads expert inputs",

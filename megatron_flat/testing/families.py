@@ -48,13 +48,14 @@ FAMILIES: Dict[str, Family] = {f.name: f for f in (
     Family("deepseek_v3", dict(
         _MLA, **_DEEPSEEK_ROUTER, qk_layernorm=True, moe_layer_freq=[0, 1], num_moe_experts=8,
         moe_router_topk=2, moe_router_num_groups=4, moe_router_group_topk=2,
-        moe_shared_expert_intermediate_size=32, mtp_num_layers=1), mla=True,
+        moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
+        mtp_num_layers=1), mla=True,
         note="MLA with q/kv LoRA and YaRN, first layer dense, sigmoid router with expert bias "
-             "and group-limited routing, shared expert, MTP"),
+             "and group-limited routing, shared expert (overlapped), MTP"),
     Family("kimi_k2", dict(
         _MLA, **_DEEPSEEK_ROUTER, qk_layernorm=True, moe_layer_freq=[0, 1], num_moe_experts=8,
         moe_router_topk=2, moe_router_num_groups=1, moe_router_group_topk=1,
-        moe_shared_expert_intermediate_size=32), mla=True,
+        moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True), mla=True,
         note="DeepSeek-V3's architecture, one routing group"),
     Family("deepseek_v3_gqa", dict(
         **_DEEPSEEK_ROUTER, qk_layernorm=True, moe_layer_freq=[0, 1], num_moe_experts=8,

@@ -130,20 +130,24 @@ def test_unsupported_settings_fail_at_construction(megatron_cpu):
             _layers(PIPELINED, moe_expert_capacity_factor=1.0,
                     moe_pad_expert_input_to_capacity=True)
     found = unsupported_settings(types.SimpleNamespace(
-        moe_shared_expert_overlap=True, fp8="hybrid", delay_wgrad_compute=True))
+        moe_pad_expert_input_to_capacity=True, fp8="hybrid", delay_wgrad_compute=True))
     assert len(found) == 3
+    assert unsupported_settings(types.SimpleNamespace(moe_shared_expert_overlap=True)) == []
 
 
 @pytest.mark.parametrize("flat, shared", [
     (FlatConfig(dispatch="llep"), False),
     (PIPELINED, False),
     (PIPELINED, True),
+    (PIPELINED, "overlap"),  # --moe-shared-expert-overlap, the gate on: the shared stream
     (FlatConfig(), False),  # off: the stock forward
 ])
 def test_single_rank_layer_matches_stock(flat, shared, megatron_cpu):
     from megatron_flat.testing.distributed import megatron_layout
 
     overrides = dict(moe_shared_expert_intermediate_size=32) if shared else {}
+    if shared == "overlap":
+        overrides.update(moe_shared_expert_overlap=True, moe_shared_expert_gate=True)
     with megatron_layout():
         stock, layer = _layers(flat, **overrides)
         assert (layer.flat_dispatch is None) == (flat.dispatch == "off")

@@ -4,7 +4,8 @@ the router's own settings decide the routes in both.
 
 Settings (the DeepSeek-V3 / Kimi K2 / Llama-4 / Qwen2 lines): sigmoid scores, expert bias
 (aux-loss-free balancing; its per-expert token counts must match too), group-limited routing,
-the top-k scaling factor, ``seq_aux_loss``, shared experts with and without their gate.
+the top-k scaling factor, ``seq_aux_loss``, shared experts with and without their gate and
+with ``--moe-shared-expert-overlap`` (DeepSeek-R1 / Kimi K2 lines).
 PipelinedLLEP runs 4-token chunks with LLEP forced on (every imbalance spills), so routes are
 split into chunks and sent to helpers. Output, input gradient and every parameter gradient
 (router, this rank's experts, shared experts) agree to fp32 rounding (``_moe_layers.RTOL``).
@@ -31,7 +32,8 @@ ROUTERS = {
     "deepseek-group-limited": dict(DEEPSEEK, moe_router_num_groups=4, moe_router_group_topk=2,
                                    moe_router_load_balancing_type="seq_aux_loss",
                                    moe_aux_loss_coeff=1e-3,
-                                   moe_shared_expert_intermediate_size=32),
+                                   moe_shared_expert_intermediate_size=32,
+                                   moe_shared_expert_overlap=True),
     "kimi-one-group": dict(DEEPSEEK, moe_router_load_balancing_type="none",
                            moe_aux_loss_coeff=0.0, moe_shared_expert_intermediate_size=32),
     "llama4-top1-sigmoid": dict(moe_router_score_function="sigmoid",

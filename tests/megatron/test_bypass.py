@@ -60,7 +60,6 @@ REFUSED_ARGS = {
     "graph-inference-block": (dict(cuda_graph_impl="local", cuda_graph_modules=["mamba"],
                                    inference_cuda_graph_scope="block"),
                               "block-level inference graphs"),
-    "shared-expert-overlap": (dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap"),
     "pad-to-capacity": (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
                         "--moe-pad-expert-input-to-capacity"),
     "router-padding": (dict(moe_router_padding_for_quantization=True),
@@ -106,6 +105,9 @@ ACCEPTED_ARGS = {
     "token-dropping": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=False),
     "apply-probs-on-input": dict(moe_apply_probs_on_input=True),
     "shared-experts": dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=False),
+    # Issued on the shared experts' stream before routing, joined after the routed experts.
+    "shared-expert-overlap": dict(moe_shared_expert_intermediate_size=32,
+                                  moe_shared_expert_overlap=True),
     "graph-te-attn": dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"]),
     "graph-te-attn-0.19": dict(cuda_graph_impl="transformer_engine",
                                cuda_graph_modules=["attn", "mamba"]),
@@ -150,9 +152,6 @@ REFUSED_CONFIGS = {
     "graph-enable-cuda-graph": (dict(enable_cuda_graph=True), ["--cuda-graph-impl local"]),
     "graph-full-iteration": (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"),
                              ["whole training iteration"]),
-    "shared-expert-overlap": (dict(moe_shared_expert_intermediate_size=32,
-                                   moe_shared_expert_overlap=True),
-                              ["--moe-shared-expert-overlap"]),
     "pad-to-capacity": (dict(moe_router_load_balancing_type="aux_loss",
                              moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
                         ["--moe-pad-expert-input-to-capacity"]),
@@ -176,7 +175,9 @@ def test_refused_from_transformer_config(name, megatron_cpu):
     dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn"]),
     dict(moe_router_load_balancing_type="aux_loss", moe_expert_capacity_factor=1.0),
     dict(moe_shared_expert_intermediate_size=32),
-], ids=["allgather", "graph-te-attn", "token-dropping", "shared-experts"])
+    dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+], ids=["allgather", "graph-te-attn", "token-dropping", "shared-experts",
+        "shared-expert-overlap"])
 def test_accepted_from_transformer_config(overrides, megatron_cpu):
     assert megatron_flat.install(PIPELINED, _config(**overrides)).dispatch == "pipelined"
 
