@@ -13,7 +13,10 @@ Same inputs, outputs and math as ``DotProductAttention`` for causal self-attenti
 ``[sq, b, np·hn]``, scaled by ``softmax_scale``. Results agree to fp32 rounding, not bitwise
 (the kernel sums in blocks); both runs of a comparison use the same module, so it never
 separates stock from flat. Refused: attention dropout in training (its RNG would not follow
-Megatron's tracker), a padding mask, packed sequences, attention bias.
+Megatron's tracker), a padding mask, packed sequences, attention bias, and — when the module is
+built, so that no run computes another model's attention — attention sinks (``softmax_type``
+other than ``vanilla``: a softmax offset the kernel has no place for) and sliding-window layers
+(``window_size``: the kernel attends to the whole causal prefix).
 """
 
 from __future__ import annotations
@@ -35,6 +38,20 @@ class FlashCoreAttention(DotProductAttention):
     kernel (``attention.replay``); None (the default): every call runs the kernel."""
 
     replay = None
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        problems = []
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            problems.append(f"attention sinks (softmax_type={config.softmax_type!r}, "
+                            "--softmax-type)")
+        if getattr(self.scale_mask_softmax, "window_size", None) is not None:
+            problems.append(f"a sliding window on layer {self.layer_number} "
+                            f"(window_size={config.window_size}, --window-size)")
+        if problems:
+            raise ValueError(f"{type(self).__name__} computes plain causal softmax attention and "
+                             f"would drop {' and '.join(problems)}: use Megatron's "
+                             "DotProductAttention (or transformer-engine's) for this model")
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):

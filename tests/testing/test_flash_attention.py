@@ -57,3 +57,31 @@ def test_flash_refuses_what_it_does_not_model(megatron_cpu):
 
     with pytest.raises(ValueError, match="attention"):
         TinyMoE(attention="sliding")
+
+
+@pytest.mark.parametrize("overrides, named, layers_refused", [
+    (dict(softmax_type="learnable"), "attention sinks", [1, 2]),
+    (dict(softmax_type="off-by-one"), "attention sinks", [1, 2]),
+    # GPT-OSS's alternation: every other layer full (window_attn_skip_freq=2 skips layer 2).
+    (dict(window_size=(8, 0), window_attn_skip_freq=2), "sliding window", [1]),
+])
+def test_sinks_and_windows_are_refused_at_build_not_dropped(overrides, named, layers_refused,
+                                                            megatron_cpu):
+    """The flash kernel has no softmax offset and attends to the whole causal prefix: a layer
+    with sinks or a window is refused when built, naming the setting, so no CPU run (test,
+    demo, rehearsal under CP) computes another model's attention."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.flash_attention import FlashCoreAttention
+    from megatron_flat.testing.tiny_gpt import TinyMoE, transformer_config
+
+    with megatron_layout():
+        config = transformer_config(TinyMoE(), **overrides)
+        for layer in (1, 2):
+            build = lambda: FlashCoreAttention(config, layer, AttnMaskType.causal, "self")  # noqa: E731
+            if layer in layers_refused:
+                with pytest.raises(ValueError, match=named):
+                    build()
+            else:
+                assert build().layer_number == layer
