@@ -82,6 +82,8 @@ def _parser():
     group.add_argument("--moe-layer-freq", default=1,
                        type=lambda v: eval(v) if "[" in v else int(v))  # as Megatron-LM's
     group.add_argument("--drop-qk-norm-when-flat", action="store_true")
+    group.add_argument("--family", default=None,
+                       help="a family of megatron_flat.testing.families (its architecture)")
     # GPU-only settings with Megatron-LM's defaults (transformer-engine modules, fused
     # kernels on); the synthetic training refuses each one still on, as a CPU run fails.
     group.add_argument("--transformer-impl", default="transformer_engine",
@@ -278,6 +280,8 @@ def build_gpt(args, pre_process=True, post_process=True):
         recompute = dict(recompute=args.recompute_granularity,
                          recompute_method=args.recompute_method or "uniform",
                          recompute_num_layers=args.recompute_num_layers or 1)
+    if args.family:
+        return _build_family(args, recompute, pre_process, post_process)
     config = transformer_config(tiny_of(args), tp=args.tensor_model_parallel_size,
                                 ep=args.expert_model_parallel_size,
                                 context_parallel_size=args.context_parallel_size,
@@ -295,6 +299,26 @@ def build_gpt(args, pre_process=True, post_process=True):
         if args.drop_qk_norm_when_flat and _flat_on():  # test knob: a flat spec gone wrong
             spec = _without_qk_norm(spec)
     return build_tiny_gpt(tiny_of(args), config, layer_spec=spec)
+
+
+def _build_family(args, recompute, pre_process, post_process):
+    """--family NAME: that family's shrunk architecture (dense/MoE pattern, attention kind,
+    router, shared experts, MTP), built as Megatron-LM's GPT builder builds it."""
+    from megatron_flat.testing.families import build_like_megatron_lm, family_args, family_config
+
+    fields = {}
+    if recompute:
+        fields = dict(recompute_granularity=recompute["recompute"],
+                      recompute_method=recompute["recompute_method"],
+                      recompute_num_layers=recompute["recompute_num_layers"])
+    config = family_config(args.family, num_layers=args.num_layers,
+                           tp=args.tensor_model_parallel_size,
+                           ep=args.expert_model_parallel_size,
+                           context_parallel_size=args.context_parallel_size, **fields)
+    return build_like_megatron_lm(family_args(config, spec=args.spec), config,
+                                  vocab_size=args.vocab_size,
+                                  max_sequence_length=args.seq_length,
+                                  pre_process=pre_process, post_process=post_process)
 
 
 def _without_qk_norm(block):
