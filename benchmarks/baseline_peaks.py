@@ -3,7 +3,7 @@
 Trains the demo's MoE GPT (EP=2, full recompute, distributed optimizer) for a few steps at
 several sequence lengths and measures each component's peak with the MemoryMeter (worst
 rank). The ratio columns are against the shortest sequence in the same run, so they show
-the growth DESIGN.md §1 predicts: dispatch and boundaries ∝ N, vocabulary ∝ N·V, optimizer
+the growth architecture.md §1 predicts: dispatch and boundaries ∝ N, vocabulary ∝ N·V, optimizer
 flat in N. Run::
 
     torchrun --nproc-per-node 2 benchmarks/baseline_peaks.py --seq 256 512 1024 --json results/baseline_peaks.json

@@ -25,7 +25,7 @@ ranks and what ``pin_memory=True`` would hold for the same buffers.
 (b) and (c) run the same AdamW kernel on the same device, so their weights must be
 bitwise equal; that is checked. On CUDA it also measures pinned host<->device bandwidth
 and reports (b) against the transfer floor (bytes each way / bandwidth, the two
-directions overlapping). Time only as ratios within one run (DESIGN.md §5).
+directions overlapping). Time only as ratios within one run (architecture.md §5).
 
 On CPU the streams are inline, so the pipeline cannot overlap anything: a CPU run proves
 the memory bounds and exactness, not speed. Run::

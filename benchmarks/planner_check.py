@@ -45,7 +45,7 @@ def run(cases, techniques):
 
 def format_table(results, tolerance: float, known) -> str:
     """One line per figure; "!" marks a miss, "known problem" a case listed in the test
-    module's ``KNOWN_PROBLEMS`` (the technique, not the planner, departs from DESIGN.md)."""
+    module's ``KNOWN_PROBLEMS`` (the technique, not the planner, departs from docs/architecture.md)."""
     header = (f"{'shape':26s} {'technique':44s} {'component':36s} {'predicted':>11s} "
               f"{'measured':>11s} {'error':>7s}")
     lines = [header, "-" * len(header)]

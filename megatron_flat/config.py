@@ -28,7 +28,7 @@ def _flag(name: str) -> str:
 
 @dataclass
 class FlatConfig:
-    """Knobs of the four techniques (DESIGN.md §2). Field metadata carries the flag help."""
+    """Knobs of the four techniques (architecture.md §2). Field metadata carries the flag help."""
 
     # PipelinedLLEP: the expert-dispatch peak.
     dispatch: str = field(
@@ -231,7 +231,7 @@ class FlatConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> "FlatConfig":
         """A named bundle of knobs; ``overrides`` win. ``"paper"``: all four techniques on
-        with the defaults of DESIGN.md §2 (K_max 10, strided chunks, alpha 1.0, m 1024,
+        with the defaults of architecture.md §2 (K_max 10, strided chunks, alpha 1.0, m 1024,
         lambda 1.3, ring mode auto, prefetch 1, 100M-parameter buckets, 2 slots)."""
         if name not in PRESETS:
             raise ValueError(f"unknown FlatConfig preset {name!r}; known: {', '.join(PRESETS)}")

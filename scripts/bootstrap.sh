@@ -32,7 +32,7 @@ case "$MCORE" in
     "${PIP[@]}" "megatron-core==$MCORE" ;;
   *)
     # 0.17+ declare Python >= 3.12 and 0.19 imports triton without declaring it
-    # (DESIGN.md §4): install its runtime deps ourselves, then the package without deps.
+    # (architecture.md §4): install its runtime deps ourselves, then the package without deps.
     "${PIP[@]}" numpy packaging "$TRITON_PIN"
     "${PIP[@]}" --no-deps --ignore-requires-python "megatron-core==$MCORE" ;;
 esac

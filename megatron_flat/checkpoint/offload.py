@@ -4,7 +4,7 @@ With activation checkpointing, what lives from a region's forward to its
 backward is the region's input (the boundary). :class:`SelectiveCheckpointOffload`
 runs ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` unchanged
 and only changes where the boundary waits: in host-pool memory instead of on
-the device. See DESIGN.md §2.3.
+the device. See architecture.md §2.3.
 
 Mechanism
     torch's non-reentrant checkpoint saves the region's positional tensor

@@ -1,4 +1,4 @@
-"""PipelinedLLEP: least-loaded, chunk-capped MoE dispatch (DESIGN.md §2.1).
+"""PipelinedLLEP: least-loaded, chunk-capped MoE dispatch (architecture.md §2.1).
 
 ``plan`` holds the pure planning API (LLEP plan, chunk counts and membership, route
 destinations, send matrices, the receive bound); ``schedule`` turns a plan into per-chunk

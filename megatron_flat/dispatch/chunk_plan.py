@@ -1,4 +1,4 @@
-"""One LLEP plan split over K chunks, with every count known on every rank (DESIGN.md §2.1).
+"""One LLEP plan split over K chunks, with every count known on every rank (architecture.md §2.1).
 
 The engine all-reduces every source rank's route counts per (chunk, expert), ``[P, K, E]``,
 once per call. From those and the plan (made with the chunk loads in mind,

@@ -1,4 +1,4 @@
-"""LLEP and PipelinedLLEP execution over an expert-parallel group (DESIGN.md §2.1).
+"""LLEP and PipelinedLLEP execution over an expert-parallel group (architecture.md §2.1).
 
 :class:`PipelinedLLEP` runs one MoE layer's dispatch → expert compute → combine for routes
 already chosen by a router. Per call (one layer, one micro-batch):

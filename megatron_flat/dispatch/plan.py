@@ -1,4 +1,4 @@
-"""PipelinedLLEP planning (DESIGN.md §2.1): pure functions, ints and tensors in, plans out.
+"""PipelinedLLEP planning (architecture.md §2.1): pure functions, ints and tensors in, plans out.
 
 Nothing here touches a process group. Every function is deterministic, so each rank of an
 expert-parallel (EP) group that calls it with the same inputs (the all-reduced global
@@ -68,7 +68,7 @@ class LLEPPlan:
       the expert's weights for the step and returns their gradient to the owner.
     * ``cap`` is the LLEP capacity per rank, ``None`` for a plain-EP plan (``llep=False``).
     * ``forced`` lists ``(expert, rank, tokens)`` for every remainder that no rank could take
-      within capacity (DESIGN.md §2.1 step 4, last sentence): the only way a rank ends above
+      within capacity (architecture.md §2.1 step 4, last sentence): the only way a rank ends above
       ``cap``. In fact ``rank_loads[g] <= cap + sum(tokens forced onto g)`` for every rank
       (for ``ep_size > 1``; a single rank has nowhere to spill and keeps everything).
     * ``llep`` is False for the plain-EP identity plan: each expert wholly on its owner.
@@ -212,7 +212,7 @@ def plain_ep_plan(expert_loads: LoadsLike, ep_size: int) -> LLEPPlan:
 def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
               min_tokens_per_gemm: int = 1024,
               chunk_loads: Optional[Sequence[Sequence[int]]] = None) -> LLEPPlan:
-    """The least-loaded EP plan of DESIGN.md §2.1, steps 1-5.
+    """The least-loaded EP plan of architecture.md §2.1, steps 1-5.
 
     ``expert_loads`` holds the global route count ``l_e`` of each of the E experts (an integer
     tensor or sequence; E divisible by ``ep_size``). ``alpha`` is the capacity factor and
@@ -320,7 +320,7 @@ def plan_dispatch(expert_loads: LoadsLike, ep_size: int, *, alpha: float = 1.0,
                   min_tokens_per_gemm: int = 1024,
                   imbalance_threshold: float = 1.3,
                   chunk_loads: Optional[Sequence[Sequence[int]]] = None) -> LLEPPlan:
-    """The adaptive switch (DESIGN.md §2.1 step 6): :func:`plain_ep_plan` when
+    """The adaptive switch (architecture.md §2.1 step 6): :func:`plain_ep_plan` when
     :func:`use_llep` says the load is balanced enough, else :func:`llep_plan` (with
     ``chunk_loads``, planned for chunked execution)."""
     if use_llep(expert_loads, ep_size, imbalance_threshold):
@@ -372,7 +372,7 @@ def receive_bound(*, ep_size: int, topk: int, c_eff: int) -> int:
 
     Each of the ``ep_size`` source ranks sends at most ``c_eff`` tokens per chunk (``c_eff``
     from :func:`num_chunks` with the group's largest N), each with ``topk`` routes, so a
-    destination receives at most ``ep_size * topk * c_eff`` (DESIGN.md §2.1 "E_p · k · c_eff",
+    destination receives at most ``ep_size * topk * c_eff`` (architecture.md §2.1 "E_p · k · c_eff",
     E_p being the EP size). Note ``E_local * topk * c_eff`` is *not* a bound when
     ``E_local < ep_size``: e.g. P=2, E=2, k=1, on both ranks even tokens route to expert 0, so
     strided chunk 0 delivers ``2 * c_eff`` routes to rank 0. Keyword-only on purpose.

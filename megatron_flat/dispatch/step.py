@@ -1,4 +1,4 @@
-"""One PipelinedLLEP call's state and data movement (DESIGN.md §2.1).
+"""One PipelinedLLEP call's state and data movement (architecture.md §2.1).
 
 :class:`Step` is what one engine call knows once the plan and the chunk schedules exist:
 this rank's share of the plan, the chunks' send and receive schedules, the bank and the

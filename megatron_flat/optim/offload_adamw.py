@@ -1,6 +1,6 @@
 """OffloadStreamAdamW: AdamW with host-resident state, updated on the device bucket by bucket.
 
-DESIGN.md §2.4. The fp32 master weights and both moments live in host memory (a
+architecture.md §2.4. The fp32 master weights and both moments live in host memory (a
 :class:`~megatron_flat.runtime.HostPool`, pinned on CUDA); the model's parameters stay
 where they are, in their own dtype. A step streams buckets (``bucket_numel`` elements,
 planned by :mod:`megatron_flat.optim.buckets`) through ``num_slots`` device staging slots

@@ -1,7 +1,7 @@
 """The peak model: each of the four peaks, the other activations and resident state, per device.
 
 ``estimate(model, layout, seq_len, flat)`` evaluates every term in bytes for the worst
-pipeline stage and composes the step peak (DESIGN.md §2.5)::
+pipeline stage and composes the step peak (architecture.md §2.5)::
 
     total = weights + grads + optimizer_device + boundaries_device
             + max(dispatch + other, vocab)
@@ -29,7 +29,7 @@ are validated against the memory meter on the tiny MoE GPT (``tests/plan/test_va
 and so are the "flat" ones where one process can run them (``test_validation_flat.py``:
 PipelinedLLEP at EP = 1, Ring-DTP on one rank, SCO's boundaries on device and host,
 OffloadStreamAdamW's staging and host state). Their multi-rank parts (all-to-all rows,
-LLEP spills, the Ring-DTP ring, sub-optimizers per parameter kind) follow DESIGN.md §2
+LLEP spills, the Ring-DTP ring, sub-optimizers per parameter kind) follow architecture.md §2
 and the techniques' documented bounds.
 """
 

@@ -94,7 +94,7 @@ class DeviceModel:
     host_bytes_per_s: float = 40e9
 
 
-# H200 SXM (DESIGN.md §6). The efficiencies and fixed costs are stated assumptions, the
+# H200 SXM (architecture.md §6). The efficiencies and fixed costs are stated assumptions, the
 # figures a well-tuned Megatron run reaches, not measurements.
 DEVICES: Dict[str, DeviceModel] = {
     "H200": DeviceModel(name="H200", flops=989e12, hbm_bytes_per_s=4.8e12,

@@ -4,7 +4,7 @@
 vocab shard of the output projection and its own tokens; with no group it is a blocked
 single-device version. Built from a pure online log-sum-exp fold (``online_lse``), a pure
 plan every rank agrees on (``plan``), the per-shard strip work (``strips``) and a
-neighbour exchange (``ring``). DESIGN.md §2.2.
+neighbour exchange (``ring``). architecture.md §2.2.
 """
 
 from megatron_flat.vocab.cross_entropy import RingDTPCrossEntropy, ring_dtp_cross_entropy

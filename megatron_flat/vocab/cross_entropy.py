@@ -1,7 +1,7 @@
 """Ring-DTP cross-entropy: vocabulary projection + loss without ever holding N x V logits.
 
 :func:`ring_dtp_cross_entropy` is the entry point; :class:`RingDTPCrossEntropy` the
-autograd Function behind it (DESIGN.md §2.2). Nothing here imports Megatron: a Megatron
+autograd Function behind it (architecture.md §2.2). Nothing here imports Megatron: a Megatron
 output layer calls it with its vocab-sharded weight over the tensor-parallel group, each
 rank passing its own sequence-parallel tokens.
 """

@@ -1,4 +1,4 @@
-"""LLEP planning, chunking and route destinations (DESIGN.md §2.1): pure, single process."""
+"""LLEP planning, chunking and route destinations (architecture.md §2.1): pure, single process."""
 
 import math
 
