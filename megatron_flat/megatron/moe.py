@@ -29,7 +29,7 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.experts import GradOnlyLinear, SavedOutputLinear
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.schedule import routes_from_map
-from megatron_flat.megatron import compat, regions
+from megatron_flat.megatron import compat, layer_kwargs_note, regions
 from megatron_flat.megatron.grouped_bank import (
     GroupedExpertsBank,
     GroupedMLPBank,
@@ -204,6 +204,7 @@ class FlatMoELayer(MoELayer):
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection=None, flat: Optional[FlatConfig] = None, **kwargs):
+        layer_kwargs_note.install_filter(FlatMoELayer)  # later layers: no "Unknown MLP type"
         if flat is None:
             from megatron_flat.megatron.state import installed
 

@@ -88,6 +88,9 @@ def flat_moe_spec(moe_spec: Any, flat: FlatConfig) -> Any:
 
     if not is_moe_spec(moe_spec):
         raise ValueError(f"not an MoE layer spec: {moe_spec!r}")
+    from megatron_flat.megatron.layer_kwargs_note import install_filter
+
+    install_filter(FlatMoELayer)  # TransformerLayer's "Unknown MLP type" for it, see there
     return compat.replace_moe_module(moe_spec, FlatMoELayer, flat=flat)
 
 

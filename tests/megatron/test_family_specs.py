@@ -83,6 +83,27 @@ def test_flat_equals_stock_loss_and_every_gradient(megatron_cpu, family):
     """One forward and backward of each family's line, flat (PipelinedLLEP in every MoE layer)
     against stock: per-token losses and every parameter's gradient within fp32 reordering (the
     flat dispatch sums expert outputs in another order)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # The aux-loss backward makes a process-wide loss scale when no schedule set one: put it
+    # back, so a later training schedule in this process can set its own.
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        results = _forward_backward_pair(family)
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+    (stock_loss, stock_grads), (flat_loss, flat_grads) = results
+    torch.testing.assert_close(flat_loss, stock_loss, rtol=1e-5, atol=1e-6)
+    assert stock_grads.keys() == flat_grads.keys()
+    for name, grad in stock_grads.items():
+        if grad is None:
+            assert flat_grads[name] is None, name
+            continue
+        torch.testing.assert_close(flat_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _forward_backward_pair(family):
+    """[(per-token loss, {name: grad})] of the stock and the flat build of ``family``."""
     results = []
     for spec, flat in ((None, None), (FLAT_SPEC, PIPELINED)):
         model, _ = _build(family, spec=spec, flat=flat)
@@ -98,14 +119,7 @@ def test_flat_equals_stock_loss_and_every_gradient(megatron_cpu, family):
         from megatron_flat.megatron import install as inst
 
         inst._reset_for_tests()
-    (stock_loss, stock_grads), (flat_loss, flat_grads) = results
-    torch.testing.assert_close(flat_loss, stock_loss, rtol=1e-5, atol=1e-6)
-    assert stock_grads.keys() == flat_grads.keys()
-    for name, grad in stock_grads.items():
-        if grad is None:
-            assert flat_grads[name] is None, name
-            continue
-        torch.testing.assert_close(flat_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    return results
 
 
 def test_deepseek_line_keeps_its_dense_layer_qk_norms_and_mtp(megatron_cpu):
@@ -219,3 +233,35 @@ def test_gpt_oss_line_is_refused_not_changed(megatron_cpu):
     with pytest.raises(FlatConfigError, match="grouped-GEMM experts with biases"):
         megatron_flat.install(PIPELINED, config)
     assert installed() is None and args.spec == FLAT_SPEC
+
+
+def test_flat_moe_layers_build_without_megatrons_unknown_mlp_warning(megatron_cpu, caplog):
+    """TransformerLayer logs "Unknown MLP type" for any MLP class outside its fixed tuple;
+    for FlatMoELayer that is noise printed per layer. It is dropped for flat MoE layers only:
+    another unknown MLP still warns (the control)."""
+    import dataclasses
+    import logging
+
+    from megatron.core.transformer.mlp import MLP
+
+    class OwnMLP(MLP):
+        pass
+
+    with caplog.at_level(logging.WARNING):
+        _build("qwen3_moe", spec=FLAT_SPEC, flat=PIPELINED)
+    assert not [r for r in caplog.records if "Unknown MLP type" in r.getMessage()]
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.families import family_config
+
+    spec = get_gpt_layer_local_spec(num_experts=None, normalization="RMSNorm")
+    mlp = dataclasses.replace(spec.submodules.mlp, module=OwnMLP)
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), megatron_layout():
+        config = family_config("mixtral", num_moe_experts=None, moe_ffn_hidden_size=None)
+        TransformerLayer(config, spec.submodules, layer_number=1)
+    assert [r for r in caplog.records if "Unknown MLP type" in r.getMessage()]
