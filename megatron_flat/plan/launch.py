@@ -46,8 +46,12 @@ def _model_args(model: ModelSpec, seq_len: int) -> List[str]:
         if model.shared_experts:
             out += ["--moe-shared-expert-intermediate-size",
                     str(model.shared_experts * model.shared_expert_ffn)]
-        if model.dense_layers:
-            pattern = f"([0]*{model.dense_layers}+[1]*{model.layers - model.dense_layers})"
+        if model.moe_layers < model.layers:
+            if model.moe_layer_step == 1:
+                pattern = f"([0]*{model.dense_layers}+[1]*{model.layers - model.dense_layers})"
+            else:  # interleaved: the list itself, as Megatron-LM evaluates it
+                pattern = "[" + ",".join(str(int(model.is_moe_layer(i)))
+                                         for i in range(model.layers)) + "]"
             out += ["--moe-layer-freq", pattern, "--ffn-hidden-size", str(model.dense_ffn)]
     elif model.dense_ffn:
         out += ["--ffn-hidden-size", str(model.dense_ffn)]

@@ -39,6 +39,10 @@ class ModelSpec:
     ``attention_params`` overrides the per-layer attention parameter count for attention
     shapes other than (grouped-query) multi-head attention, e.g. MLA.
     ``gated``: SwiGLU-style FFN (fc1 is 2F wide).
+    ``moe_layer_step``: after the ``dense_layers``, every ``moe_layer_step``-th layer is MoE
+    and the others dense (Llama-4's ``interleave_moe_layer_step``; Megatron's integer
+    ``moe_layer_freq``, whose layer 0 is MoE: layers ``i`` with ``(i - dense_layers) % step
+    == step - 1`` here, Llama-4's layout, where the first layer is dense).
     ``mtp_layers``: multi-token-prediction heads (Megatron's ``mtp_num_layers``; DeepSeek-V3's
     ``num_nextn_predict_layers``): each adds another N × V projection + loss on the last
     stage (the vocab term counts them); the heads' own transformer layers are not modelled.
@@ -65,6 +69,7 @@ class ModelSpec:
     dtype: str = "bf16"
     source: str = ""
     mtp_layers: int = 0
+    moe_layer_step: int = 1
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -72,7 +77,7 @@ class ModelSpec:
                 raise PlanError(f"model {self.name!r}: {name} must be a positive integer, "
                                 f"got {getattr(self, name)!r}")
         for name in ("experts", "topk", "expert_ffn", "shared_experts", "shared_expert_ffn",
-                     "dense_ffn", "dense_layers", "mtp_layers"):
+                     "dense_ffn", "dense_layers", "mtp_layers", "moe_layer_step"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"model {self.name!r}: {name} must be an integer >= 0, "
                                 f"got {getattr(self, name)!r}")
@@ -95,6 +100,11 @@ class ModelSpec:
         if self.dense_layers > self.layers:
             raise PlanError(f"model {self.name!r}: dense_layers {self.dense_layers} > layers "
                             f"{self.layers}")
+        if self.moe_layer_step < 1:
+            raise PlanError(f"model {self.name!r}: moe_layer_step must be >= 1, got "
+                            f"{self.moe_layer_step}")
+        if (self.dense_layers or self.moe_layer_step > 1) and self.experts and self.dense_ffn < 1:
+            raise PlanError(f"model {self.name!r}: dense layers need dense_ffn > 0")
         if self.dense_layers and self.dense_ffn < 1:
             raise PlanError(f"model {self.name!r}: dense layers need dense_ffn > 0")
 
@@ -110,10 +120,13 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> int:
-        return self.layers - self.dense_layers if self.experts else 0
+        return sum(1 for i in range(self.layers) if self.is_moe_layer(i))
 
     def is_moe_layer(self, index: int) -> bool:
-        return bool(self.experts) and index >= self.dense_layers
+        if not self.experts or index < self.dense_layers:
+            return False
+        step = self.moe_layer_step
+        return (index - self.dense_layers) % step == step - 1
 
     @property
     def ffn_matrices(self) -> int:
@@ -136,8 +149,8 @@ class ModelSpec:
         """All parameters (embeddings counted once when tied); norms included."""
         H, L = self.hidden, self.layers
         per_layer_common = self.attention_params_per_layer() + 2 * H
-        dense = self.dense_layers if self.experts else L
         moe = self.moe_layers
+        dense = L - moe
         total = L * per_layer_common + H
         total += dense * self.ffn_matrices * H * self.dense_ffn
         total += moe * (self.experts * self.expert_params() + H * self.experts
@@ -153,9 +166,8 @@ class ModelSpec:
             if self.shared_experts:
                 moe += f" + {self.shared_experts} shared"
             parts.append(moe)
-        if self.dense_layers or not self.experts:
-            parts.append(f"{self.dense_layers if self.experts else self.layers} dense "
-                         f"ffn {self.dense_ffn}")
+        if self.moe_layers < self.layers:
+            parts.append(f"{self.layers - self.moe_layers} dense ffn {self.dense_ffn}")
         if self.mtp_layers:
             parts.append(f"{self.mtp_layers} MTP head{'s' if self.mtp_layers > 1 else ''}")
         parts += [f"vocab {self.vocab:,}", self.dtype,
@@ -177,7 +189,13 @@ def _paper(name: str, layers: int) -> ModelSpec:
 def _deepseek_v3_mla_params() -> int:
     # DeepSeek-V3 config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128, 128 heads, hidden 7168.
-    H, h, q_lora, kv_lora, nope, rope, dv = 7168, 128, 1536, 512, 128, 64, 128
+    return _mla_params(heads=128)
+
+
+def _mla_params(*, heads: int, H: int = 7168, q_lora: int = 1536, kv_lora: int = 512,
+                nope: int = 128, rope: int = 64, dv: int = 128) -> int:
+    """One MLA layer's attention parameters (DeepSeek-V3's shape; Kimi K2 has 64 heads)."""
+    h = heads
     return (H * q_lora + q_lora * h * (nope + rope)      # q down / up
             + H * (kv_lora + rope) + kv_lora * h * (nope + dv)  # kv down (+ rope key) / up
             + h * dv * H                                  # output projection
@@ -213,6 +231,40 @@ PRESETS: Dict[str, ModelSpec] = {
                              expert_ffn=2048, shared_experts=1, shared_expert_ffn=2048,
                              dense_ffn=18432, dense_layers=3, vocab=129_280, mtp_layers=1,
                              source="deepseek-ai/DeepSeek-V3 config.json"),
+    # moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's architecture with 64 attention
+    # heads, n_routed_experts 384, num_experts_per_tok 8, moe_intermediate_size 2048,
+    # n_shared_experts 1, first_k_dense_replace 1 (intermediate_size 18432), 61 layers,
+    # vocab_size 163840, untied, no MTP head. Published: 1.04T parameters ("1T total").
+    "kimi-k2": ModelSpec(name="kimi-k2", hidden=7168, layers=61, heads=64, kv_heads=64,
+                         head_dim=192, v_head_dim=128, attention_params=_mla_params(heads=64),
+                         experts=384, topk=8, expert_ffn=2048, shared_experts=1,
+                         shared_expert_ffn=2048, dense_ffn=18432, dense_layers=1,
+                         vocab=163_840, source="moonshotai/Kimi-K2-Instruct config.json"),
+    # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, num_hidden_layers 94,
+    # num_attention_heads 64, num_key_value_heads 4, head_dim 128, num_experts 128,
+    # num_experts_per_tok 8, moe_intermediate_size 1536, vocab_size 151936, untied, every
+    # layer MoE; q/k RMSNorm (2 x head_dim per layer). Published: 235B.
+    "qwen3-235b-a22b": ModelSpec(name="qwen3-235b-a22b", hidden=4096, layers=94, heads=64,
+                                 kv_heads=4, head_dim=128, experts=128, topk=8,
+                                 expert_ffn=1536, vocab=151_936,
+                                 source="Qwen/Qwen3-235B-A22B config.json"),
+    # mistralai/Mixtral-8x22B-v0.1 config.json: hidden_size 6144, num_hidden_layers 56,
+    # num_attention_heads 48, num_key_value_heads 8, num_local_experts 8,
+    # num_experts_per_tok 2, intermediate_size 16384 (per expert), vocab_size 32000 (v0.3:
+    # 32768), untied. Published: 141B.
+    "mixtral-8x22b": ModelSpec(name="mixtral-8x22b", hidden=6144, layers=56, heads=48,
+                               kv_heads=8, head_dim=128, experts=8, topk=2, expert_ffn=16384,
+                               vocab=32_000, source="mistralai/Mixtral-8x22B-v0.1 config.json"),
+    # meta-llama/Llama-4-Maverick-17B-128E config.json (text_config): hidden_size 5120,
+    # num_hidden_layers 48, num_attention_heads 40, num_key_value_heads 8, head_dim 128,
+    # num_local_experts 128, num_experts_per_tok 1, intermediate_size 8192 (per expert and
+    # the always-on shared expert), intermediate_size_mlp 16384 (the dense layers),
+    # interleave_moe_layer_step 2 (odd layers MoE), vocab_size 202048, untied. Published: 400B.
+    "llama-4-maverick": ModelSpec(name="llama-4-maverick", hidden=5120, layers=48, heads=40,
+                                  kv_heads=8, head_dim=128, experts=128, topk=1,
+                                  expert_ffn=8192, shared_experts=1, shared_expert_ffn=8192,
+                                  dense_ffn=16384, moe_layer_step=2, vocab=202_048,
+                                  source="meta-llama/Llama-4-Maverick-17B-128E config.json"),
     # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48,
     # num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
     # num_experts_per_tok 8, moe_intermediate_size 768, vocab_size 151936, every layer MoE
@@ -225,7 +277,9 @@ PRESETS: Dict[str, ModelSpec] = {
 # The GPU counts the paper runs its family on (used when --gpus is not given).
 PAPER_GPUS = {"paper-120b": 16, "paper-241b": 32, "paper-667b": 64}
 
-_ALIASES = {"deepseekv3": "deepseek-v3", "qwen3-30b": "qwen3-30b-a3b"}
+_ALIASES = {"deepseekv3": "deepseek-v3", "qwen3-30b": "qwen3-30b-a3b",
+            "qwen3-235b": "qwen3-235b-a22b", "kimi-k2-instruct": "kimi-k2",
+            "maverick": "llama-4-maverick", "llama4-maverick": "llama-4-maverick"}
 
 
 def preset(name: str) -> ModelSpec:
@@ -315,6 +369,13 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
     elif cfg.get("shared_expert_intermediate_size"):
         shared, shared_ffn = 1, int(cfg["shared_expert_intermediate_size"])
     dense_layers = int(cfg.get("first_k_dense_replace") or 0) if experts else 0
+    step = int(cfg.get("interleave_moe_layer_step") or 1) if experts else 1
+    if step > 1 or cfg.get("intermediate_size_mlp"):
+        # Llama-4: every step-th layer MoE, the others dense of width intermediate_size_mlp;
+        # intermediate_size is the routed experts' and the one always-on shared expert's width.
+        intermediate = int(_first(cfg, "intermediate_size_mlp", default=intermediate) or 0)
+        if experts and not shared and cfg.get("model_type", "").startswith("llama4"):
+            shared, shared_ffn = 1, expert_ffn
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     if dtype not in DTYPE_BYTES:
         dtype = "bf16"
@@ -324,8 +385,8 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
         head_dim=head_dim, v_head_dim=v_head_dim, attention_params=attention_params,
         experts=experts, topk=topk if experts else 0, expert_ffn=expert_ffn if experts else 0,
         shared_experts=shared, shared_expert_ffn=shared_ffn,
-        dense_ffn=int(intermediate) if (dense_layers or not experts) else 0,
-        dense_layers=dense_layers, vocab=int(cfg["vocab_size"]),
+        dense_ffn=int(intermediate) if (dense_layers or step > 1 or not experts) else 0,
+        dense_layers=dense_layers, moe_layer_step=step, vocab=int(cfg["vocab_size"]),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=dtype, source=source,
         mtp_layers=int(_first(cfg, "num_nextn_predict_layers", "mtp_num_layers", default=0)

@@ -23,15 +23,58 @@ from megatron_flat.plan.model import check_layout, stage_layers
 PUBLISHED_PARAMS_B = {
     "paper-120b": 120, "paper-241b": 241, "paper-667b": 667,
     "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8, "deepseek-v3": 671, "qwen3-30b-a3b": 30.5,
+    "qwen3-235b-a22b": 235, "mixtral-8x22b": 141, "llama-4-maverick": 400,
+    # Moonshot publishes "1T total parameters"; the config's shapes give 1.026T.
+    "kimi-k2": 1000,
 }
+# Within 1 % of the published count, except the paper family (its attention shape is
+# assumed) and Kimi K2 (published rounded to 1T).
+TOLERANCE = {"paper-120b": 0.02, "paper-241b": 0.02, "paper-667b": 0.02, "kimi-k2": 0.03}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_load_and_match_published_sizes(name):
     model = preset(name)
     assert model.name == name and model.source
-    assert model.total_params() / 1e9 == pytest.approx(PUBLISHED_PARAMS_B[name], rel=0.02)
+    assert model.total_params() / 1e9 == pytest.approx(PUBLISHED_PARAMS_B[name],
+                                                       rel=TOLERANCE.get(name, 0.01))
     assert name in model.describe() or model.describe()
+
+
+def test_llama4_interleave_is_modelled():
+    """Maverick's dense and MoE layers alternate (the first dense): 24 MoE layers, not 48
+    (48 would make it 778B), each with the always-on shared expert."""
+    m = preset("llama-4-maverick")
+    assert [m.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert m.moe_layers == 24 and m.shared_experts == 1
+    assert "24 dense ffn 16384" in m.describe()
+
+
+def test_hf_config_llama4_text_config():
+    cfg = {"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "num_local_experts": 128, "num_experts_per_tok": 1, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 2, "vocab_size": 202048,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}}
+    m = model_from_hf_config(cfg, name="maverick")
+    ref = preset("llama-4-maverick")
+    assert (m.moe_layers, m.dense_ffn, m.expert_ffn, m.shared_experts, m.shared_expert_ffn) == \
+        (24, 16384, 8192, 1, 8192)
+    assert m.total_params() == ref.total_params()
+
+
+def test_interleaved_launch_line_names_the_pattern():
+    from megatron_flat.config import FlatConfig
+    from megatron_flat.plan.launch import launch_args, launch_groups
+
+    model = preset("llama-4-maverick")
+    groups = launch_groups(model, default_layout(model, 64), seq_len=4096, global_batch=64,
+                           flat=FlatConfig(), flat_flags="")
+    args = launch_args(groups)
+    pattern = args[args.index("--moe-layer-freq") + 1]
+    assert eval(pattern) == [i % 2 for i in range(48)]
+    assert args[args.index("--ffn-hidden-size") + 1] == "16384"
 
 
 def test_paper_family_shape():

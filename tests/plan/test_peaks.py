@@ -235,7 +235,8 @@ def test_dense_model_has_no_dispatch():
 
 
 @pytest.mark.parametrize("name", ["paper-120b", "paper-241b", "paper-667b", "deepseek-v3",
-                                  "gpt-oss-120b", "gpt-oss-20b", "qwen3-30b-a3b"])
+                                  "gpt-oss-120b", "gpt-oss-20b", "qwen3-30b-a3b", "kimi-k2",
+                                  "qwen3-235b-a22b", "mixtral-8x22b", "llama-4-maverick"])
 def test_every_preset_estimates_on_a_default_layout(name):
     from megatron_flat.plan import default_layout
 
