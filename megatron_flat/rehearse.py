@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_flat import cpu_line
+from megatron_flat import cpu_line, preflight
 from megatron_flat.config import FlatConfig, add_flat_args
 
 WORKER = "megatron_flat.megatron.rehearsal"
@@ -349,8 +349,9 @@ def probe_line(script: Path, args: Sequence[str], work: Path,
 def cpu_line_of(script: Path, args: Sequence[str], *, work: Path, strict: bool,
                 timeout: float, resume: bool = False) -> Tuple[cpu_line.CpuLine, List[str]]:
     """The line to rehearse on CPU (substitutions applied) and notes; raises RehearsalError
-    for a line refused (a setting that changes the math, any change under ``strict``, or
-    with ``resume`` a line or checkout that cannot cross checkpoints)."""
+    for a line refused (a setting that changes the math, any change under ``strict``, a
+    package the runs will import that this environment lacks (``preflight``), or with
+    ``resume`` a line or checkout that cannot cross checkpoints)."""
     found, why = probe_line(script, args, work, timeout)
     if resume:
         check_resumable(args, None if found is None else found["options"])
@@ -361,6 +362,9 @@ def cpu_line_of(script: Path, args: Sequence[str], *, work: Path, strict: bool,
         return cpu_line.CpuLine(list(args)), [
             f"the checkout's parser could not be asked what the line sets ({why}): it runs "
             "as written, without CPU substitutions"]
+    absent = preflight.missing(found["values"], checkpoints=resume)
+    if absent:
+        raise RehearsalError(preflight.refusal(absent))
     line = cpu_line.plan(args, found["values"], found["options"])
     if line.refused:
         raise RehearsalError("the line has settings a CPU rehearsal cannot run without "
