@@ -61,8 +61,11 @@ def build_pair(tiny: TinyMoE, ep: int, flats: dict, seed: int = 7, experts_spec=
     return stock, layers
 
 
-def run(layer, x: torch.Tensor, grad: torch.Tensor, expert_ids: torch.Tensor):
-    """Forward + backward of ``layer`` on ``x`` ([s, b, H]) with routing ``expert_ids``."""
+def run(layer, x: torch.Tensor, grad: torch.Tensor, expert_ids=None):
+    """Forward + backward of ``layer`` on ``x`` ([s, b, H]) with routing ``expert_ids``
+    (None: the layer's own router decides)."""
+    import contextlib
+
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megatron_flat.megatron.moe import replay_routing
@@ -73,7 +76,9 @@ def run(layer, x: torch.Tensor, grad: torch.Tensor, expert_ids: torch.Tensor):
     # it back so a later training schedule can set its own.
     scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     try:
-        with replay_routing(layer, expert_ids):
+        routing = (contextlib.nullcontext() if expert_ids is None
+                   else replay_routing(layer, expert_ids))
+        with routing:
             out, bias = layer(x)
         assert bias is None
         out.backward(grad)

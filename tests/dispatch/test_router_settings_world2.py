@@ -71,23 +71,6 @@ def _layers(overrides, topk, flat):
     return tiny, stock, layer
 
 
-def _run(layer, x, grad):
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    try:
-        out, bias = layer(x)
-        assert bias is None
-        out.backward(grad)
-    finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()
-             if p.grad is not None}
-    return out.detach(), x.grad.detach(), grads
-
-
 @pytest.mark.parametrize("router", list(ROUTERS))
 def test_router_settings_match_stock_at_ep2_chunked(router, megatron_cpu):
     from megatron_flat.config import FlatConfig
@@ -103,8 +86,8 @@ def test_router_settings_match_stock_at_ep2_chunked(router, megatron_cpu):
         x = torch.randn(8, 2, tiny.hidden_size, generator=gen)
         x[:, :, :4] += 2.0
         g = torch.randn(8, 2, tiny.hidden_size, generator=gen)
-        want = _run(stock, x, g)
-        got = _run(layer, x, g)
+        want = helpers.run(stock, x, g)  # each layer's own router decides
+        got = helpers.run(layer, x, g)
         stats = layer.flat_dispatch.last
     assert stats.num_chunks == 4  # 16 tokens per rank, 4 a chunk
     assert helpers.differences(want, got, exact=False) == []
