@@ -251,12 +251,19 @@ def test_flat_moe_layers_build_without_megatrons_unknown_mlp_warning(megatron_cp
         _build("qwen3_moe", spec=FLAT_SPEC, flat=PIPELINED)
     assert not [r for r in caplog.records if "Unknown MLP type" in r.getMessage()]
 
+    import inspect
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import transformer_layer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_flat.testing.distributed import megatron_layout
     from megatron_flat.testing.families import family_config
 
+    if "Unknown MLP type" not in inspect.getsource(transformer_layer):
+        # megatron-core 0.19 builds the mlp through the module's own factory and has no such
+        # warning: nothing to drop, so the control does not apply (the check above still does).
+        return
     spec = get_gpt_layer_local_spec(num_experts=None, normalization="RMSNorm")
     mlp = dataclasses.replace(spec.submodules.mlp, module=OwnMLP)
     spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
