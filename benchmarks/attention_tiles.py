@@ -128,6 +128,8 @@ def main(argv: List[str] = None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"records": records}, f, indent=1)
     dist.barrier()
+    if group is not None and group is not dist.group.WORLD:
+        dist.destroy_process_group(group)  # (a caller sharing this process keeps its world)
     dist.destroy_process_group()
 
 

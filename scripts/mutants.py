@@ -16,7 +16,8 @@ CPU model cannot express the race; ``gpu_only`` says why and the GPU check runs 
 An anchor that no longer matches exactly once is an error, so the suite follows the code.
 Sites where no mutant can be written are listed in ``NO_MUTANT`` with the reason.
 Every distinct selection first runs on the unmutated copy and must pass (else a kill would
-prove nothing). Exit status: 0 when every CPU mutant is killed, 1 when one survives, 2 on a
+prove nothing), unless ``--proven`` says this run's stage of the same mode already passed it
+on the same tree (``make test`` runs the suite last and passes the stages that succeeded). Exit status: 0 when every CPU mutant is killed, 1 when one survives, 2 on a
 broken anchor or a selection that fails unmutated.
 """
 
@@ -537,11 +538,42 @@ def run_mutant(m: Mutant, python: str, timeout: float, gpu: bool = False) -> Tup
             "no test": "error: the selection ran no test"}[outcome], seconds
 
 
+def _mode(m: Mutant) -> str:
+    """How a selection runs, as ``--proven`` names it: ``delayed`` (one process, delayed copies)
+    or ``world<N>`` (torchrun, copies as issued); anything else has no stage of its own."""
+    if m.world == 1 and m.delayed:
+        return "delayed"
+    if m.world > 1 and not m.delayed:
+        return f"world{m.world}"
+    return f"world{m.world}-delayed" if m.delayed else "plain"
+
+
+def _ran_in_part(m: Mutant, part: str) -> bool:
+    """Whether a stage limited to ``part`` (all | involved | free) ran every file of ``m``'s
+    selection (tests/_megatron_use.py classifies the files)."""
+    if part == "all":
+        return True
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from _megatron_use import involves_megatron
+    finally:
+        sys.path.pop(0)
+    return all(involves_megatron(ROOT / t.split("::")[0]) == (part == "involved")
+               for t in m.tests)
+
+
 def baseline_problems(chosen: Sequence[Mutant], python: str, timeout: float, jobs: int = 1,
-                      gpu: bool = False) -> List[str]:
-    """Each distinct selection must pass on the unmutated tree, or a kill proves nothing."""
+                      gpu: bool = False, proven: Sequence[str] = (),
+                      part: str = "all") -> List[str]:
+    """Each distinct selection must pass on the unmutated tree, or a kill proves nothing.
+
+    ``proven``: modes (see :func:`_mode`) whose whole stage already passed in this run on this
+    tree, over the test files of ``part``; a selection of such a mode and part is not run again
+    (scripts/test.sh runs the mutants after those stages and names only the ones that passed)."""
     distinct: Dict[tuple, Mutant] = {}
     for m in chosen:
+        if not gpu and _mode(m) in proven and _ran_in_part(m, part):
+            continue
         key = (m.gpu_tests if gpu else m.tests, m.world, m.delayed, m.timeout)
         distinct.setdefault(key, m)
     runs = _parallel(lambda m: _run(m, python, timeout, mutate=False, gpu=gpu),
@@ -574,6 +606,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="only the mutants of Megatron glue or with Megatron in their selection "
                         "(the others do not depend on the megatron-core version; CI runs them "
                         "with the first version only)")
+    p.add_argument("--proven", default="",
+                   help="comma-separated modes whose stage already passed unmutated in this run "
+                        "(delayed, world2, world4): their selections' baselines are not rerun")
+    p.add_argument("--proven-part", default="all", choices=("all", "involved", "free"),
+                   help="the test files those stages ran (FLAT_MEGATRON of scripts/test.sh)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
@@ -617,7 +654,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not m.gpu_tests:
                 skipped.append((m, "no CUDA selection: needs two GPUs"))
         chosen = [m for m in chosen if m.gpu_tests]
-    broken = baseline_problems(chosen, args.python, args.timeout, args.jobs, args.gpu)
+    proven = [x for x in args.proven.split(",") if x]
+    unknown_modes = set(proven) - {"delayed", "world2", "world4"}
+    if unknown_modes:
+        p.error(f"--proven: unknown modes {', '.join(sorted(unknown_modes))}")
+    broken = baseline_problems(chosen, args.python, args.timeout, args.jobs, args.gpu,
+                               proven, args.proven_part)
     if broken:
         print("selections that do not pass on the unmutated tree:")
         print("\n".join(f"  {x}" for x in broken))

@@ -5,7 +5,12 @@
 # Each kind runs in two parts (tests/_megatron_use.py): the files that may run megatron-core
 # code, then the others with megatron-core made unimportable, which proves them independent
 # of its version. FLAT_SCOPE=megatron runs only the first part (CI's second megatron-core
-# version). FLAT_TEST_JOBS (default 2) single-process workers (pytest-xdist).
+# version), with one smoke rehearsal instead of every end-to-end rehearsal (FLAT_REHEARSALS).
+# FLAT_TEST_JOBS (default 2) single-process workers (pytest-xdist).
+#
+# Order: single-process tests, the delayed-copies run, the multi-rank tests, then the mutation
+# suite, which skips the unmutated baselines of the stages that already passed (--proven).
+# Every stage prints its slowest tests (--durations).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +24,7 @@ status=0
 SCOPE="${FLAT_SCOPE:-all}"
 case "$SCOPE" in
   all) PARTS=(involved free) ;;
-  megatron) PARTS=(involved) ;;
+  megatron) PARTS=(involved); export FLAT_REHEARSALS=smoke ;;
   *) echo "FLAT_SCOPE=$SCOPE: expected all or megatron"; exit 2 ;;
 esac
 JOBS="${FLAT_TEST_JOBS:-2}"
@@ -39,7 +44,7 @@ MCORE_VERSION="$("$PY" -c 'import megatron.core as m; print(m.__version__)' 2>/d
 for part in "${PARTS[@]}"; do
   stage "single-process tests, megatron-$part files (megatron-core $MCORE_VERSION)"
   FLAT_MEGATRON=$part FLAT_JUNIT_TAG="megatron-$part" \
-    "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@" tests
+    "$PY" -m pytest -q -p no:cacheprovider --durations=15 "${XDIST[@]}" "$@" tests
   rc=$?
   [ $rc -eq 5 ] && [ $# -gt 0 ] && rc=0  # a -k selection may leave one part nothing
   check "single-process tests (megatron-$part files)" $rc
@@ -51,35 +56,29 @@ done
 stage "delayed-copies tests (SCO, OffloadStreamAdamW, attention replay's host tier)"
 scope=""; [ "$SCOPE" = megatron ] && scope=involved
 FLAT_DELAYED_COPIES=1 FLAT_JUNIT_TAG=delayed-copies FLAT_MEGATRON=$scope \
-  "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@" tests/checkpoint tests/optim \
+  "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${XDIST[@]}" "$@" tests/checkpoint tests/optim \
   tests/attention/test_replay.py
 rc=$?
 # Only a selection given on the command line (-k ...) may leave them nothing to run.
 [ $rc -eq 5 ] && [ $# -gt 0 ] && rc=0
 check "delayed-copies tests" $rc
+proven=()  # the stages that passed whole: the mutation suite need not rerun their selections
+[ $rc -eq 0 ] && [ $# -eq 0 ] && proven+=(delayed)
 
-# The mutation suite: each CPU-killable mutant (a wait removed, a record dropped, ...; see
-# scripts/mutants.py) applied to a copy of the tree must make its test selection fail. Only for
-# the whole suite (a -k selection skips it). FLAT_MUTANTS_ARGS=--megatron-only keeps the
-# mutants whose result may depend on the megatron-core version (CI's second version).
-if [ $# -eq 0 ]; then
-  stage "mutation suite (scripts/mutants.py ${FLAT_MUTANTS_ARGS:-})"
-  # shellcheck disable=SC2086
-  "$PY" scripts/mutants.py ${FLAT_MUTANTS_ARGS:-}
-  check "mutation suite" $?
-fi
-
-# One torchrun per multi-rank test file (files end in _world2.py / _world4.py), so a file
-# that fails or hangs cannot take the others down with it.
-run_world_file() {  # run_world_file N PART FILE -> the torchrun's exit code
-  local n=$1 part=$2 file=$3 tag logs rc
-  tag="$(basename "$(dirname "$file")")-$(basename "$file" .py)"
+# One torchrun per world size and part runs every multi-rank file of it in one pytest session
+# (files end in _world2.py / _world4.py; a start costs 5-9 s and the Megatron import again).
+# tests/conftest.py fails a file that leaves a process group or Megatron's parallel state
+# behind, so files cannot lean on each other. When a session fails, each of its files runs
+# again alone to say which one fails by itself (and which only after another).
+torchrun_pytest() {  # torchrun_pytest N PART TAG FILE... -> torchrun's exit code
+  local n=$1 part=$2 tag=$3 logs rc
+  shift 3
   logs="$JUNIT/logs-$tag"
   FLAT_MEGATRON=$part FLAT_JUNIT_TAG="$tag" "$VENV/bin/torchrun" --standalone \
     --nproc-per-node "$n" --log-dir "$logs" --redirects 3 --tee 3 --local-ranks-filter 0 \
-    -m pytest -q -p no:cacheprovider "${ARGS[@]}" "$file"
+    -m pytest -q -p no:cacheprovider --durations=10 "${ARGS[@]}" "$@"
   rc=$?
-  if [ $rc -ne 0 ]; then  # show what the silent ranks said
+  if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then  # show what the silent ranks said
     for f in "$logs"/*/attempt_0/*/stdout.log; do
       case "$f" in */0/stdout.log) continue ;; esac
       echo "---- $f"; tail -n 40 "$f"
@@ -90,22 +89,46 @@ run_world_file() {  # run_world_file N PART FILE -> the torchrun's exit code
 
 ARGS=("$@")
 for n in 2 4; do
-  stage "multi-rank tests, world size $n (torchrun, gloo, one run per file)"
+  stage "multi-rank tests, world size $n (torchrun, gloo, one session per part)"
   ran=0
+  world_failed=0
   for part in "${PARTS[@]}"; do
     mapfile -t files < <("$PY" tests/_megatron_use.py --world "$n" "--$part")
-    [ "${#files[@]}" -gt 0 ] || { echo "FAILED: no megatron-$part world-$n files"; status=1; }
-    for file in "${files[@]}"; do
-      run_world_file "$n" "$part" "$file"
-      rc=$?
-      # A file with no test selected (e.g. by -k) is fine; the world size must run some.
-      [ $rc -eq 5 ] && continue
-      ran=1
-      check "world-$n tests in $file" $rc
-    done
+    [ "${#files[@]}" -gt 0 ] || { echo "FAILED: no megatron-$part world-$n files"; status=1; continue; }
+    torchrun_pytest "$n" "$part" "world$n-$part" "${files[@]}"
+    rc=$?
+    # A selection (-k) may leave a part nothing; the world size as a whole must run some.
+    [ $rc -eq 5 ] && continue
+    ran=1
+    [ $rc -eq 0 ] || world_failed=1
+    if [ $rc -ne 0 ]; then
+      echo "FAILED: world-$n megatron-$part session (exit $rc); each file alone:"
+      for file in "${files[@]}"; do
+        FLAT_JUNIT_DIR="" torchrun_pytest "$n" "$part" "alone-$(basename "$file" .py)" "$file" \
+          > "$JUNIT/alone.log" 2>&1
+        alone=$?
+        case $alone in 0|5) echo "  passes alone: $file" ;;
+          *) echo "  FAILS alone (exit $alone): $file"; tail -n 60 "$JUNIT/alone.log" ;; esac
+      done
+      check "world-$n tests (megatron-$part)" $rc
+    fi
   done
   [ $ran -eq 1 ] || { echo "FAILED: world-$n tests ran no test"; status=1; }
+  [ $ran -eq 1 ] && [ $world_failed -eq 0 ] && [ $# -eq 0 ] && proven+=("world$n")
 done
+
+# The mutation suite: each CPU-killable mutant (a wait removed, a record dropped, ...; see
+# scripts/mutants.py) applied to a copy of the tree must make its test selection fail. Only for
+# the whole suite (a -k selection skips it). FLAT_MUTANTS_ARGS=--megatron-only keeps the
+# mutants whose result may depend on the megatron-core version (CI's second version).
+if [ $# -eq 0 ]; then
+  stage "mutation suite (scripts/mutants.py ${FLAT_MUTANTS_ARGS:-})"
+  part=all; [ "$SCOPE" = megatron ] && part=involved
+  proven_list="$(IFS=,; echo "${proven[*]}")"
+  # shellcheck disable=SC2086
+  "$PY" scripts/mutants.py ${FLAT_MUTANTS_ARGS:-} --proven "$proven_list" --proven-part $part
+  check "mutation suite" $?
+fi
 
 "$PY" - "$JUNIT" <<'PY'
 import glob, sys, xml.etree.ElementTree as ET

@@ -47,11 +47,19 @@ def _megatron_scope():
 
 def pytest_configure(config):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if launched_world() is not None:
+        # One torchrun session runs every multi-rank file, so Megatron (which imports Triton)
+        # is imported before the vocabulary benchmark's file could ask for Triton's CPU
+        # interpreter for its peers' kernels; Triton reads this once, at its first import.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if _megatron_scope() == "free":
         _megatron_use().block_megatron()
     config.addinivalue_line(
         "markers", "inline_copies(reason): measures memory (or behaviour) with copies done as "
         "they are issued; FLAT_DELAYED_COPIES=1 runs it without delaying them")
+    config.addinivalue_line(
+        "markers", "rehearsal(smoke=False): an end-to-end rehearsal (Megatron-LM runs in "
+        "subprocesses); FLAT_REHEARSALS=smoke keeps only the ones marked smoke=True")
     junit_dir = os.environ.get("FLAT_JUNIT_DIR")
     if junit_dir:
         world = launched_world()
@@ -71,16 +79,33 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def _rehearsals() -> str:
+    """FLAT_REHEARSALS: ``all`` (default) or ``smoke`` (CI's second megatron-core version runs
+    the end-to-end rehearsals in full with the first version and one smoke rehearsal here)."""
+    mode = os.environ.get("FLAT_REHEARSALS", "all")
+    if mode not in ("all", "smoke"):
+        raise pytest.UsageError(f"FLAT_REHEARSALS={mode!r}: expected 'all' or 'smoke'")
+    return mode
+
+
+def _wanted_rehearsal(item, mode: str) -> bool:
+    if mode == "all" or item.get_closest_marker("rehearsal") is None:
+        return True
+    # pytest.param(..., marks=rehearsal(smoke=True)) comes before the function's own marker
+    return any(m.kwargs.get("smoke", False) for m in item.iter_markers("rehearsal"))
+
+
 def pytest_collection_modifyitems(config, items):
     world = launched_world()
     scope = _megatron_scope()
+    rehearsals = _rehearsals()
     kind = {}  # test file -> involves megatron-core (files named on the command line are
     #            collected without pytest_ignore_collect: their tests are filtered here)
     keep, drop = [], []
     for item in items:
         marker = item.get_closest_marker("world")
         wanted = None if marker is None else int(marker.args[0])
-        ok = wanted == world
+        ok = wanted == world and _wanted_rehearsal(item, rehearsals)
         if ok and scope:
             if item.path not in kind:
                 kind[item.path] = _megatron_use().involves_megatron(item.path)
@@ -89,6 +114,96 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _live_groups() -> set:
+    """The process groups c10d holds now, the default one excluded (empty before any)."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return set()
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return set()
+    world = getattr(distributed_c10d, "_world", None)
+    return set(getattr(world, "pg_map", {}) or {}) - {dist.GroupMember.WORLD}
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+def _megatron_parallel_state_up() -> bool:
+    import sys
+
+    state = sys.modules.get("megatron.core.parallel_state")
+    return bool(state is not None and state.model_parallel_is_initialized())
+
+
+def _release_megatron_models() -> None:
+    """Free the wrapped models a file left behind (called when the file is done with them).
+
+    Megatron's ``DistributedDataParallel`` registers a hook on each parameter's gradient
+    accumulator whose closure holds the wrapper; the accumulators stay alive through
+    ``grad_accs`` and through the last step's autograd graph, which modules keep (the MoE
+    dispatcher keeps its routing probabilities). That cycle runs through C++ autograd nodes,
+    which the cyclic collector cannot see, so the model, its process-group collections and
+    every gloo group they name (two spinning transport threads each) would live until the
+    process exits: one file of layouts left ~400 threads behind. Emptying each wrapper cuts
+    the cycle on the Python side; the collector then frees the rest."""
+    import gc
+    import sys
+
+    module = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    if module is not None:
+        wrapper = module.DistributedDataParallel
+        for obj in gc.get_objects():
+            if isinstance(obj, wrapper):
+                obj.__dict__.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_leaves_no_groups(request):
+    """Under torchrun one pytest session runs every multi-rank file of a world size in turn
+    (scripts/test.sh), so a file must leave the process as it found it: no process group it
+    made still alive (a live gloo group keeps transport threads spinning and would let a later
+    file pass or hang on the earlier file's state) and Megatron's parallel state torn down.
+    A file that leaks fails here, naming itself; the leak is then cleaned up so the files
+    after it still test their own code."""
+    if launched_world() is None:
+        yield
+        return
+    before, threads = _live_groups(), _native_threads()
+    yield
+    _release_megatron_models()
+    if os.environ.get("FLAT_THREAD_REPORT"):
+        with open(os.environ["FLAT_THREAD_REPORT"] + os.environ["RANK"], "a") as f:
+            f.write(f"{request.node.nodeid} THREADS {threads} -> {_native_threads()} "
+                    f"groups {len(_live_groups())}\n")
+
+    leaked = _live_groups() - before
+    state_up = _megatron_parallel_state_up()
+    if not leaked and not state_up:
+        return
+    import torch.distributed as dist
+
+    if state_up:
+        import sys
+
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+    for group in leaked:
+        if dist.get_backend(group) == "gloo":
+            dist.destroy_process_group(group)
+    pytest.fail(f"this file left {len(leaked)} process group(s) alive"
+                f"{' and Megatron parallel state initialised' if state_up else ''} "
+                f"(native threads {threads} -> {_native_threads()}); tear them down "
+                "(megatron_flat.testing.distributed.megatron_layout does)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -65,3 +65,25 @@ def test_only_megatron_mutants_depend_on_the_version():
     assert mutants.touches_megatron(by["optimizer.non-finite-check-reads-grad"])
     assert not mutants.touches_megatron(by["ring.hop-not-waited"])
     assert not mutants.touches_megatron(by["transfer.drain-wait-skipped"])
+
+
+def test_baselines_a_passed_stage_proved_are_not_rerun(tmp_path):
+    """``--proven``: a selection whose mode's whole stage passed in this run is not run again
+    unmutated; any other selection still is (a python that fails everything shows which ran)."""
+    by = {m.name: m for m in mutants.MUTANTS}
+    delayed = by["transfer.drain-wait-skipped"]
+    plain_world = by["optimizer.non-finite-check-reads-grad"]
+    assert mutants._mode(delayed) == "delayed" and delayed.world == 1
+    assert mutants._mode(plain_world) == "world2"
+    for name in ("python", "torchrun"):  # every selection it is asked to run fails
+        (tmp_path / name).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / name).chmod(0o755)
+    missing = str(tmp_path / "python")
+    assert mutants.baseline_problems([delayed, plain_world], missing, 5.0,
+                                     proven=("delayed", "world2")) == []
+    problems = mutants.baseline_problems([delayed, plain_world], missing, 5.0,
+                                         proven=("delayed",))
+    assert len(problems) == 1 and "(world 2)" in problems[0]
+    # A stage that ran only the megatron-involved files proves only their selections.
+    assert mutants._ran_in_part(plain_world, "involved")
+    assert not mutants._ran_in_part(delayed, "involved")

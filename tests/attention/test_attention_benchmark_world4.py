@@ -21,7 +21,13 @@ def test_attention_tiles_benchmark_under_context_parallelism(tmp_path, monkeypat
     path = [str(out) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     hidden, cp, tp, rows = 32, 2, 2, 8
-    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)  # shared world
+    destroy = dist.destroy_process_group
+
+    def destroy_subgroups_only(group=None):  # the world is shared with the tests after this
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_subgroups_only)
     monkeypatch.setattr(bench, "init_distributed", lambda: dist.get_world_size())
     bench.main(["--hidden", str(hidden), "--tokens", "256", "1024", "--tile-rows", str(rows),
                 "--cp", str(cp), "--json", path[0]])

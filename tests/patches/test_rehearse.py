@@ -206,6 +206,7 @@ def _env():
     return env
 
 
+@pytest.mark.rehearsal
 @pytest.mark.parametrize("era", ["0.16", "0.19"])
 def test_help_of_a_patched_script_lists_the_flat_flags(tmp_path, era):
     """Megatron-LM's first parse (inprocess restart's, stock parser) answers --help."""
@@ -235,6 +236,7 @@ def _rehearse(tmp_path, script, line, nproc, options=()):
     return done, work
 
 
+@pytest.mark.rehearsal
 @pytest.mark.parametrize("era", ["0.16", "0.19"])
 def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
     script = checkout.write_checkout(tmp_path / "mlm", era)
@@ -256,6 +258,7 @@ def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
         assert len(list((work / name).glob("rank*.json"))) == 2
 
 
+@pytest.mark.rehearsal
 def test_rehearsal_of_a_context_parallel_line_finds_flat_equal_to_stock(tmp_path):
     """CP 2 x EP 2 on 2 ranks: the CPU backend builds its CP core attention in both runs and
     says so; every technique under CP still equals stock."""
@@ -274,6 +277,7 @@ def test_rehearsal_of_a_context_parallel_line_finds_flat_equal_to_stock(tmp_path
     assert offloaded and int(offloaded.group(1)) > 0, out
 
 
+@pytest.mark.rehearsal
 def test_rehearsal_of_a_deepseek_style_line_builds_stocks_model(tmp_path):
     """A first dense layer and q/k norms (``--moe-layer-freq '([0]*1+[1]*1)' --qk-layernorm``)
     with the flat spec: the flat run builds Megatron's own spec for the line (the stock run has
@@ -297,14 +301,14 @@ def test_rehearsal_of_a_deepseek_style_line_builds_stocks_model(tmp_path):
     assert any("q_layernorm" in n for n in names) and any("linear_fc1" in n for n in names)
 
 
-FAMILY_REHEARSALS = ["deepseek_v3", "kimi_k2", "qwen3_moe", "qwen2_moe", "mixtral", "llama4"]
-if os.environ.get("FLAT_SCOPE") == "megatron":
-    # CI's second megatron-core version (scripts/test.sh): one family rehearsal, the one that
-    # reaches the most code (MLA, dense first layer, MTP, sigmoid group-limited router,
-    # overlapped shared expert); the in-process family tests run in full on both versions.
-    FAMILY_REHEARSALS = ["deepseek_v3"]
+# The smoke rehearsal (FLAT_REHEARSALS=smoke, CI's second megatron-core version): the family
+# line that reaches the most code (MLA, dense first layer, MTP, sigmoid group-limited router,
+# overlapped shared expert); the in-process family tests run in full on both versions.
+FAMILY_REHEARSALS = [pytest.param("deepseek_v3", marks=pytest.mark.rehearsal(smoke=True)),
+                     "kimi_k2", "qwen3_moe", "qwen2_moe", "mixtral", "llama4"]
 
 
+@pytest.mark.rehearsal
 @pytest.mark.parametrize("family", FAMILY_REHEARSALS)
 def test_rehearsal_of_each_family_line_finds_flat_equal_to_stock(tmp_path, family):
     """Each MoE family's architecture (``testing.families``; the synthetic checkout builds it as
@@ -326,6 +330,7 @@ def test_rehearsal_of_each_family_line_finds_flat_equal_to_stock(tmp_path, famil
     assert offloaded and int(offloaded.group(1)) > 0, out
 
 
+@pytest.mark.rehearsal
 def test_rehearsal_fails_a_flat_model_that_drops_a_qk_norm(tmp_path):
     """Negative control: a flat spec that loses the q/k norms fails on parameters, before and
     whatever the losses say."""
@@ -341,6 +346,7 @@ def test_rehearsal_fails_a_flat_model_that_drops_a_qk_norm(tmp_path):
     assert "q_layernorm" in last, last
 
 
+@pytest.mark.rehearsal
 def test_rehearsal_catches_a_loss_difference(tmp_path):
     script = checkout.write_checkout(tmp_path / "mlm", "0.19")
     line = list(checkout.LINE)
@@ -354,6 +360,7 @@ def test_rehearsal_catches_a_loss_difference(tmp_path):
     assert last.startswith("rehearsal: flat loss differs from stock at iteration 2"), last
 
 
+@pytest.mark.rehearsal
 def test_rehearsal_reports_a_failed_run(tmp_path):
     script = checkout.write_checkout(tmp_path / "mlm", "0.16")
     line = list(checkout.LINE)
@@ -400,6 +407,7 @@ def _era_of_installed_core() -> str:
     return "0.16" if version.startswith("0.16") else "0.19"
 
 
+@pytest.mark.rehearsal
 def test_a_production_line_rehearses_as_written(tmp_path):
     """The line a GPU job script has (transformer-engine by default, fused kernels, the
     transformer-engine layer spec, grouped GEMM, bf16, CUDA graphs, userbuffer overlap): every
@@ -420,6 +428,7 @@ def test_a_production_line_rehearses_as_written(tmp_path):
     assert "--transformer-impl local" in stock_log and "--tp-comm-overlap" not in stock_log
 
 
+@pytest.mark.rehearsal
 def test_the_production_line_fails_without_its_substitutions(tmp_path):
     """The negative control: each obstacle is real (the synthetic checkout refuses a GPU-only
     setting still on), so the substitutions above are what made the runs pass."""
@@ -435,6 +444,7 @@ def test_the_production_line_fails_without_its_substitutions(tmp_path):
     assert "synthetic GPU-only setting transformer_impl" in done.stdout + done.stderr
 
 
+@pytest.mark.rehearsal
 def test_strict_refuses_a_production_line_before_launching(tmp_path):
     script = checkout.write_checkout(tmp_path / "mlm", "0.16")
     work = tmp_path / "work"

@@ -176,6 +176,7 @@ def _events(work, run):
     return [json.loads(p.read_text())["checkpoints"] for p in sorted((work / run).glob("rank*"))]
 
 
+@pytest.mark.rehearsal
 @pytest.mark.parametrize("era,distributed", [("0.19", True), ("0.16", False)])
 def test_checkpoints_cross_both_ways(tmp_path, era, distributed):
     line = list(checkout.LINE) + checkout.FLAT
@@ -202,6 +203,7 @@ def test_checkpoints_cross_both_ways(tmp_path, era, distributed):
     assert "/nonexistent/ckpt" not in (work / "flat.log").read_text()
 
 
+@pytest.mark.rehearsal
 def test_a_lossy_crossing_is_caught(tmp_path):
     """The flat run's load scales the loaded first moments by 1 + 1e-6: the losses stay
     within tolerance, the optimizer state does not."""

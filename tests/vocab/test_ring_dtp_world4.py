@@ -51,7 +51,9 @@ def subgroups(dist_world):
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[name] = (group, ranks)
-    return mine
+    yield mine
+    for group, _ in mine.values():  # local: the files after this one start without them
+        dist.destroy_process_group(group)
 
 
 @pytest.mark.parametrize("mode", ["weights", "activations"])
