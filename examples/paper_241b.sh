@@ -9,8 +9,8 @@
 # DRY_RUN=1 prints the command instead of running it.
 #
 # REHEARSE=1 rehearses this line on this machine's CPU first (no GPU; checkout patched or not):
-# only the shapes shrink (layers, hidden, heads, experts, sequence, vocabulary) and the world
-# with them (4 ranks: TP 2 x CP 2, EP 2 over them, PP 1);
+# only the shapes shrink (layers, hidden, heads, experts, sequence, vocabulary, and a
+# family's latent ranks, dense layers and routing groups) and the world with them (4 ranks: TP 2 x CP 2, EP 2 over them, PP 1);
 # every other flag runs as written, and what has no CPU form is substituted by the rehearsal
 # and announced. It ends with
 # "rehearsal: flat losses equal stock over N iterations (K CPU substitutions)".

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Write examples/paper_{120b,241b,667b}.sh: one launch script per paper preset, its
-pretrain_gpt.py flags emitted by the planner (``plan --emit-launch``), so they cannot drift
-from what the planner says fits (tests/plan/test_launch.py checks the scripts equal this).
+"""Write the example launch scripts: examples/paper_{120b,241b,667b}.sh (the paper presets),
+examples/deepseek_v3.sh and examples/qwen3_235b.sh (real families: MLA, a dense first layer, a
+shared expert, DeepSeek's router, MTP; q/k norms), their pretrain_gpt.py flags emitted by the
+planner (``plan --emit-launch``), so they cannot drift from what the planner says fits
+(tests/plan/test_launch.py checks the scripts equal this).
 
     python scripts/emit_examples.py [--check]
 """
@@ -39,8 +41,8 @@ TEMPLATE = '''#!/usr/bin/env bash
 # DRY_RUN=1 prints the command instead of running it.
 #
 # REHEARSE=1 rehearses this line on this machine's CPU first (no GPU; checkout patched or not):
-# only the shapes shrink (layers, hidden, heads, experts, sequence, vocabulary) and the world
-# with them ({world});
+# only the shapes shrink (layers, hidden, heads, experts, sequence, vocabulary, and a
+# family's latent ranks, dense layers and routing groups) and the world with them ({world});
 # every other flag runs as written, and what has no CPU form is substituted by the rehearsal
 # and announced. It ends with
 # "rehearsal: flat losses equal stock over N iterations (K CPU substitutions)".
@@ -84,9 +86,33 @@ exec "${{CMD[@]}}"
 '''
 
 
+# preset -> (GPUs, script name)
+EXAMPLES = {**{name: (gpus, name.replace("-", "_")) for name, gpus in PAPER_GPUS.items()},
+            "deepseek-v3": (256, "deepseek_v3"), "qwen3-235b-a22b": (64, "qwen3_235b")}
+
+
 def plan_argv(name: str) -> list:
-    return ["--model", name, "--gpus", str(PAPER_GPUS[name]), "--gpu-mem", GPU_MEM,
+    return ["--model", name, "--gpus", str(EXAMPLES[name][0]), "--gpu-mem", GPU_MEM,
             "--host-mem", HOST_MEM, "--seq", SEQ, "--all-on", "--emit-launch"]
+
+
+def family_tiny(model) -> list:
+    """The shrinks of what a family line has beyond the paper presets' shape, so the tiny
+    model keeps the family's architecture: MLA's latent ranks and head dims, one dense layer
+    then one MoE layer, a shared expert, routing groups that the 4 tiny experts divide."""
+    out = []
+    if model.mla is not None:
+        out += ["--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+    if model.experts and model.moe_layers < model.layers:
+        out += ["--moe-layer-freq", "([0]*1+[1]*1)", "--ffn-hidden-size", "128"]
+    if model.shared_experts:
+        out += ["--moe-shared-expert-intermediate-size", "64"]
+    if "--moe-router-num-groups" in model.arch_flags:
+        groups = int(model.arch_flags[model.arch_flags.index("--moe-router-num-groups") + 1])
+        if groups > 1:  # 2 groups of 2 experts, the top 2 from the best group
+            out += ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
+    return out
 
 
 def script_text(name: str) -> str:
@@ -103,8 +129,8 @@ def script_text(name: str) -> str:
     tp = 2 if res.flat.attn_tiles else 1
     cp = 2 if lay.cp > 1 else 1
     nproc = max(2, tp * cp)
-    tiny = list(TINY) + ["--tensor-model-parallel-size", str(tp),
-                         "--context-parallel-size", str(cp)]
+    tiny = list(TINY) + family_tiny(res.model) + ["--tensor-model-parallel-size", str(tp),
+                                                  "--context-parallel-size", str(cp)]
     world = f"{nproc} ranks: " + " x ".join(
         [f"TP {tp}"] * (tp > 1) + [f"CP {cp}"] * (cp > 1)) + ", EP 2 over them, PP 1"
     if tp == 1 and cp == 1:
@@ -112,11 +138,11 @@ def script_text(name: str) -> str:
     return TEMPLATE.format(name=name, gpus=gpus, nodes=nodes, last=nodes - 1,
                            plan=" ".join(plan_argv(name)), script=f"examples/{path(name).name}",
                            world=world, args=args, nproc=nproc,
-                           tiny="        " + " ".join(tiny))
+                           tiny="        " + " ".join(shlex.quote(a) for a in tiny))
 
 
 def path(name: str) -> Path:
-    return ROOT / "examples" / f"{name.replace('-', '_')}.sh"
+    return ROOT / "examples" / f"{EXAMPLES[name][1]}.sh"
 
 
 def main() -> int:
@@ -125,7 +151,7 @@ def main() -> int:
                         help="exit 1 if a script differs from what would be written")
     opts = parser.parse_args()
     stale = []
-    for name in PAPER_GPUS:
+    for name in EXAMPLES:
         text = script_text(name)
         if opts.check:
             if not path(name).is_file() or path(name).read_text() != text:

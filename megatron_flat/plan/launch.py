@@ -2,7 +2,8 @@
 
 Pure: from the model, the chosen layout, the sequence length, the global batch and the
 FlatConfig ``fit`` chose, the ``pretrain_gpt.py`` arguments that run exactly what was planned —
-the model's shape, Megatron's parallel layout, the precision and kernels the step-time model
+the model's shape and architecture (multi-latent attention, q/k norms, the router's
+settings: ``ModelSpec.mla`` and ``arch_flags``), Megatron's parallel layout, the precision and kernels the step-time model
 assumes (bf16, grouped-GEMM experts, full recompute of every layer, the distributed optimizer
 with fp32 gradient reduction), the flat layer spec and the ``--flat-*`` flags — grouped with a
 comment each. What a plan does not know (data, tokenizer, learning-rate schedule, save paths)
@@ -23,16 +24,19 @@ FLAT_SPEC = ["--spec", "megatron_flat.megatron.spec", "flat_gpt_layer_te_spec"]
 
 
 def _model_args(model: ModelSpec, seq_len: int) -> List[str]:
-    if model.attention_params is not None:
-        raise PlanError(f"--emit-launch: {model.name} has a non-GQA attention shape "
-                        "(e.g. MLA), whose Megatron-LM flags this planner does not emit; "
+    if model.attention_params is not None and model.mla is None:
+        raise PlanError(f"--emit-launch: {model.name} has an attention shape given only as a "
+                        "parameter count, whose Megatron-LM flags the planner cannot know; "
                         "take the layout and --flat-* flags from the plan")
     out = ["--num-layers", str(model.layers), "--hidden-size", str(model.hidden),
            "--num-attention-heads", str(model.heads)]
-    if model.kv_heads != model.heads:
-        out += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
-    if model.head_dim * model.heads != model.hidden:
-        out += ["--kv-channels", str(model.head_dim)]
+    if model.mla is not None:
+        out += model.mla.megatron_flags()
+    else:
+        if model.kv_heads != model.heads:
+            out += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+        if model.head_dim * model.heads != model.hidden:
+            out += ["--kv-channels", str(model.head_dim)]
     out += ["--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
             "--position-embedding-type", "rope", "--normalization", "RMSNorm",
             "--disable-bias-linear"]
@@ -57,7 +61,7 @@ def _model_args(model: ModelSpec, seq_len: int) -> List[str]:
         out += ["--ffn-hidden-size", str(model.dense_ffn)]
     if model.mtp_layers:
         out += ["--mtp-num-layers", str(model.mtp_layers)]
-    return out
+    return out + list(model.arch_flags)
 
 
 def launch_groups(model: ModelSpec, layout: Layout, *, seq_len: int, global_batch: int,

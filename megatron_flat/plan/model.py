@@ -26,6 +26,51 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class MLA:
+    """Multi-latent attention's shape (DeepSeek-V2/V3, Kimi K2), as Megatron-LM's flags say it.
+
+    ``q_lora_rank`` None: queries projected directly (no query latent). ``qk_head_dim`` is the
+    part of a query/key head without rotary embedding (DeepSeek's ``qk_nope_head_dim``),
+    ``qk_pos_emb_head_dim`` the rotary part; YaRN's ``rotary_scaling_factor``, ``mscale`` and
+    ``mscale_all_dim`` are passed through to the launch line."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def params(self, hidden: int, heads: int) -> int:
+        """One layer's attention parameters: q down/up (or one projection), kv down with the
+        rotary key, kv up, the output projection, and the two latent norms."""
+        H, h, nope, rope, dv = hidden, heads, self.qk_head_dim, self.qk_pos_emb_head_dim, \
+            self.v_head_dim
+        q = (H * self.q_lora_rank + self.q_lora_rank * h * (nope + rope) + self.q_lora_rank
+             if self.q_lora_rank else H * h * (nope + rope))
+        return (q + H * (self.kv_lora_rank + rope) + self.kv_lora_rank * h * (nope + dv)
+                + self.kv_lora_rank + h * dv * H)
+
+    def megatron_flags(self) -> List[str]:
+        """The flags of this shape that both megatron-core 0.16 and main's Megatron-LM parse."""
+        out = ["--multi-latent-attention"]
+        if self.q_lora_rank:
+            out += ["--q-lora-rank", str(self.q_lora_rank)]
+        out += ["--kv-lora-rank", str(self.kv_lora_rank), "--qk-head-dim", str(self.qk_head_dim),
+                "--qk-pos-emb-head-dim", str(self.qk_pos_emb_head_dim),
+                "--v-head-dim", str(self.v_head_dim),
+                "--rotary-scaling-factor", _number(self.rotary_scaling_factor),
+                "--mscale", _number(self.mscale), "--mscale-all-dim", _number(self.mscale_all_dim)]
+        return out
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape of a (MoE) decoder-only transformer, as the peak formulas need it.
 
@@ -46,6 +91,13 @@ class ModelSpec:
     ``mtp_layers``: multi-token-prediction heads (Megatron's ``mtp_num_layers``; DeepSeek-V3's
     ``num_nextn_predict_layers``): each adds another N × V projection + loss on the last
     stage (the vocab term counts them); the heads' own transformer layers are not modelled.
+    ``mla``: multi-latent attention's shape (:class:`MLA`); it sets ``attention_params`` when
+    that is not given, and needs ``kv_heads == heads``, ``head_dim`` = its q/k width and
+    ``v_head_dim`` = its v width.
+    ``arch_flags``: Megatron-LM flags of the architecture that no peak formula reads (q/k
+    norms, qkv bias, the router's score function, expert bias, group-limited routing and
+    scaling factor, the shared expert's gate): the launch line carries them as written, so
+    the line builds the family's model and not a plainer one.
     """
 
     name: str
@@ -70,8 +122,23 @@ class ModelSpec:
     source: str = ""
     mtp_layers: int = 0
     moe_layer_step: int = 1
+    mla: Optional[MLA] = None
+    arch_flags: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.mla is not None:
+            mla = self.mla
+            if (self.kv_heads, self.head_dim, self.dv) != (
+                    self.heads, mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim):
+                raise PlanError(f"model {self.name!r}: MLA needs kv_heads = heads, head_dim = "
+                                f"{mla.qk_head_dim} + {mla.qk_pos_emb_head_dim} and v_head_dim "
+                                f"= {mla.v_head_dim}")
+            if self.attention_params is None:
+                object.__setattr__(self, "attention_params", mla.params(self.hidden, self.heads))
+        if isinstance(self.arch_flags, list):
+            object.__setattr__(self, "arch_flags", tuple(self.arch_flags))
+        if any(not (isinstance(f, str) and f) for f in self.arch_flags):
+            raise PlanError(f"model {self.name!r}: arch_flags must be non-empty strings")
         for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise PlanError(f"model {self.name!r}: {name} must be a positive integer, "
@@ -186,21 +253,31 @@ def _paper(name: str, layers: int) -> ModelSpec:
                             "8 KV heads, head dim 128)")
 
 
-def _deepseek_v3_mla_params() -> int:
-    # DeepSeek-V3 config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
-    # qk_rope_head_dim 64, v_head_dim 128, 128 heads, hidden 7168.
-    return _mla_params(heads=128)
+# DeepSeek-V3 config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+# qk_rope_head_dim 64, v_head_dim 128; rope_scaling: YaRN factor 40, mscale 1.0,
+# mscale_all_dim 1.0 (Kimi K2: factor 32). Megatron's MLA also norms both latents
+# (--qk-layernorm).
+_DEEPSEEK_MLA = MLA(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                    v_head_dim=128, rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+_KIMI_MLA = replace(_DEEPSEEK_MLA, rotary_scaling_factor=32.0)
 
 
-def _mla_params(*, heads: int, H: int = 7168, q_lora: int = 1536, kv_lora: int = 512,
-                nope: int = 128, rope: int = 64, dv: int = 128) -> int:
-    """One MLA layer's attention parameters (DeepSeek-V3's shape; Kimi K2 has 64 heads)."""
-    h = heads
-    return (H * q_lora + q_lora * h * (nope + rope)      # q down / up
-            + H * (kv_lora + rope) + kv_lora * h * (nope + dv)  # kv down (+ rope key) / up
-            + h * dv * H                                  # output projection
-            + q_lora + kv_lora)                           # the two latent norms
+def _deepseek_router(groups: int, group_topk: int, scaling: float) -> Tuple[str, ...]:
+    """DeepSeek-V3's router as Megatron-LM spells it: sigmoid scores, an expert bias updated
+    without an auxiliary loss (plus a small sequence-wise one), group-limited top-k, and the
+    routed scaling factor (config.json: scoring_func, topk_method noaux_tc, n_group,
+    topk_group, routed_scaling_factor)."""
+    return ("--qk-layernorm", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type",
+            "seq_aux_loss", "--moe-aux-loss-coeff", "0.0001", "--moe-router-num-groups",
+            str(groups), "--moe-router-group-topk", str(group_topk),
+            "--moe-router-topk-scaling-factor", _number(scaling), "--moe-router-dtype", "fp32")
 
+
+# Qwen3-MoE: q/k RMSNorm per head, softmax router with the global auxiliary loss
+# (router_aux_loss_coef 0.001).
+_QWEN3 = ("--qk-layernorm", "--moe-router-load-balancing-type", "aux_loss",
+          "--moe-aux-loss-coeff", "0.001")
 
 PRESETS: Dict[str, ModelSpec] = {
     "paper-120b": _paper("paper-120b", 7),
@@ -226,8 +303,8 @@ PRESETS: Dict[str, ModelSpec] = {
     # intermediate_size 18432, vocab_size 129280, untied, num_nextn_predict_layers 1 (one
     # MTP head: its projection + loss counted, its transformer layer not modelled).
     "deepseek-v3": ModelSpec(name="deepseek-v3", hidden=7168, layers=61, heads=128,
-                             kv_heads=128, head_dim=192, v_head_dim=128,
-                             attention_params=_deepseek_v3_mla_params(), experts=256, topk=8,
+                             kv_heads=128, head_dim=192, v_head_dim=128, mla=_DEEPSEEK_MLA,
+                             arch_flags=_deepseek_router(8, 4, 2.5), experts=256, topk=8,
                              expert_ffn=2048, shared_experts=1, shared_expert_ffn=2048,
                              dense_ffn=18432, dense_layers=3, vocab=129_280, mtp_layers=1,
                              source="deepseek-ai/DeepSeek-V3 config.json"),
@@ -236,7 +313,8 @@ PRESETS: Dict[str, ModelSpec] = {
     # n_shared_experts 1, first_k_dense_replace 1 (intermediate_size 18432), 61 layers,
     # vocab_size 163840, untied, no MTP head. Published: 1.04T parameters ("1T total").
     "kimi-k2": ModelSpec(name="kimi-k2", hidden=7168, layers=61, heads=64, kv_heads=64,
-                         head_dim=192, v_head_dim=128, attention_params=_mla_params(heads=64),
+                         head_dim=192, v_head_dim=128, mla=_KIMI_MLA,
+                         arch_flags=_deepseek_router(1, 1, 2.827),
                          experts=384, topk=8, expert_ffn=2048, shared_experts=1,
                          shared_expert_ffn=2048, dense_ffn=18432, dense_layers=1,
                          vocab=163_840, source="moonshotai/Kimi-K2-Instruct config.json"),
@@ -246,7 +324,7 @@ PRESETS: Dict[str, ModelSpec] = {
     # layer MoE; q/k RMSNorm (2 x head_dim per layer). Published: 235B.
     "qwen3-235b-a22b": ModelSpec(name="qwen3-235b-a22b", hidden=4096, layers=94, heads=64,
                                  kv_heads=4, head_dim=128, experts=128, topk=8,
-                                 expert_ffn=1536, vocab=151_936,
+                                 expert_ffn=1536, vocab=151_936, arch_flags=_QWEN3,
                                  source="Qwen/Qwen3-235B-A22B config.json"),
     # mistralai/Mixtral-8x22B-v0.1 config.json: hidden_size 6144, num_hidden_layers 56,
     # num_attention_heads 48, num_key_value_heads 8, num_local_experts 8,
@@ -271,7 +349,8 @@ PRESETS: Dict[str, ModelSpec] = {
     # (decoder_sparse_step 1, mlp_only_layers []), tie_word_embeddings false.
     "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", hidden=2048, layers=48, heads=32,
                                kv_heads=4, head_dim=128, experts=128, topk=8, expert_ffn=768,
-                               vocab=151_936, source="Qwen/Qwen3-30B-A3B config.json"),
+                               vocab=151_936, arch_flags=_QWEN3,
+                               source="Qwen/Qwen3-30B-A3B config.json"),
 }
 
 # The GPU counts the paper runs its family on (used when --gpus is not given).
@@ -346,17 +425,20 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
     kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
     head_dim = int(_first(cfg, "head_dim", default=H // heads))
     v_head_dim = None
-    attention_params = None
+    mla = None
     if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3)
         nope = int(_first(cfg, "qk_nope_head_dim", default=128))
         rope = int(_first(cfg, "qk_rope_head_dim", default=64))
         v_head_dim = int(_first(cfg, "v_head_dim", default=nope))
         head_dim, kv_heads = nope + rope, heads
-        kv_lora, q_lora = int(cfg["kv_lora_rank"]), cfg.get("q_lora_rank")
-        q_params = (H * int(q_lora) + int(q_lora) * heads * head_dim + int(q_lora)) if q_lora \
-            else H * heads * head_dim
-        attention_params = (q_params + H * (kv_lora + rope) + kv_lora * heads * (nope + v_head_dim)
-                            + kv_lora + heads * v_head_dim * H)
+        scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), Mapping) else {}
+        q_lora = cfg.get("q_lora_rank")
+        mla = MLA(q_lora_rank=int(q_lora) if q_lora else None,
+                  kv_lora_rank=int(cfg["kv_lora_rank"]), qk_head_dim=nope,
+                  qk_pos_emb_head_dim=rope, v_head_dim=v_head_dim,
+                  rotary_scaling_factor=float(scaling.get("factor") or 1.0),
+                  mscale=float(scaling.get("mscale") or 1.0),
+                  mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
     experts = int(_first(cfg, "num_experts", "n_routed_experts", "num_local_experts", default=0)
                   or 0)
     topk = int(_first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", default=0)
@@ -382,7 +464,8 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
     return ModelSpec(
         name=name or str(cfg.get("model_type") or "config"),
         hidden=H, layers=int(cfg["num_hidden_layers"]), heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, v_head_dim=v_head_dim, attention_params=attention_params,
+        head_dim=head_dim, v_head_dim=v_head_dim, mla=mla,
+        arch_flags=_hf_arch_flags(cfg, mla is not None, bool(experts), bool(shared)),
         experts=experts, topk=topk if experts else 0, expert_ffn=expert_ffn if experts else 0,
         shared_experts=shared, shared_expert_ffn=shared_ffn,
         dense_ffn=int(intermediate) if (dense_layers or step > 1 or not experts) else 0,
@@ -394,6 +477,31 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
     )
 
 
+def _hf_arch_flags(cfg: Mapping[str, Any], mla: bool, moe: bool, shared: bool
+                  ) -> Tuple[str, ...]:
+    """The Megatron-LM flags of what a ``config.json`` says beyond the shapes: q/k norms
+    (Qwen3, and MLA's latent norms), qkv bias (Qwen2), the shared expert's gate (Qwen2-MoE),
+    and the router (DeepSeek's sigmoid scores, expert bias, group-limited routing, scaling)."""
+    kind = str(cfg.get("model_type") or "")
+    out: List[str] = []
+    if mla or kind.startswith("qwen3"):
+        out.append("--qk-layernorm")
+    if cfg.get("qkv_bias") or cfg.get("attention_bias") or kind.startswith("qwen2"):
+        out.append("--add-qkv-bias")
+    if moe and shared and kind.startswith("qwen2"):
+        out.append("--moe-shared-expert-gate")
+    if moe and cfg.get("scoring_func") == "sigmoid":
+        out += ["--moe-router-score-function", "sigmoid"]
+    if moe and cfg.get("topk_method") == "noaux_tc":
+        out.append("--moe-router-enable-expert-bias")
+    if moe and cfg.get("n_group") and cfg.get("topk_group"):
+        out += ["--moe-router-num-groups", str(int(cfg["n_group"])),
+                "--moe-router-group-topk", str(int(cfg["topk_group"]))]
+    if moe and cfg.get("routed_scaling_factor") not in (None, 1, 1.0):
+        out += ["--moe-router-topk-scaling-factor", _number(float(cfg["routed_scaling_factor"]))]
+    return tuple(out)
+
+
 def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
     """A ``ModelSpec`` from Megatron-LM's parsed arguments (``argparse.Namespace``).
 
@@ -403,7 +511,10 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
     ``moe_shared_expert_intermediate_size`` (one shared expert of that width),
     ``moe_layer_freq`` (an int N: every N-th layer is MoE; or a list of 0/1), ``padded_vocab_size``
     or ``vocab_size``, ``swiglu``, ``untie_embeddings_and_output_weights``, ``bf16``/``fp16``,
-    ``mtp_num_layers``. A ``moe_layer_freq`` pattern is modelled as its count of dense layers placed first.
+    ``mtp_num_layers``; with ``multi_latent_attention``, MLA's ``q_lora_rank``,
+    ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim`` and YaRN's
+    ``rotary_scaling_factor``, ``mscale``, ``mscale_all_dim``. A ``moe_layer_freq`` pattern is
+    modelled as its count of dense layers placed first.
     """
     def get(attr, default=None):
         value = getattr(args, attr, None)
@@ -432,9 +543,18 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
             dense_layers = pattern.count(0)
     shared_ffn = int(get("moe_shared_expert_intermediate_size", 0) or 0)
     dtype = "bf16" if get("bf16", False) else "fp16" if get("fp16", False) else "fp32"
+    mla, head_dim, v_head_dim = None, int(get("kv_channels", H // heads)), None
+    if get("multi_latent_attention", False):
+        mla = MLA(q_lora_rank=get("q_lora_rank"), kv_lora_rank=int(get("kv_lora_rank", 32)),
+                  qk_head_dim=int(get("qk_head_dim", 128)),
+                  qk_pos_emb_head_dim=int(get("qk_pos_emb_head_dim", 64)),
+                  v_head_dim=int(get("v_head_dim", 128)),
+                  rotary_scaling_factor=float(get("rotary_scaling_factor", 1.0)),
+                  mscale=float(get("mscale", 1.0)), mscale_all_dim=float(get("mscale_all_dim", 0.0)))
+        kv, head_dim, v_head_dim = heads, mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
     return ModelSpec(
-        name=name, hidden=H, layers=L, heads=heads, kv_heads=kv,
-        head_dim=int(get("kv_channels", H // heads)), vocab=int(vocab), experts=experts,
+        name=name, hidden=H, layers=L, heads=heads, kv_heads=kv, mla=mla, v_head_dim=v_head_dim,
+        head_dim=head_dim, vocab=int(vocab), experts=experts,
         topk=int(get("moe_router_topk", 2)) if experts else 0,
         expert_ffn=int(get("moe_ffn_hidden_size", ffn)) if experts else 0,
         shared_experts=1 if shared_ffn else 0, shared_expert_ffn=shared_ffn,
