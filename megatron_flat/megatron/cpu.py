@@ -560,11 +560,14 @@ def _context_parallel_core_attention() -> None:
         # Python then runs the returned object's own __init__ with the same arguments.
         if cls is DotProductAttention and ("k_channels" in kwargs or "v_channels" in kwargs):
             from megatron_flat.megatron.cpu_mla_attention import (
+                MLAContextParallelCoreAttention,
                 MLADotProductAttention,
                 announce_once,
             )
 
             announce_once()  # multi-latent attention: separate q/k and v head dims
+            if getattr(config, "context_parallel_size", 1) > 1:
+                return original(MLAContextParallelCoreAttention)
             return original(MLADotProductAttention)
         if cls in substituted and getattr(config, "context_parallel_size", 1) > 1:
             if not _ANNOUNCED:

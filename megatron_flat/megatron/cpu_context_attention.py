@@ -41,8 +41,34 @@ from megatron_flat.testing.flash_attention import FlashCoreAttention
 __all__ = ["ContextParallelCoreAttention", "load_balanced_chunks", "gather_sequence",
            "attention_flops"]
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    extra = width - tensor.shape[-1]
+    return tensor if extra == 0 else torch.nn.functional.pad(tensor, (0, extra))
+
+
+def _flash(q, k, v, dropout, causal, *, scale):
+    """torch's CPU flash kernel (O, LSE), also for values narrower or wider than queries and
+    keys (multi-latent attention): the kernel wants one head size, so the narrower side is
+    padded with zero columns, which change neither Q·Kᵀ nor the softmax (the scale is given),
+    and the output keeps the values' width."""
+    width = max(q.shape[-1], v.shape[-1])
+    out, lse = _FLASH(_pad(q, width), _pad(k, width), _pad(v, width), dropout, causal,
+                      scale=scale)[:2]
+    return out[..., :v.shape[-1]], lse
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, dropout, causal, *, scale):
+    """dq, dk, dv of :func:`_flash`: the zero columns of the padded operands get zero
+    gradients and are dropped (the padded output's extra columns are exactly zero)."""
+    width = max(q.shape[-1], v.shape[-1])
+    dq, dk, dv = _FLASH_BACKWARD(_pad(grad_out, width), _pad(q, width), _pad(k, width),
+                                 _pad(v, width), _pad(out, width), lse, dropout, causal,
+                                 scale=scale)[:3]
+    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
 
 
 def load_balanced_chunks(cp_rank: int, cp_size: int) -> List[int]:

@@ -12,6 +12,11 @@ dropout under the RNG tracker, ``P·V``), which already reads each head dim from
 the output width changes to ``heads × v_channels``. The CPU backend (``megatron.cpu``, patch "MLA
 core attention") builds it wherever a spec asks for ``DotProductAttention`` with these
 arguments, in stock and flat runs alike, and says so once in the log. On a GPU nothing changes.
+
+Under context parallelism (CP > 1) Megatron's local attention has no CP at all; the CPU
+backend's :class:`~megatron_flat.megatron.cpu_context_attention.ContextParallelCoreAttention`
+(K/V all-gather, blocks merged by log-sum-exp) already reads each head dim from its tensors, so
+:class:`MLAContextParallelCoreAttention` is that module with MLA's head dims.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, List, Optional
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-__all__ = ["MLADotProductAttention", "announce_once"]
+__all__ = ["MLAContextParallelCoreAttention", "MLADotProductAttention", "announce_once"]
 
 log = logging.getLogger(__name__)
 _ANNOUNCED: List[bool] = []
@@ -54,3 +59,15 @@ class MLADotProductAttention(DotProductAttention):
             self.hidden_size_per_attention_head = k_channels
         if v_channels is not None:
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+
+def _context_parallel_base():
+    from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
+
+    return ContextParallelCoreAttention
+
+
+class MLAContextParallelCoreAttention(_context_parallel_base(), MLADotProductAttention):
+    """The CPU backend's context-parallel core attention with MLA's head dims: queries and keys
+    of ``k_channels``, values and the output of ``v_channels`` (``MLADotProductAttention``'s
+    constructor, ``ContextParallelCoreAttention``'s forward)."""

@@ -49,6 +49,34 @@ def test_prefix_attention_equals_causal_attention_in_the_inputs_dtype(dtype):
     assert q.grad.dtype == kind and k.grad.dtype == kind
 
 
+@pytest.mark.parametrize("dk,dv", [(24, 16), (8, 12)])
+def test_prefix_attention_with_mla_head_dims_equals_causal_attention(dk, dv):
+    """Multi-latent attention's values are narrower (or wider) than its queries and keys: the
+    prefix attention pads the kernel's operands with zero columns and still equals causal
+    attention, output and every input gradient (fp64 math reference)."""
+    import torch
+
+    from megatron_flat.megatron.cpu_context_attention import _PrefixCausalAttention
+
+    torch.manual_seed(1)
+    b, n, total, c = 1, 2, 12, 4
+    q, k = (torch.randn(b, n, total, dk, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, n, total, dv, requires_grad=True)
+    scale = 0.3
+    out = _PrefixCausalAttention.apply(q[:, :, total - c:], k, v, scale)
+    assert out.shape == (b, n, c, dv)
+    qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = (qq @ kk.transpose(-1, -2)) * scale
+    mask = torch.ones(total, total, dtype=torch.bool).tril()
+    ref = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vv)[:, :, total - c:]
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad.double())
+    for mine, theirs in ((q, qq), (k, kk), (v, vv)):
+        torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_kept_prefix_output_replays_bitwise(dtype):
     """Attention replay under CP: the slot's (O, LSE) kept from a no-grad first pass and

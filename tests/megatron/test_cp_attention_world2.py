@@ -72,6 +72,55 @@ def test_cp_equals_single_rank(groups, megatron_cpu):
             assert full.abs().max() > 0
 
 
+def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
+    """Multi-latent attention under CP on the CPU backend: queries/keys of k_channels 24,
+    values of v_channels 16. ``DotProductAttention`` built with MLA's arguments and CP = the
+    world is the backend's MLAContextParallelCoreAttention, and it equals the single-rank
+    MLADotProductAttention (Megatron's local forward): output and every input gradient."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_flat.megatron.cpu_mla_attention import (
+        MLAContextParallelCoreAttention,
+        MLADotProductAttention,
+    )
+
+    cp, seq, b, heads, dk, dv = dist.get_world_size(), 24, 2, 4, 24, 16
+
+    def build(size):
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads,
+                                   context_parallel_size=size, use_cpu_initialization=True,
+                                   attention_dropout=0.0)
+        return DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                   attention_type="self", k_channels=dk, v_channels=dv,
+                                   softmax_scale=0.2)
+
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(seq, b, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(seq, b, heads, dv, generator=gen)
+    grad = torch.randn(seq, b, heads * dv, generator=gen)
+    with megatron_layout(1, 1, 1):
+        single = build(1)
+        assert type(single) is MLADotProductAttention
+        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = single(*ref_inputs, None)
+        ref.backward(grad)
+    with megatron_layout(1, 1, 1, cp=cp):
+        attn = build(cp)
+        assert type(attn) is MLAContextParallelCoreAttention
+        rank = dist.get_rank()
+        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
+        out = attn(*inputs, None)
+        assert out.shape == (seq // cp, b, heads * dv)
+        out.backward(_local(grad, rank, cp))
+        got = [out.detach()] + [t.grad for t in inputs]
+        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
+            parts = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(parts, mine.contiguous())
+            torch.testing.assert_close(_to_global(parts, cp), want, rtol=1e-5, atol=1e-6)
+
+
 def test_refuses_uneven_chunks(megatron_cpu):
     cp = dist.get_world_size()
     with megatron_layout(1, 1, 1, cp=cp):
