@@ -69,13 +69,23 @@ DEMO_MODEL = TinyMoE(
     data="zipf",
 )
 
+# The demo is the paper's model shrunk by hidden 7168 -> 128. Ring-DTP's token tile shrinks as
+# benchmarks/vocab.py shrinks it: its tokens and its strip's width both divide by the scale,
+# its bytes by the scale squared (128 MiB -> 42 KiB, 10 tokens of a 1024-row fp32 strip).
+# Unscaled, one 128 MiB tile would hold every token of every sweep point, and the vocabulary
+# line would grow with context as whole strips do instead of staying flat.
+DEMO_SCALE = 7168 / 128
+DEMO_VOCAB_TILE_BYTES = int(FlatConfig().vocab_tile_bytes / DEMO_SCALE**2)
+
 # All four on, sized to the demo model: 1024 routed tokens per rank and layer go out in
 # chunks of at most 128 per source; the 8192-entry vocabulary is folded in strips of 1024
-# (the ring has one rank at TP=1); the boundaries' host budget holds every layer's input;
-# the optimizer streams buckets of 64K elements through 2 slots.
+# (the ring has one rank at TP=1) and token tiles of DEMO_VOCAB_TILE_BYTES; the boundaries'
+# host budget holds every layer's input; the optimizer streams buckets of 64K elements
+# through 2 slots.
 DEMO_FLAT = FlatConfig(
     dispatch="pipelined", dispatch_chunk_tokens=128, dispatch_max_chunks=16,
     vocab=True, vocab_mode="auto", vocab_block_size=1024,
+    vocab_tile_bytes=DEMO_VOCAB_TILE_BYTES,
     sco=True, sco_host_budget_gib=0.03125, sco_prefetch=1,
     optimizer_offload=True, optimizer_bucket_numel=65_536, optimizer_num_slots=2,
 )
