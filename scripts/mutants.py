@@ -17,8 +17,9 @@ An anchor that no longer matches exactly once is an error, so the suite follows 
 Sites where no mutant can be written are listed in ``NO_MUTANT`` with the reason.
 Every distinct selection first runs on the unmutated copy and must pass (else a kill would
 prove nothing), unless ``--proven`` says this run's stage of the same mode already passed it
-on the same tree (``make test`` runs the suite last and passes the stages that succeeded). Exit status: 0 when every CPU mutant is killed, 1 when one survives, 2 on a
-broken anchor or a selection that fails unmutated.
+on the same tree (``make test`` runs the suite last and passes the stages that succeeded).
+Exit status: 0 when every CPU mutant is killed, 1 when one survives, 2 on a broken anchor or a
+selection that fails unmutated.
 """
 
 from __future__ import annotations

@@ -116,21 +116,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
-def _live_groups() -> set:
-    """The process groups c10d holds now, the default one excluded (empty before any)."""
-    import sys
-
-    if "torch.distributed" not in sys.modules:
-        return set()
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return set()
-    world = getattr(distributed_c10d, "_world", None)
-    return set(getattr(world, "pg_map", {}) or {}) - {dist.GroupMember.WORLD}
-
-
 def _native_threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -179,27 +164,27 @@ def _file_leaves_no_groups(request):
     if launched_world() is None:
         yield
         return
-    before, threads = _live_groups(), _native_threads()
+    import torch.distributed as dist
+
+    from megatron_flat.testing.distributed import destroy_gloo_groups_since, live_groups
+
+    before, threads = live_groups(), _native_threads()
     yield
     _release_megatron_models()
     if os.environ.get("FLAT_THREAD_REPORT"):
         with open(os.environ["FLAT_THREAD_REPORT"] + os.environ["RANK"], "a") as f:
             f.write(f"{request.node.nodeid} THREADS {threads} -> {_native_threads()} "
-                    f"groups {len(_live_groups())}\n")
+                    f"groups {len(live_groups())}\n")
 
-    leaked = _live_groups() - before
+    leaked = live_groups() - before - {dist.GroupMember.WORLD}
     state_up = _megatron_parallel_state_up()
     if not leaked and not state_up:
         return
-    import torch.distributed as dist
-
     if state_up:
         import sys
 
         sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-    for group in leaked:
-        if dist.get_backend(group) == "gloo":
-            dist.destroy_process_group(group)
+    destroy_gloo_groups_since(before)
     pytest.fail(f"this file left {len(leaked)} process group(s) alive"
                 f"{' and Megatron parallel state initialised' if state_up else ''} "
                 f"(native threads {threads} -> {_native_threads()}); tear them down "

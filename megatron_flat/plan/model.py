@@ -262,8 +262,9 @@ _DEEPSEEK_MLA = MLA(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_
 _KIMI_MLA = replace(_DEEPSEEK_MLA, rotary_scaling_factor=32.0)
 
 
-def _deepseek_router(groups: int, group_topk: int, scaling: float) -> Tuple[str, ...]:
-    """DeepSeek-V3's router as Megatron-LM spells it: sigmoid scores, an expert bias updated
+def _deepseek_flags(groups: int, group_topk: int, scaling: float) -> Tuple[str, ...]:
+    """DeepSeek-V3's flags beyond its shapes, as Megatron-LM spells them: the latents' norms
+    (``--qk-layernorm``) and the router: sigmoid scores, an expert bias updated
     without an auxiliary loss (plus a small sequence-wise one), group-limited top-k, and the
     routed scaling factor (config.json: scoring_func, topk_method noaux_tc, n_group,
     topk_group, routed_scaling_factor)."""
@@ -304,7 +305,7 @@ PRESETS: Dict[str, ModelSpec] = {
     # MTP head: its projection + loss counted, its transformer layer not modelled).
     "deepseek-v3": ModelSpec(name="deepseek-v3", hidden=7168, layers=61, heads=128,
                              kv_heads=128, head_dim=192, v_head_dim=128, mla=_DEEPSEEK_MLA,
-                             arch_flags=_deepseek_router(8, 4, 2.5), experts=256, topk=8,
+                             arch_flags=_deepseek_flags(8, 4, 2.5), experts=256, topk=8,
                              expert_ffn=2048, shared_experts=1, shared_expert_ffn=2048,
                              dense_ffn=18432, dense_layers=3, vocab=129_280, mtp_layers=1,
                              source="deepseek-ai/DeepSeek-V3 config.json"),
@@ -314,7 +315,7 @@ PRESETS: Dict[str, ModelSpec] = {
     # vocab_size 163840, untied, no MTP head. Published: 1.04T parameters ("1T total").
     "kimi-k2": ModelSpec(name="kimi-k2", hidden=7168, layers=61, heads=64, kv_heads=64,
                          head_dim=192, v_head_dim=128, mla=_KIMI_MLA,
-                         arch_flags=_deepseek_router(1, 1, 2.827),
+                         arch_flags=_deepseek_flags(1, 1, 2.827),
                          experts=384, topk=8, expert_ffn=2048, shared_experts=1,
                          shared_expert_ffn=2048, dense_ffn=18432, dense_layers=1,
                          vocab=163_840, source="moonshotai/Kimi-K2-Instruct config.json"),

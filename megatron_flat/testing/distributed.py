@@ -68,7 +68,7 @@ def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234,
         raise ValueError(f"layout tp={tp} cp={cp} ep={ep} pp={pp} etp={etp} does not divide "
                          f"world size {world}")
     parallel_state.destroy_model_parallel()
-    before = _live_groups()
+    before = live_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -81,10 +81,10 @@ def megatron_layout(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234,
         yield
     finally:
         parallel_state.destroy_model_parallel()
-        _destroy_gloo_groups_since(before)
+        destroy_gloo_groups_since(before)
 
 
-def _live_groups() -> set:
+def live_groups() -> set:
     """The process groups c10d knows now (empty where its registry is not reachable)."""
     from torch.distributed import distributed_c10d
 
@@ -92,7 +92,7 @@ def _live_groups() -> set:
     return set(getattr(world, "pg_map", {}) or {})
 
 
-def _destroy_gloo_groups_since(before: set) -> None:
+def destroy_gloo_groups_since(before: set) -> None:
     """Destroy the gloo groups made since ``before`` (Megatron's ``destroy_model_parallel``
     only drops its references).
 
@@ -102,7 +102,7 @@ def _destroy_gloo_groups_since(before: set) -> None:
     is local (no collective), and every rank leaves a layout after the same collectives.
     NCCL groups are left alone: their destruction may wait on peers.
     """
-    for group in _live_groups() - before:
+    for group in live_groups() - before:
         if group is dist.GroupMember.WORLD or dist.get_backend(group) != "gloo":
             continue
         dist.destroy_process_group(group)

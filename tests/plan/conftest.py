@@ -18,7 +18,6 @@ from megatron_flat.plan import cli, layouts
 
 _SEARCH = getattr(layouts.search_layouts, "__wrapped__", layouts.search_layouts)
 _MEMO: dict = {}
-STATS = {"computed": 0, "reused": 0}
 
 
 def _key(value):
@@ -38,9 +37,6 @@ def memoised_search_layouts(*args, **kwargs):
         return _SEARCH(*args, **kwargs)
     if key not in _MEMO:
         _MEMO[key] = _SEARCH(*args, **kwargs)
-        STATS["computed"] += 1
-    else:
-        STATS["reused"] += 1
     return copy.deepcopy(_MEMO[key])
 
 
