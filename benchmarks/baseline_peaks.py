@@ -18,7 +18,7 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_flat.megatron.cpu import enable_cpu_backend
+from megatron_flat.cpu.backend import enable_cpu_backend
 from megatron_flat.runtime.memory import format_bytes
 from megatron_flat.testing.distributed import init_distributed, megatron_layout
 from megatron_flat.testing.training import Layout, Trainer, measure_peaks

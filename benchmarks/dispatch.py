@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.profiles import routing_profile
-from megatron_flat.megatron.cpu import enable_cpu_backend
+from megatron_flat.cpu.backend import enable_cpu_backend
 from megatron_flat.runtime.ledger import count, counts_cells, counts_header
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.testing.distributed import init_distributed, megatron_layout
@@ -79,7 +79,7 @@ def build_layers(args, device):
                                 moe_grouped_gemm=args.grouped)
     spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=args.experts)
     if args.grouped:  # transformer-engine's grouped linears on a GPU, else the CPU reference
-        from megatron_flat.megatron.cpu_grouped import grouped_experts_spec
+        from megatron_flat.cpu.grouped import grouped_experts_spec
 
         spec = compat.replace_experts(spec, grouped_experts_spec(torch.cuda.is_available()))
     common = dict(dispatch_chunk_tokens=args.chunk, dispatch_max_chunks=args.max_chunks,

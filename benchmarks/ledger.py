@@ -69,11 +69,11 @@ what is built only from host factories (a plan) is host data, the host pool is h
 (see the ``ledger`` module docstring). The warm-up pass runs inside a throwaway ledger, so
 state it makes keeps its origin (AdamW's step counters and the flat plans are host data, as
 on a GPU); Megatron's dispatcher chunk-sort indices, made on the host at construction, are
-marked host data by the CPU backend (``megatron_flat.megatron.cpu``).
+marked host data by the CPU backend (``megatron_flat.cpu.backend``).
 
 Reading the stock MoE syncs: on a GPU, Megatron's alltoall dispatcher copies its split sizes
 and token counts to the host asynchronously and waits once (``d2h_event.synchronize()``);
-the CPU backend (``megatron_flat.megatron.cpu``) does the same (host copies, a counted
+the CPU backend (``megatron_flat.cpu.backend``) does the same (host copies, a counted
 ``event_synchronize``), so the stock rows show that one wait and 0.16's two
 ``masked_select`` (``permute``), as a GPU run would. Run (about half a minute on
 2 CPU cores)::
@@ -637,7 +637,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
-    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.cpu.backend import enable_cpu_backend
     from megatron_flat.testing.distributed import init_distributed
 
     args = parse_args(argv)

@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.cpu.backend import enable_cpu_backend
     from megatron_flat.testing.distributed import init_distributed
 
     init_distributed()

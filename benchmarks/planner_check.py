@@ -82,7 +82,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.cpu.backend import enable_cpu_backend
     from megatron_flat.testing.distributed import init_distributed
 
     init_distributed()

@@ -30,7 +30,7 @@ Megatron's four terms, worst rank, with the planner's figures for ``Layout(cp=2)
 section (each layer's self-attention, forward with the recompute and backward, above its
 entry; ``plan.peaks.attention_block_section``) and Megatron's persistent sequence-parallel
 gather buffer (``plan.peaks.sp_gather_buffer``), on the same model with flash-style core
-attention (``testing.flash_attention``: the planner models no N² scores; machinery in
+attention (``cpu.flash_attention``: the planner models no N² scores; machinery in
 ``tests/plan/_attention_block.py``). At TP 1 stock's; under torchrun with two ranks,
 ``--tp 2`` runs TP 2 with sequence parallelism, stock (a baseline figure) and with the
 attention tiles (512-token tiles), alone and beside Ring-DTP (flat figures)::
@@ -166,7 +166,7 @@ def main() -> int:
 
     import torch.distributed as dist
 
-    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.cpu.backend import enable_cpu_backend
     from megatron_flat.testing.distributed import init_distributed
 
     world = init_distributed()

@@ -666,7 +666,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Every shape and method on this process's ring (call inside ``init_distributed``)."""
-    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.cpu.backend import enable_cpu_backend
     from megatron_flat.testing.distributed import megatron_layout
 
     device = torch.device(args.device)

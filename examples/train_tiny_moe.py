@@ -47,14 +47,14 @@ import sys
 import torch.distributed as dist
 
 from megatron_flat.config import FlatConfig, add_flat_args
-from megatron_flat.megatron.cpu import enable_cpu_backend
+from megatron_flat.cpu.backend import enable_cpu_backend
 from megatron_flat.runtime.memory import format_bytes
 from megatron_flat.testing.distributed import init_distributed, megatron_layout
 from megatron_flat.testing.tiny_gpt import TinyMoE
 from megatron_flat.testing.training import Layout, Trainer, measure
 
 DEMO_MODEL = TinyMoE(
-    attention="flash",  # O(N) attention, as on a GPU (testing.flash_attention)
+    attention="flash",  # O(N) attention, as on a GPU (cpu.flash_attention)
     num_layers=4,
     hidden_size=128,
     num_attention_heads=4,

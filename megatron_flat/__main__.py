@@ -16,7 +16,7 @@ COMMANDS = {
     "patch": ("megatron_flat.patch",
               "teach a Megatron-LM checkout's pretrain_gpt.py the --flat-* flags "
               "(--check, --revert, --dry-run)"),
-    "rehearse": ("megatron_flat.rehearse",
+    "rehearse": ("megatron_flat.rehearse.command",
                  "run a Megatron-LM launch line on CPU, stock and flat: losses side by side, "
                  "peaks, a verdict"),
 }

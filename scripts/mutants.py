@@ -437,10 +437,14 @@ def stale_reasons(root: Path = ROOT, reasons: Optional[Dict[str, str]] = None) -
     return [k for k in reasons if k not in named]
 
 
+# The packages that import megatron-core (docs/architecture.md, "Layers").
+MEGATRON_PACKAGES = ("megatron_flat/megatron/", "megatron_flat/cpu/", "megatron_flat/rehearse/")
+
+
 def touches_megatron(m: Mutant) -> bool:
     """Whether the mutant's code or its selection involves megatron-core (so its result may
     depend on the version)."""
-    return m.path.startswith("megatron_flat/megatron/") or any(
+    return m.path.startswith(MEGATRON_PACKAGES) or any(
         "megatron" in t.split("::")[0] for t in (*m.tests, *m.gpu_tests))
 
 

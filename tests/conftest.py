@@ -194,7 +194,7 @@ def _file_leaves_no_groups(request):
 @pytest.fixture(scope="session")
 def megatron_cpu():
     """Megatron-Core importable and runnable here: process group up, CPU patches on."""
-    from megatron_flat.megatron.cpu import enable_cpu_backend
+    from megatron_flat.cpu.backend import enable_cpu_backend
     from megatron_flat.testing.distributed import init_distributed
 
     init_distributed()

@@ -12,7 +12,7 @@ exactly what stock's autograd node would have saved. Loss and every gradient are
 stock's; one attention forward per layer per step instead of two.
 
 This module is the kernel-level part, for torch's flash kernels: the CPU one (what
-``testing.flash_attention`` and the CPU backend's attention run) and the CUDA one (fp16 and
+``cpu.flash_attention`` and the CPU backend's attention run) and the CUDA one (fp16 and
 bf16; its backward also takes the forward's sequence bounds and Philox words, kept beside
 the pair):
 
@@ -153,7 +153,7 @@ class _CudaFlashKernel(_Kernel):
     the device's generator (its Philox offset), which a replayed call moves it instead."""
 
     def forward(self, q, k, v, scale, dropout_p):
-        generator = _generator(q.device)
+        generator = device_generator(q.device)
         start = generator.get_offset()
         (out, lse, cum_q, cum_k, max_q, max_k, seed, offset,
          _) = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True,
@@ -177,11 +177,11 @@ class _CudaFlashKernel(_Kernel):
     def replayed(self, meta, device):
         drawn = meta[-1]
         if drawn:
-            generator = _generator(device)
+            generator = device_generator(device)
             generator.set_offset(generator.get_offset() + drawn)
 
 
-def _generator(device: torch.device) -> torch.Generator:
+def device_generator(device: torch.device) -> torch.Generator:
     """The device's default generator: what the flash kernel draws from (Megatron's RNG
     tracker swaps its states in and out of it)."""
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -134,7 +134,7 @@ def _loads_list(expert_loads: LoadsLike) -> list[int]:
     return loads
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
     """``value`` as a Python int >= ``minimum`` (numpy and 0-d tensor integers accepted)."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -148,7 +148,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def _check_ep(num_experts: int, ep_size: object) -> int:
-    ep_size = _check_int("ep_size", ep_size, 1)
+    ep_size = check_int("ep_size", ep_size, 1)
     if num_experts % ep_size:
         raise ValueError(f"number of experts ({num_experts}) must be divisible by ep_size "
                          f"({ep_size})")
@@ -244,7 +244,7 @@ def llep_plan(expert_loads: LoadsLike, ep_size: int, alpha: float = 1.0,
     num_experts = len(loads)
     ep_size = _check_ep(num_experts, ep_size)
     _check_alpha(alpha)
-    m = _check_int("min_tokens_per_gemm", min_tokens_per_gemm, 1)
+    m = check_int("min_tokens_per_gemm", min_tokens_per_gemm, 1)
     per = num_experts // ep_size
     cap = max(1, int(alpha * (sum(loads) // ep_size)))
     share = _smallest_share(loads, chunk_loads)
@@ -337,9 +337,9 @@ def num_chunks(n_tokens: int, cap: int, max_chunks: int = 10) -> tuple[int, int]
     ``c_eff = ceil(n / K)`` (``(1, 0)`` for ``n = 0``). ``c_eff <= cap`` unless ``max_chunks``
     binds. The EP group must agree on K: call it with the largest N over the group's ranks.
     """
-    n = _check_int("n_tokens", n_tokens, 0)
-    cap = _check_int("cap", cap, 1)
-    max_chunks = _check_int("max_chunks", max_chunks, 1)
+    n = check_int("n_tokens", n_tokens, 0)
+    cap = check_int("cap", cap, 1)
+    max_chunks = check_int("max_chunks", max_chunks, 1)
     k = max(1, min(-(-n // cap), max_chunks))
     return k, -(-n // k)
 
@@ -356,8 +356,8 @@ def chunk_indices(n_tokens: int, num_chunks: int,
     may be empty (always when n < K; with "contiguous" also when K does not divide n evenly
     enough, e.g. n=21, K=10 leaves chunks 7-9 empty).
     """
-    n = _check_int("n_tokens", n_tokens, 0)
-    k = _check_int("num_chunks", num_chunks, 1)
+    n = check_int("n_tokens", n_tokens, 0)
+    k = check_int("num_chunks", num_chunks, 1)
     if membership == "strided":
         return [torch.arange(min(i, n), n, k, dtype=torch.long) for i in range(k)]
     if membership == "contiguous":
@@ -377,8 +377,8 @@ def receive_bound(*, ep_size: int, topk: int, c_eff: int) -> int:
     ``E_local < ep_size``: e.g. P=2, E=2, k=1, on both ranks even tokens route to expert 0, so
     strided chunk 0 delivers ``2 * c_eff`` routes to rank 0. Keyword-only on purpose.
     """
-    return (_check_int("ep_size", ep_size, 1) * _check_int("topk", topk, 1)
-            * _check_int("c_eff", c_eff, 0))
+    return (check_int("ep_size", ep_size, 1) * check_int("topk", topk, 1)
+            * check_int("c_eff", c_eff, 0))
 
 
 # ---------------------------------------------------------------------------- routes
@@ -409,7 +409,7 @@ def route_destinations(expert_ids: torch.Tensor, counts_by_rank: torch.Tensor,
     num_experts, ep_size = plan.num_experts, plan.ep_size
     if check:
         _check_routes(expert_ids, num_experts)
-    rank = _check_int("rank", rank, 0)
+    rank = check_int("rank", rank, 0)
     if rank >= ep_size:
         raise ValueError(f"rank must be < ep_size ({ep_size}), got {rank}")
     device = expert_ids.device
@@ -462,8 +462,8 @@ def send_matrix(expert_ids: torch.Tensor, destinations: torch.Tensor, ep_size: i
                 num_experts: int, *, token_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[P, E]`` int64 matrix: entry ``[d, e]`` counts this rank's routes to expert e that
     are computed on rank d, over all tokens or only the rows ``token_indices`` (a chunk)."""
-    ep_size = _check_int("ep_size", ep_size, 1)
-    num_experts = _check_int("num_experts", num_experts, 1)
+    ep_size = check_int("ep_size", ep_size, 1)
+    num_experts = check_int("num_experts", num_experts, 1)
     _check_routes(expert_ids, num_experts)
     if destinations.shape != expert_ids.shape:
         raise ValueError(f"destinations shape {tuple(destinations.shape)} differs from "
@@ -480,7 +480,7 @@ def send_counts(destinations: torch.Tensor, ep_size: int, *,
                 token_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[P]`` int64 routes this rank sends to each destination (the all_to_all_single input
     split sizes, in routes), over all tokens or only the rows ``token_indices``."""
-    ep_size = _check_int("ep_size", ep_size, 1)
+    ep_size = check_int("ep_size", ep_size, 1)
     dest = _rows(destinations, token_indices).to(torch.long)
     if dest.numel() and (int(dest.min()) < 0 or int(dest.max()) >= ep_size):
         raise ValueError(f"destinations must lie in [0, {ep_size})")

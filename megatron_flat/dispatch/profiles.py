@@ -29,7 +29,7 @@ from fractions import Fraction
 
 import torch
 
-from megatron_flat.dispatch.plan import _check_int
+from megatron_flat.dispatch.plan import check_int
 
 __all__ = ["routing_profile"]
 
@@ -66,9 +66,9 @@ def routing_profile(profile: str, n_tokens: int, num_experts: int, topk: int) ->
     """
     if not isinstance(profile, str):
         raise ValueError(f"routing profile must be a string, got {profile!r}")
-    n = _check_int("n_tokens", n_tokens, 0)
-    e = _check_int("num_experts", num_experts, 1)
-    k = _check_int("topk", topk, 1)
+    n = check_int("n_tokens", n_tokens, 0)
+    e = check_int("num_experts", num_experts, 1)
+    k = check_int("topk", topk, 1)
     if k > e:
         raise ValueError(f"topk ({k}) > num_experts ({e}): a token needs k distinct experts")
     i = torch.arange(n, dtype=torch.long).unsqueeze(1)

@@ -9,8 +9,9 @@ Two ways in:
 - :func:`attach` gives every replay-capable core attention of a built model a store at once
   (tests and scripts that build models themselves), on the device or in a given host tier.
 
-A replay-capable attention (``testing.flash_attention.FlashCoreAttention``: torch's CPU
-flash kernel; transformer-engine's ``DotProductAttention`` through ``megatron.te_replay``)
+A replay-capable attention (one whose class declares ``replay_capable = True``, as the CPU
+backend's flash attention does; transformer-engine's ``DotProductAttention`` through
+``megatron.te_replay``)
 keeps (O, LSE) in a checkpoint's first pass and returns them in its re-run
 (``attention.replay``). A no-grad forward outside a checkpoint (evaluation) keeps nothing;
 a forward with autograd outside a re-run (no recompute) runs stock. Megatron's local
@@ -37,10 +38,10 @@ def _replayable(model: Any) -> List[Any]:
     """The core attentions in ``model`` (a module or a list of model chunks) that can
     replay."""
     from megatron_flat.megatron import te_replay
-    from megatron_flat.testing.flash_attention import FlashCoreAttention
+    from megatron_flat.megatron.replay_wiring import replay_capable
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    ours = [m for chunk in chunks for m in chunk.modules() if isinstance(m, FlashCoreAttention)]
+    ours = [m for chunk in chunks for m in chunk.modules() if replay_capable(m)]
     return ours + (te_replay.attentions(model) if te_replay.kernel_module() else [])
 
 

@@ -120,7 +120,7 @@ import torch
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
 from megatron_flat.optim import OffloadStreamAdamW
-from megatron_flat.optim.offload_adamw import _check_hyperparameters, _check_param
+from megatron_flat.optim.offload_adamw import check_hyperparameters, check_param
 
 __all__ = [
     "MegatronMasterOffloadAdamW",
@@ -172,9 +172,9 @@ class MegatronOffloadStreamAdamW(OffloadStreamAdamW):
         for given in param_groups:
             group = {**opt.defaults, **given, "params": list(given["params"])}
             group["betas"] = tuple(group["betas"])
-            _check_hyperparameters(group)
+            check_hyperparameters(group)
             for p in group["params"]:
-                _check_param(p)
+                check_param(p)
             groups.append(group)
         params = [p for g in groups for p in g["params"]]
         if len(set(params)) != len(params):

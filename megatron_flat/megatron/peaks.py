@@ -39,7 +39,7 @@ ATTENTION = "attention block"
 
 
 
-class _Switch:
+class Switch:
     """A meter section opened and closed from two different hooks."""
 
     def __init__(self, meter, name: str):
@@ -71,7 +71,7 @@ def _grad_hook(tensor, fn: Callable[[], None]) -> None:
         tensor.register_hook(lambda grad: (fn(), None)[1])
 
 
-def _forward_and_backward(module, switch: _Switch) -> List[Any]:
+def _forward_and_backward(module, switch: Switch) -> List[Any]:
     """Section around ``module``'s forward and its backward (see module docstring).
 
     Recompute runs the forward again inside backward. With a non-reentrant checkpoint
@@ -119,15 +119,15 @@ def attach_peak_sections(model: torch.nn.Module, meter) -> PeakSections:
 
     for module in model.modules():
         if isinstance(module, MoELayer):
-            handles += _forward_and_backward(module, _Switch(meter, DISPATCH))
+            handles += _forward_and_backward(module, Switch(meter, DISPATCH))
         elif isinstance(module, SelfAttention):
-            handles += _forward_and_backward(module, _Switch(meter, ATTENTION))
+            handles += _forward_and_backward(module, Switch(meter, ATTENTION))
 
     if getattr(model, "post_process", False):
         # The loss is computed inside GPTModel.forward after the output layer, so the
         # section opens at the output layer and closes when the model's forward returns;
         # in backward it opens at the loss grad and closes at the output layer's input grad.
-        vocab = _Switch(meter, VOCAB)
+        vocab = Switch(meter, VOCAB)
         hidden: List[Any] = []
 
         def out_pre(mod, args):

@@ -7,8 +7,8 @@ attention its store at first use, its pairs in SCO's host pool (``attention.repl
 SCO's budget, pool and side streams). What cannot replay exactly falls back to the stock
 recompute with one warning: the whole run at install (:func:`fallback_reasons`), Megatron's
 local ``DotProductAttention`` when it is built. Kept apart from
-``megatron.attention_replay`` (which walks built models for ``FlashCoreAttention``) so the
-CPU attention can ask for its store without an import circle.
+``megatron.attention_replay`` (which walks built models for attentions that declare
+:data:`REPLAY_CAPABLE`) so a core attention can ask for its store without an import circle.
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ from typing import Any, List, Optional
 from megatron_flat.megatron.checkpoint_phase import FIRST_PASS, RERUN, disable, enable, phase
 from megatron_flat.megatron.state import setting
 
-__all__ = ["current_store", "fallback_reasons", "recompute_problems", "store_for", "unwire",
-           "warn_fallback", "warn_once", "wire_attn_replay", "wired"]
+__all__ = ["REPLAY_CAPABLE", "current_store", "fallback_reasons", "recompute_problems", "store_for", "unwire",
+           "replay_capable", "warn_fallback", "warn_once", "wire_attn_replay", "wired"]
+
+# The capability a core attention class declares (``replay_capable = True``) when it keeps
+# (O, LSE) in a checkpoint's first pass through :func:`current_store` and runs its re-run's
+# backward from them. Declared, not inferred: replay must never guess that a kernel can.
+REPLAY_CAPABLE = "replay_capable"
 
 _lock = threading.Lock()
 _wiring: dict = {}  # "on": wired; "host": the ReplayHost every store shares (_shared_host)
@@ -154,6 +159,11 @@ def warn_once(key: str, message: str) -> None:
             return
         _warned.add(key)
     warnings.warn(message, stacklevel=4)
+
+
+def replay_capable(module: Any) -> bool:
+    """Whether ``module``'s class declares :data:`REPLAY_CAPABLE`."""
+    return getattr(type(module), REPLAY_CAPABLE, False) is True
 
 
 def current_store(attention: Any) -> Optional[Any]:

@@ -244,7 +244,7 @@ def _fused_attn_fwd(original, signature, *args, **kwargs):
 
 def _generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
-        from megatron_flat.attention.replay import _generator as cuda_generator
+        from megatron_flat.attention.replay import device_generator as cuda_generator
 
         return cuda_generator(device)
     return torch.default_generator

@@ -148,7 +148,7 @@ def kernel_name(kernel: dict[str, Optional[bool]], device: torch.device) -> str:
     return "foreach" if kernel["foreach"] else "single"
 
 
-def _check_hyperparameters(group: dict[str, Any]) -> None:
+def check_hyperparameters(group: dict[str, Any]) -> None:
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     betas = group["betas"]
     if not 0.0 <= lr:
@@ -165,7 +165,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         raise ValueError("`fused` and `foreach` cannot be `True` together")
 
 
-def _check_param(p: torch.Tensor) -> None:
+def check_param(p: torch.Tensor) -> None:
     if p.is_sparse or p.layout != torch.strided:
         raise ValueError("OffloadStreamAdamW needs dense (strided) parameters")
     if torch.is_complex(p):
@@ -261,7 +261,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             amsgrad=False, maximize=False, foreach=foreach, fused=fused,
         )
-        _check_hyperparameters(defaults)
+        check_hyperparameters(defaults)
         self.bucket_numel = bucket_numel
         self.num_slots = num_slots
         self.pre_step_check = pre_step_check
@@ -287,12 +287,12 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         group["betas"] = tuple(group["betas"])
         try:
-            _check_hyperparameters(group)
+            check_hyperparameters(group)
             params = group["params"]
             if len(set(params)) != len(params):
                 raise ValueError("a parameter group holds the same parameter twice")
             for p in params:
-                _check_param(p)
+                check_param(p)
             if group["fused"] and hasattr(self, "device"):
                 self._check_fused_device()
         except (ValueError, TypeError):
@@ -379,7 +379,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         if len(set(params)) != len(params):
             raise ValueError("a parameter appears more than once in param_groups")
         for p in params:
-            _check_param(p)
+            check_param(p)
         # Keep the state of parameters that remain (compact copies), then rebuild.
         if self._host is not None:
             self._pipeline.synchronize()
@@ -551,7 +551,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             if "param_names" in group and "param_names" not in saved:
                 merged["param_names"] = group["param_names"]
             merged["betas"] = tuple(merged["betas"])
-            _check_hyperparameters(merged)
+            check_hyperparameters(merged)
             new_groups.append(merged)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for key, entry in state_dict["state"].items():
@@ -588,7 +588,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
                 loss = closure()
         self.prepare()
         for group in self.param_groups:
-            _check_hyperparameters(group)
+            check_hyperparameters(group)
         active, grads = self._collect_grads()  # validates before the hook runs
         if self.pre_step_check is not None:
             if not self.pre_step_check():

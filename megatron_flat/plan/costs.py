@@ -32,8 +32,8 @@ from megatron_flat.plan import baselines
 from megatron_flat.plan.model import Layout, ModelSpec, stage_layers
 from megatron_flat.plan.peaks import (
     PeakReport,
-    _skew_baseline,
-    _skew_llep,
+    skew_baseline,
+    skew_llep,
     gathers_sequence,
     stage_params,
     strip_geometry,
@@ -402,8 +402,8 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
     n_sp, ep = report.tokens_sp, layout.ep
     e_local = model.experts // ep
     on = flat is not None and flat.dispatch != "off"
-    sigma = _skew_baseline(model, layout, report.skew)
-    sigma_run = _skew_llep(model, layout, report.skew, flat) if on else sigma
+    sigma = skew_baseline(model, layout, report.skew)
+    sigma_run = skew_llep(model, layout, report.skew, flat) if on else sigma
     K = report.num_chunks if on and flat.dispatch == "pipelined" else 1
     saved = min(flat.dispatch_saved_chunks, K) if on and flat.dispatch == "pipelined" else K
     counts = moe_layer_counts(hidden=H, ffn=F, experts=model.experts, tokens=n_sp, ep=ep,

@@ -234,7 +234,7 @@ def _expert_act_width(model: ModelSpec, fused: bool) -> int:
     return 2 if fused else 3
 
 
-def _skew_baseline(model: ModelSpec, layout: Layout, skew: float) -> float:
+def skew_baseline(model: ModelSpec, layout: Layout, skew: float) -> float:
     """σ for plain EP: ``skew`` capped by what routing allows.
 
     One rank receives at most min(k, E_l) routes of each token from each of the EP
@@ -247,11 +247,11 @@ def _skew_baseline(model: ModelSpec, layout: Layout, skew: float) -> float:
     return max(1.0, min(float(skew), layout.ep * min(model.topk, e_local) / model.topk))
 
 
-def _skew_llep(model: ModelSpec, layout: Layout, skew: float, flat: FlatConfig) -> float:
+def skew_llep(model: ModelSpec, layout: Layout, skew: float, flat: FlatConfig) -> float:
     """σ after LLEP (DESIGN §2.1): below the imbalance threshold λ plain EP runs (σ stays);
     otherwise every rank is filled to at most cap = α·mean, so σ ≈ max(1, α). (Pieces smaller
     than m tokens are not spilled; that rounding is ignored here.)"""
-    raw = _skew_baseline(model, layout, skew)
+    raw = skew_baseline(model, layout, skew)
     if raw < flat.llep_imbalance_threshold:
         return raw
     return min(raw, max(1.0, flat.llep_alpha))
@@ -354,14 +354,14 @@ def dispatch_term(model: ModelSpec, layout: Layout, n_sp: int, skew: float,
         if layout.sp and layout.tp > 1:
             shared += b * n_full * H
     recv_copy = (1 if layout.ep > 1 else 0) + (1 if e_local > 1 else 0)
-    sigma_max = _skew_baseline(model, layout, float("inf"))
+    sigma_max = skew_baseline(model, layout, float("inf"))
 
     mode = "off" if flat is None else flat.dispatch
     llep_active = mode != "off" and layout.ep > 1 and \
-        _skew_baseline(model, layout, skew) >= flat.llep_imbalance_threshold
+        skew_baseline(model, layout, skew) >= flat.llep_imbalance_threshold
     borrowed = model.ffn_matrices * H * F * (b + 4) if llep_active else 0
-    sigma = _skew_baseline(model, layout, skew) if mode == "off" else \
-        _skew_llep(model, layout, skew, flat)
+    sigma = skew_baseline(model, layout, skew) if mode == "off" else \
+        skew_llep(model, layout, skew, flat)
 
     if mode != "pipelined":  # Megatron's dispatcher, or LLEP unchunked
         def fwd(sig: float) -> float:

@@ -611,7 +611,7 @@ def _quiet() -> bool:
 
 
 @contextmanager
-def _quietly() -> Iterator[None]:
+def quietly() -> Iterator[None]:
     _LOCAL.quiet = getattr(_LOCAL, "quiet", 0) + 1
     try:
         yield
@@ -663,7 +663,7 @@ def foreign_kernel(flops: int = 0, mem_bytes: int = 0) -> Iterator[None]:
         target.ops += 1
         target.flops += int(flops)
         target.mem_bytes += int(mem_bytes)
-    with _quietly():
+    with quietly():
         yield
 
 
@@ -691,7 +691,7 @@ def _patched(name: str) -> Callable[..., Any]:
 
     def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counted = _count_python_sync(name, self)
-        with _quietly():
+        with quietly():
             out = original(self, *args, **kwargs)
             if (
                 name == "cpu"
@@ -732,7 +732,7 @@ def _uploaded(out: Any, src: Optional[torch.Tensor]) -> Any:
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
         return out
     if src is not None and _shares_storage(out, src):
-        with _quietly():
+        with quietly():
             out = out.clone()
     _mark_device(out)
     return out
@@ -771,7 +771,7 @@ def _patched_to() -> Callable[..., Any]:
             and _open_targets()
         ):
             return original(self, *args, **kwargs)
-        with _quietly():
+        with quietly():
             out = original(self, *args, **kwargs)
         _count_upload(self, _nbytes(self), _to_non_blocking(args, kwargs))
         return _uploaded(out, self)
@@ -786,10 +786,10 @@ def _patched_cuda() -> Callable[..., Any]:
 
     def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Without CUDA, ``.cuda()`` raises unless a CPU backend made it the identity
-        # (megatron_flat.megatron.cpu_training): then it moves to the compute device.
+        # (megatron_flat.cpu.training): then it moves to the compute device.
         if not (_cpu_run() and _is_cpu_host_source(self) and _open_targets()):
             return original(self, *args, **kwargs)
-        with _quietly():
+        with quietly():
             out = original(self, *args, **kwargs)
         if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
             return out
@@ -829,7 +829,7 @@ def _patched_from_data(name: str, device_position: Optional[int]) -> Callable[..
             spec = args[device_position]
         if not _names_compute_device(spec):
             return original(data, *args, **kwargs)
-        with _quietly():
+        with quietly():
             out = original(data, *args, **kwargs)
         _count_upload(source, _nbytes(source if source is not None else out), False)
         return _uploaded(out, source)

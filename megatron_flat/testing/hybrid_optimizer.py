@@ -64,10 +64,10 @@ def hybrid_device_adamw(params: List[torch.Tensor], lr: float, *, offload_fracti
     cuda = torch.cuda.is_available()
     restore = None
     if not cuda:
-        from megatron_flat.megatron import cpu
+        from megatron_flat.cpu import backend as cpu
 
         if getattr(module, "torch", None) is torch:
-            module.torch = cpu._torch_proxy()
+            module.torch = cpu.torch_proxy()
             restore = functools.partial(setattr, module, "torch", torch)
     try:
         optimizer = module.HybridDeviceOptimizer(

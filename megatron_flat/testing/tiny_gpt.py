@@ -46,13 +46,13 @@ class TinyMoE:
     mtp_num_layers: int = 0
     # Grouped-GEMM experts (--moe-grouped-gemm): 0.16's GroupedMLP (the CPU backend's
     # reference grouped GEMM), or on 0.19, which has no GroupedMLP, TEGroupedMLP with the CPU
-    # grouped linears of megatron_flat.megatron.cpu_grouped.
+    # grouped linears of megatron_flat.cpu.grouped.
     grouped_gemm: bool = False
     # Core attention: "local" (Megatron's DotProductAttention: N×N scores, softmax and their
-    # grad materialised) or "flash" (testing.flash_attention: torch's fused kernel, O(N)
+    # grad materialised) or "flash" (cpu.flash_attention: torch's fused kernel, O(N)
     # per head, as transformer-engine's fused attention on a GPU). Under context parallelism
     # both are built as the CPU backend's ContextParallelCoreAttention (the flash kernel over
-    # the CP group; megatron.cpu_context_attention).
+    # the CP group; cpu.context_attention).
     attention: str = "local"
     # Each label position's loss mask is 0 with this probability (drawn from the seed apart
     # from the tokens, so the tokens do not change): microbatches then count different
@@ -179,7 +179,7 @@ def build_tiny_gpt(tiny: TinyMoE, config, layer_spec=None, flat=None) -> torch.n
         if tiny.grouped_gemm:
             layer_spec = _with_cpu_grouped_experts(layer_spec)
         if tiny.attention == "flash":
-            from megatron_flat.testing.flash_attention import with_flash_attention
+            from megatron_flat.cpu.flash_attention import with_flash_attention
 
             layer_spec = with_flash_attention(layer_spec)
         if flat is not None and flat.attn_tiles:
@@ -210,7 +210,7 @@ def _with_cpu_grouped_experts(layer_spec):
     import dataclasses
 
     from megatron_flat.megatron import compat
-    from megatron_flat.megatron.cpu_grouped import grouped_experts_spec
+    from megatron_flat.cpu.grouped import grouped_experts_spec
 
     mlp = compat.replace_experts(layer_spec.submodules.mlp, grouped_experts_spec())
     return dataclasses.replace(layer_spec,
@@ -270,7 +270,7 @@ def cp_share(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
     cp_rank``), position ids global, as ``get_batch_on_this_cp_rank`` hands it out."""
     if cp_size == 1:
         return mb
-    from megatron_flat.megatron.cpu_context_attention import load_balanced_chunks
+    from megatron_flat.cpu.context_attention import load_balanced_chunks
 
     seq = mb.tokens.shape[1]
     if seq % (2 * cp_size):

@@ -46,7 +46,7 @@ class Layout:
     recompute_modules: tuple = ()  # selective recompute: Megatron's module names
     etp: Optional[int] = None  # experts' tensor-parallel size (None: Megatron's default, tp)
     # Context parallelism: each CP rank holds two load-balanced chunks of every sequence
-    # (tiny_gpt.cp_share) and attends through megatron.cpu_context_attention on CPU.
+    # (tiny_gpt.cp_share) and attends through cpu.context_attention on CPU.
     cp: int = 1
 
     @property

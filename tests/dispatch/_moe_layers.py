@@ -120,7 +120,7 @@ GROUPED_KINDS = ("grouped-mlp", "te-grouped-mlp")  # GroupedMLP exists in 0.16 o
 def grouped_experts_spec(kind: str):
     """The experts spec of ``kind`` runnable on CPU (None when the release has no such class)."""
     from megatron_flat.megatron import compat
-    from megatron_flat.megatron.cpu_grouped import (
+    from megatron_flat.cpu.grouped import (
         CpuColumnParallelGroupedLinear,
         CpuRowParallelGroupedLinear,
     )

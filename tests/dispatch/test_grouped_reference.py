@@ -48,7 +48,7 @@ def test_grouped_experts_equal_sequential_bitwise(megatron_cpu, kind, profile):
 
 
 def test_reference_gmm_matches_a_dense_loop():
-    from megatron_flat.megatron.cpu_grouped import gmm
+    from megatron_flat.cpu.grouped import gmm
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(7, 5, generator=gen, requires_grad=True)
@@ -66,7 +66,7 @@ def test_reference_gmm_matches_a_dense_loop():
 
 def test_grouped_reference_is_a_listed_patch_on_016(megatron_cpu):
     from megatron_flat.megatron import compat
-    from megatron_flat.megatron.cpu import applied_patches
+    from megatron_flat.cpu.backend import applied_patches
 
     assert ("grouped_gemm reference" in applied_patches()) == (compat.grouped_mlp_class()
                                                                is not None)

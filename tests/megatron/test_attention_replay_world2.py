@@ -98,7 +98,7 @@ def test_te_replay_in_every_layout(megatron_cpu, monkeypatch, layout):
     stand-in's forward kernels, the same backward kernels."""
     from megatron_flat.config import FlatConfig
     from megatron_flat.megatron import attention_replay
-    from megatron_flat.testing import flash_attention
+    from megatron_flat.cpu import flash_attention
     from megatron_flat.testing.tiny_gpt import TinyMoE
     from megatron_flat.testing.training import Layout
 

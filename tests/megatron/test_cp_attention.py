@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_flat.megatron.cpu_context_attention import attention_flops, load_balanced_chunks
+from megatron_flat.cpu.context_attention import attention_flops, load_balanced_chunks
 
 
 def test_load_balanced_chunks():
@@ -33,7 +33,7 @@ def test_prefix_attention_equals_causal_attention_in_the_inputs_dtype(dtype):
     projection takes bf16)."""
     import torch
 
-    from megatron_flat.megatron.cpu_context_attention import _PrefixCausalAttention
+    from megatron_flat.cpu.context_attention import _PrefixCausalAttention
 
     torch.manual_seed(0)
     kind = getattr(torch, dtype)
@@ -56,7 +56,7 @@ def test_prefix_attention_with_mla_head_dims_equals_causal_attention(dk, dv):
     attention, output and every input gradient (fp64 math reference)."""
     import torch
 
-    from megatron_flat.megatron.cpu_context_attention import _PrefixCausalAttention
+    from megatron_flat.cpu.context_attention import _PrefixCausalAttention
 
     torch.manual_seed(1)
     b, n, total, c = 1, 2, 12, 4
@@ -84,7 +84,7 @@ def test_a_kept_prefix_output_replays_bitwise(dtype):
     one-ulp change to the kept O (every element) changes the gradients."""
     import torch
 
-    from megatron_flat.megatron.cpu_context_attention import (
+    from megatron_flat.cpu.context_attention import (
         _PrefixCausalAttention,
         _prefix_forward,
     )

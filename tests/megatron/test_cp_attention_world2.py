@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_flat.megatron.cpu_context_attention import (
+from megatron_flat.cpu.context_attention import (
     ContextParallelCoreAttention,
     load_balanced_chunks,
 )
@@ -81,7 +81,7 @@ def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_flat.megatron.cpu_mla_attention import (
+    from megatron_flat.cpu.mla_attention import (
         MLAContextParallelCoreAttention,
         MLADotProductAttention,
     )

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_flat.megatron import cpu
+from megatron_flat.cpu import backend as cpu
 
 
 def test_every_patch_documents_why_and_applies_where_needed(megatron_cpu):

@@ -5,7 +5,7 @@ import typing
 
 import pytest
 
-from megatron_flat.megatron import cpu_training
+from megatron_flat.cpu import training as cpu_training
 
 
 def test_every_workaround_says_why():
@@ -16,7 +16,7 @@ def test_every_workaround_says_why():
 def test_typing_override_shim_only_when_missing(monkeypatch):
     patch = next(p for p in cpu_training.PATCHES if p.name == "typing.override")
     if hasattr(typing, "override") and not getattr(typing.override, "__module__", "") == \
-            "megatron_flat.megatron.cpu_training":
+            "megatron_flat.cpu.training":
         assert not patch.needed()  # Python 3.12+: nothing to shim
     # Recorded first, so the shim set below is undone after the test.
     monkeypatch.setattr(typing, "override", None, raising=False)

@@ -39,7 +39,7 @@ replay_runs = _sibling("_replay")
 def te(monkeypatch):
     """The stand-in under TE's names, as the tiny model's core attention."""
     from megatron_flat.megatron import attention_replay
-    from megatron_flat.testing import flash_attention
+    from megatron_flat.cpu import flash_attention
 
     monkeypatch.setattr(flash_attention, "FlashCoreAttention", standin.CoreAttention)
     with standin.installed() as kernel:
@@ -167,7 +167,7 @@ def test_negative_controls_break_equality(megatron_cpu, te, monkeypatch, control
 def test_kernel_found_in_each_release_layout(megatron_cpu, monkeypatch, layout):
     from megatron_flat.megatron import attention_replay, replay_wiring, te_replay
 
-    monkeypatch.setattr("megatron_flat.testing.flash_attention.FlashCoreAttention",
+    monkeypatch.setattr("megatron_flat.cpu.flash_attention.FlashCoreAttention",
                         standin.CoreAttention)
     with standin.installed(layout) as kernel:
         try:
@@ -231,7 +231,7 @@ def test_te_context_parallel_ring_replays_every_step(megatron_cpu, monkeypatch):
     from megatron_flat.megatron import attention_replay, te_replay
     from megatron_flat.testing.training import Layout
 
-    monkeypatch.setattr("megatron_flat.testing.flash_attention.FlashCoreAttention",
+    monkeypatch.setattr("megatron_flat.cpu.flash_attention.FlashCoreAttention",
                         standin.CoreAttention)
     with standin.installed(cp=True):
         try:
@@ -254,7 +254,7 @@ def test_te_context_parallel_ring_replays_every_step(megatron_cpu, monkeypatch):
 def test_te_flash_backend_runs_stock_and_says_so_once(megatron_cpu, monkeypatch):
     from megatron_flat.megatron import attention_replay
 
-    monkeypatch.setattr("megatron_flat.testing.flash_attention.FlashCoreAttention",
+    monkeypatch.setattr("megatron_flat.cpu.flash_attention.FlashCoreAttention",
                         standin.CoreAttention)
     with standin.installed(backend="flash"):
         try:

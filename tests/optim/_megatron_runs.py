@@ -157,17 +157,17 @@ def dist_checkpointing_on_cpu() -> Iterator[None]:
 
     Two environment shims, no-ops where they are not needed, undone on exit: the strategy
     modules call ``torch.cuda.synchronize()/current_device()`` unconditionally (given the
-    CPU view of ``torch.cuda`` that ``megatron_flat.megatron.cpu`` gives Megatron's training
+    CPU view of ``torch.cuda`` that ``megatron_flat.cpu.backend`` gives Megatron's training
     modules), and the async file writer measures its memory with ``psutil``, which is not
     installed here. Checkpoint contents and the save/load logic are Megatron's.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_flat.megatron import cpu
+    from megatron_flat.cpu import backend as cpu
 
     with pytest_monkeypatch() as mp:
         if not torch.cuda.is_available():
-            proxy = cpu._torch_proxy()
+            proxy = cpu.torch_proxy()
             for name in _DIST_CKPT_TORCH_MODULES:
                 module = importlib.import_module(name)
                 if getattr(module, "torch", None) is torch:

@@ -1,10 +1,10 @@
-"""``megatron_flat.cpu_line``: what of a GPU launch line runs otherwise on CPU — each
+"""``megatron_flat.rehearse.line``: what of a GPU launch line runs otherwise on CPU — each
 substitution, drop and refusal on its own, against a parser view shaped like Megatron-LM's
 (the integration with real parsers is in test_rehearse.py)."""
 
 import pytest
 
-from megatron_flat import cpu_line
+from megatron_flat.rehearse import line as cpu_line
 
 # Megatron-LM's defaults for the settings the plan reads (a GPU line that sets none of them).
 DEFAULTS = {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_flat import preflight, rehearse
+from megatron_flat.rehearse import command as rehearse, preflight
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rehearsal_checkout as checkout  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_flat import rehearse
+from megatron_flat.rehearse import command as rehearse
 from megatron_flat.megatron import entry
 
 sys.path.insert(0, str(Path(__file__).parent))

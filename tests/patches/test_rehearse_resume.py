@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_flat import rehearse
-from megatron_flat.megatron import cpu_resume
+from megatron_flat.rehearse import command as rehearse
+from megatron_flat.rehearse import resume as cpu_resume
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rehearsal_checkout as checkout  # noqa: E402

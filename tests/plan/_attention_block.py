@@ -2,7 +2,7 @@
 world-2 tests and ``benchmarks/planner_scale.py``).
 
 One Megatron MoE GPT step (fp32, full recompute, flash-style core attention:
-``testing.flash_attention``, the ``O(N)``-per-head kernel the planner models; Megatron's
+``cpu.flash_attention``, the ``O(N)``-per-head kernel the planner models; Megatron's
 local attention would add its N² scores) under ``testing.training.measure``, with the
 layout's TP and sequence parallelism, stock or with ``FlatConfig(attn_tiles=...)``
 (optionally with Ring-DTP). Two figures, each the worst rank's:

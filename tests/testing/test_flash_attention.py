@@ -24,7 +24,7 @@ def test_flash_matches_local_attention_and_keeps_no_scores(megatron_cpu):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_flat.testing.distributed import megatron_layout
-    from megatron_flat.testing.flash_attention import FlashCoreAttention
+    from megatron_flat.cpu.flash_attention import FlashCoreAttention
     from megatron_flat.testing.tiny_gpt import TinyMoE
 
     local = TinyMoE(num_layers=2, seq_length=64)
@@ -73,7 +73,7 @@ def test_sinks_and_windows_are_refused_at_build_not_dropped(overrides, named, la
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_flat.testing.distributed import megatron_layout
-    from megatron_flat.testing.flash_attention import FlashCoreAttention
+    from megatron_flat.cpu.flash_attention import FlashCoreAttention
     from megatron_flat.testing.tiny_gpt import TinyMoE, transformer_config
 
     with megatron_layout():

@@ -1,18 +1,18 @@
 """Run Megatron-LM's training code (``megatron.training``) on a CPU-only torch with gloo.
 
-``megatron.cpu`` makes Megatron-Core's model, dispatchers and optimizers run on CPU; a real
+``cpu.backend`` makes Megatron-Core's model, dispatchers and optimizers run on CPU; a real
 ``pretrain_gpt.py`` launch also goes through Megatron-LM's initialisation and training loop,
 which assume a GPU in a few more places. ``enable_cpu_training()`` covers those, for the
 rehearsal (``python -m megatron_flat rehearse``) only: it changes process-wide state
 (``Tensor.cuda`` becomes the identity) and is meant for a process that exists to rehearse.
 
-Each workaround is a ``megatron.cpu.Patch`` that names what it changes and why, and applies
+Each workaround is a ``cpu.backend.Patch`` that names what it changes and why, and applies
 when the installed code has what it patches (feature detection, not version numbers: a
 Megatron-LM checkout without ``megatron.legacy.fused_kernels`` simply has nothing to stub).
-Applied patches are listed by ``megatron.cpu.applied_patches()`` with the Megatron-Core ones.
+Applied patches are listed by ``cpu.backend.applied_patches()`` with the Megatron-Core ones.
 
 Call :func:`shim_python` before Megatron-LM is imported and :func:`enable_cpu_training` after
-``megatron.cpu.enable_cpu_backend()`` and before the training script runs.
+``cpu.backend.enable_cpu_backend()`` and before the training script runs.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import List
 
 import torch
 
-from megatron_flat.megatron import cpu
-from megatron_flat.megatron.cpu import Patch
+from megatron_flat.cpu import backend as cpu
+from megatron_flat.cpu.backend import Patch
 
 
 def _has_module(name: str) -> bool:
@@ -59,7 +59,7 @@ def _shim_override() -> None:
 
 
 # ---------------------------------------------------------------------------- torch.cuda
-class _OneDevice(cpu._CudaOnCpu):
+class _OneDevice(cpu.CudaOnCpu):
     """``torch.cuda`` as Megatron-LM's initialisation must see it to set up model parallelism
     and seed the RNG tracker: available, one device (which is the CPU)."""
 
@@ -72,7 +72,7 @@ class _OneDevice(cpu._CudaOnCpu):
         return 1
 
 
-class _TorchWithOneDevice(cpu._TorchWithCpuCuda):
+class _TorchWithOneDevice(cpu.TorchWithCpuCuda):
     def __init__(self):
         super().__init__()
         self.cuda = _OneDevice()
@@ -109,7 +109,7 @@ def _give_cpu_view(module) -> None:
         if module.__name__ == _ONE_DEVICE:
             module.torch = _TorchWithOneDevice()
         else:
-            module.torch = cpu._torch_proxy()
+            module.torch = cpu.torch_proxy()
 
 
 def _megatron_modules():
@@ -235,7 +235,7 @@ def _cpu_arch_version() -> None:
     on_import(_answer_arch_in)
 
 
-class _CapableDevice(cpu._CudaOnCpu):
+class _CapableDevice(cpu.CudaOnCpu):
     """``torch.cuda`` for ``validate_args``: it asks the compute capability before allowing
     ``--moe-grouped-gemm``; the CPU backend's reference grouped GEMM runs on any CPU."""
 
@@ -244,7 +244,7 @@ class _CapableDevice(cpu._CudaOnCpu):
         return (CPU_ARCH_VERSION, 0)
 
 
-class _TorchWithCapability(cpu._TorchWithCpuCuda):
+class _TorchWithCapability(cpu.TorchWithCpuCuda):
     def __init__(self):
         super().__init__()
         self.cuda = _CapableDevice()
@@ -255,7 +255,7 @@ _ARGUMENTS = "megatron.training.arguments"
 
 def _answer_capability_in(module) -> None:
     if module.__name__ == _ARGUMENTS and isinstance(getattr(module, "torch", None),
-                                                     (type(torch), cpu._TorchWithCpuCuda)):
+                                                     (type(torch), cpu.TorchWithCpuCuda)):
         if not isinstance(module.torch, _TorchWithCapability):
             module.torch = _TorchWithCapability()
 

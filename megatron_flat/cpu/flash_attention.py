@@ -38,6 +38,9 @@ class FlashCoreAttention(DotProductAttention):
     kernel (``attention.replay``); None (the default): every call runs the kernel."""
 
     replay = None
+    # Declared to megatron.attention_replay: this kernel keeps (O, LSE) and runs its
+    # backward from them (attention.replay.flash_attention).
+    replay_capable = True
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)

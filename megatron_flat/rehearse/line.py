@@ -1,7 +1,7 @@
 """A GPU launch line made to run on CPU: what is substituted, dropped or refused, and why.
 
 Pure planning for ``python -m megatron_flat rehearse``: given what the checkout's own parser
-made of the line (``megatron.line_probe``: every setting's value and every option's arity),
+made of the line (``rehearse.probe``: every setting's value and every option's arity),
 :func:`plan` decides, setting by setting,
 
 * **substituted** — a GPU-only implementation with a CPU form that computes the same math:
@@ -187,7 +187,7 @@ def _asked(args: Sequence[str], option: str, arity: int, shown: str) -> str:
 def plan(args: Sequence[str], values: Mapping[str, Any],
          options: Mapping[str, int]) -> CpuLine:
     """What of ``args`` runs otherwise on CPU. ``values``/``options``: the checkout parser's
-    view of ``args`` (``megatron.line_probe``); a rule whose flag the parser does not know is
+    view of ``args`` (``rehearse.probe``); a rule whose flag the parser does not know is
     skipped (that release has no such setting)."""
     out = list(args)
     changes: List[Change] = []

@@ -9,12 +9,12 @@ argument, so an MLA line cannot even be built without transformer-engine.
 :class:`MLADotProductAttention` is ``DotProductAttention`` that accepts them: its forward is the
 stock one (scaled ``Q·Kᵀ`` with MLA's softmax scale, the stock mask/softmax and attention
 dropout under the RNG tracker, ``P·V``), which already reads each head dim from its tensors; only
-the output width changes to ``heads × v_channels``. The CPU backend (``megatron.cpu``, patch "MLA
+the output width changes to ``heads × v_channels``. The CPU backend (``cpu.backend``, patch "MLA
 core attention") builds it wherever a spec asks for ``DotProductAttention`` with these
 arguments, in stock and flat runs alike, and says so once in the log. On a GPU nothing changes.
 
 Under context parallelism (CP > 1) Megatron's local attention has no CP at all; the CPU
-backend's :class:`~megatron_flat.megatron.cpu_context_attention.ContextParallelCoreAttention`
+backend's :class:`~megatron_flat.cpu.context_attention.ContextParallelCoreAttention`
 (K/V all-gather, blocks merged by log-sum-exp) already reads each head dim from its tensors, so
 :class:`MLAContextParallelCoreAttention` is that module with MLA's head dims.
 """
@@ -62,7 +62,7 @@ class MLADotProductAttention(DotProductAttention):
 
 
 def _context_parallel_base():
-    from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
+    from megatron_flat.cpu.context_attention import ContextParallelCoreAttention
 
     return ContextParallelCoreAttention
 

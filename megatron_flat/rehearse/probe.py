@@ -1,9 +1,9 @@
 """What a Megatron-LM checkout's own parser makes of a launch line, without running it.
 
-    python -m megatron_flat.megatron.line_probe SCRIPT [ARGS...]
+    python -m megatron_flat.rehearse.probe SCRIPT [ARGS...]
 
 ``python -m megatron_flat rehearse`` runs this once before the two runs, so the substitutions
-it announces (``megatron_flat.cpu_line``) follow the checkout's real defaults and flag names
+it announces (``megatron_flat.rehearse.line``) follow the checkout's real defaults and flag names
 rather than a table of one release's. It imports SCRIPT's ``megatron.training.arguments``
 (SCRIPT's directory first on ``sys.path``, as the rehearsal's runs have it), parses ARGS with
 ``parse_args(ignore_unknown_args=True)`` — unknown flags such as ``--flat-*`` are left to the
@@ -50,7 +50,7 @@ def probe(script: Path, argv: List[str]) -> Dict[str, Any]:
     """``{"values": ..., "options": ...}`` of ``argv`` under SCRIPT's checkout's parser."""
     sys.path.insert(0, str(script.resolve().parent))
     sys.argv = [str(script)] + list(argv)
-    from megatron_flat.megatron import cpu, cpu_training
+    from megatron_flat.cpu import backend as cpu, training as cpu_training
 
     cpu_training.shim_python()
     cpu.enable_cpu_backend()
@@ -81,7 +81,7 @@ def probe(script: Path, argv: List[str]) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
-        print("usage: python -m megatron_flat.megatron.line_probe SCRIPT [ARGS...]",
+        print("usage: python -m megatron_flat.rehearse.probe SCRIPT [ARGS...]",
               file=sys.stderr)
         return 2
     try:

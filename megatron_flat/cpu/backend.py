@@ -89,7 +89,7 @@ class _InlineEvent:
         return True
 
 
-class _CudaOnCpu(types.SimpleNamespace):
+class CudaOnCpu(types.SimpleNamespace):
     """The subset of ``torch.cuda`` Megatron-Core touches, answered for the CPU.
 
     Attributes not defined here fall through to the real ``torch.cuda`` (so a missed
@@ -185,13 +185,13 @@ def _on_cpu(factory):
     return call
 
 
-class _TorchWithCpuCuda(types.ModuleType):
-    """The real ``torch`` module, except that ``.cuda`` is ``_CudaOnCpu`` and tensor
+class TorchWithCpuCuda(types.ModuleType):
+    """The real ``torch`` module, except that ``.cuda`` is ``CudaOnCpu`` and tensor
     factories place ``device="cuda"`` tensors on the CPU."""
 
     def __init__(self):
         super().__init__("torch")
-        self.cuda = _CudaOnCpu()
+        self.cuda = CudaOnCpu()
         for name in _FACTORIES:
             setattr(self, name, _on_cpu(getattr(torch, name)))
 
@@ -199,7 +199,7 @@ class _TorchWithCpuCuda(types.ModuleType):
         return getattr(torch, name)
 
 
-_TORCH_PROXY: Optional[_TorchWithCpuCuda] = None
+_TORCH_PROXY: Optional[TorchWithCpuCuda] = None
 
 
 def _always() -> bool:
@@ -220,10 +220,10 @@ class Patch:
 _APPLIED: List[str] = []
 
 
-def _torch_proxy() -> _TorchWithCpuCuda:
+def torch_proxy() -> TorchWithCpuCuda:
     global _TORCH_PROXY
     if _TORCH_PROXY is None:
-        _TORCH_PROXY = _TorchWithCpuCuda()
+        _TORCH_PROXY = TorchWithCpuCuda()
     return _TORCH_PROXY
 
 
@@ -241,7 +241,7 @@ def _proxy_torch_in(*module_names: str) -> Callable[[], None]:
             except ImportError:
                 continue
             if getattr(module, "torch", None) is torch:
-                module.torch = _torch_proxy()
+                module.torch = torch_proxy()
 
     return apply
 
@@ -285,7 +285,7 @@ def _patch_rng() -> None:
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
-    mrandom.torch = _torch_proxy()  # torch.cuda.manual_seed / get_rng_state in add()
+    mrandom.torch = torch_proxy()  # torch.cuda.manual_seed / get_rng_state in add()
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
@@ -514,7 +514,7 @@ _ROPE_MODULES = (
 def _cp_rotary_slice_on_cpu() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megatron_flat.megatron.cpu_context_attention import load_balanced_chunks
+    from megatron_flat.cpu.context_attention import load_balanced_chunks
 
     original = rope_utils.get_pos_emb_on_this_cp_rank
     if getattr(original, "_megatron_flat", False):
@@ -548,8 +548,8 @@ def _cp_rotary_slice_on_cpu() -> None:
 def _context_parallel_core_attention() -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
-    from megatron_flat.testing.flash_attention import FlashCoreAttention
+    from megatron_flat.cpu.context_attention import ContextParallelCoreAttention
+    from megatron_flat.cpu.flash_attention import FlashCoreAttention
 
     original = DotProductAttention.__new__
     if getattr(original, "_megatron_flat", False):
@@ -559,7 +559,7 @@ def _context_parallel_core_attention() -> None:
     def __new__(cls, config=None, *args, **kwargs):
         # Python then runs the returned object's own __init__ with the same arguments.
         if cls is DotProductAttention and ("k_channels" in kwargs or "v_channels" in kwargs):
-            from megatron_flat.megatron.cpu_mla_attention import (
+            from megatron_flat.cpu.mla_attention import (
                 MLAContextParallelCoreAttention,
                 MLADotProductAttention,
                 announce_once,
@@ -602,7 +602,7 @@ def _mla_without_te() -> None:
 
 
 def _grouped_reference() -> None:
-    from megatron_flat.megatron.cpu_grouped import install_reference_gmm
+    from megatron_flat.cpu.grouped import install_reference_gmm
 
     install_reference_gmm()
 
@@ -710,9 +710,9 @@ PATCHES: List[Patch] = [
         "core attention under context parallelism",
         "DotProductAttention (the local spec's core attention) refuses context_parallel_size > 1 "
         "(Megatron's CP lives in transformer-engine's attention); under CP it is built as "
-        "megatron.cpu_context_attention.ContextParallelCoreAttention, exact and O(N). "
+        "cpu.context_attention.ContextParallelCoreAttention, exact and O(N). "
         "Multi-latent attention builds it with k_channels/v_channels, which it does not take: "
-        "there it is megatron.cpu_mla_attention.MLADotProductAttention (the stock forward).",
+        "there it is cpu.mla_attention.MLADotProductAttention (the stock forward).",
         _context_parallel_core_attention,
     ),
     Patch(
@@ -727,7 +727,7 @@ PATCHES: List[Patch] = [
     Patch(
         "grouped_gemm reference",
         "GroupedMLP (--moe-grouped-gemm) calls the CUDA-only grouped_gemm package and asserts "
-        "bf16; a per-expert matmul loop (megatron.cpu_grouped.gmm) stands in, in any dtype.",
+        "bf16; a per-expert matmul loop (cpu.grouped.gmm) stands in, in any dtype.",
         _grouped_reference,
         needed=lambda: compat.grouped_mlp_class() is not None,
     ),

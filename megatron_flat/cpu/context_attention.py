@@ -4,7 +4,7 @@ Megatron-Core runs context parallelism (CP) only inside transformer-engine's att
 its local ``DotProductAttention`` refuses ``context_parallel_size > 1``. This module gives
 CPU runs (tests, the demo, the rehearsal) an exact CP core attention so every flat
 technique can be proven under the layouts long-context plans use. The CPU backend
-(``megatron.cpu``, patch "core attention under context parallelism") builds it wherever a
+(``cpu.backend``, patch "core attention under context parallelism") builds it wherever a
 spec asks for ``DotProductAttention`` with CP > 1, and says so once in the log. On a GPU the
 CPU backend changes nothing: transformer-engine's attention does CP, and this module is
 never built.
@@ -36,7 +36,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from megatron_flat.testing.flash_attention import FlashCoreAttention
+from megatron_flat.cpu.flash_attention import FlashCoreAttention
 
 __all__ = ["ContextParallelCoreAttention", "load_balanced_chunks", "gather_sequence",
            "attention_flops"]

@@ -11,7 +11,7 @@ backend, at the tiny shape ARGS give:
 * **flat**: ARGS as given.
 
 Before the runs, the checkout's own parser is asked what the line sets
-(``megatron.line_probe``) and ``megatron_flat.cpu_line`` plans the line's CPU form, announced in
+(``rehearse.probe``) and ``megatron_flat.rehearse.line`` plans the line's CPU form, announced in
 one block, one line per change (asked -> runs instead: why): transformer-engine modules and a
 transformer-engine layer spec -> the local ones, fused kernels -> their unfused forms, the
 grouped-GEMM capability check -> answered on CPU; GPU features that do not change the math
@@ -30,7 +30,7 @@ names, shapes and dtypes (a flat module keeps the parameters of the module it re
 parameter counts are printed; any difference fails the rehearsal whatever the losses say.
 
 Prints each iteration's ``lm loss`` from both runs, the per-component peak table (the worst
-rank's, measured by the memory meter: ``megatron_flat.megatron.rehearsal``), which flat modules
+rank's, measured by the memory meter: ``megatron_flat.rehearse.worker``), which flat modules
 were really built, and a verdict as the last line:
 
     rehearsal: flat losses equal stock over N iterations (K CPU substitutions)
@@ -40,7 +40,7 @@ stock and flat runs save at iteration I, a flat run resumes from stock's checkpo
 run from flat's, all to at least I+3 iterations; every resumed loss must equal stock's (I+2
 aside: Megatron-LM's first log line after a start keeps its running loss, so the next averages
 two iterations) and, per rank, the optimizer state loaded must be bitwise the state saved
-(``megatron.cpu_resume`` records both). The verdict then ends
+(``rehearse.resume`` records both). The verdict then ends
 ``; checkpoints cross both ways at iteration I``.
 
 Exit status: 0 equal; 1 the losses differ beyond ``--rtol`` (fp32 reordering, 1e-5: the log
@@ -65,11 +65,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_flat import cpu_line, preflight
+from megatron_flat.rehearse import line as cpu_line, preflight
 from megatron_flat.config import FlatConfig, add_flat_args
 
-WORKER = "megatron_flat.megatron.rehearsal"
-PROBE = "megatron_flat.megatron.line_probe"
+WORKER = "megatron_flat.rehearse.worker"
+PROBE = "megatron_flat.rehearse.probe"
 LOSS_LINE = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|.*?\blm loss:\s*([-+0-9.eEinfa]+)")
 # Flags dropped from both runs (each takes one value): outputs a rehearsal must not write.
 DROPPED = ("--save", "--load", "--save-interval", "--ckpt-step", "--tensorboard-dir",
@@ -332,7 +332,7 @@ def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Pa
 
 def probe_line(script: Path, args: Sequence[str], work: Path,
                timeout: float) -> Tuple[Optional[dict], str]:
-    """The checkout parser's view of ``args`` (``megatron.line_probe``), or (None, why)."""
+    """The checkout parser's view of ``args`` (``rehearse.probe``), or (None, why)."""
     command = [sys.executable, "-m", PROBE, str(script), *args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,

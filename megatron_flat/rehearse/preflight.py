@@ -5,7 +5,7 @@ or in a process a rank forks: the torch_dist checkpoint writer's worker processe
 ``psutil`` (``dist_checkpointing/strategies/filesystem_async.py``), and when it is missing they
 die while the ranks wait for them forever. megatron-core does not declare these packages. The
 rehearsal therefore asks, from the line as the checkout's own parser reads it
-(``megatron.line_probe``), which of them the runs will need, and refuses a line whose
+(``rehearse.probe``), which of them the runs will need, and refuses a line whose
 environment lacks one with one message naming the package and the install command — before
 any process starts.
 

@@ -33,7 +33,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from megatron_flat.megatron.cpu import Patch
+from megatron_flat.cpu.backend import Patch
 
 DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 CHECKPOINTING = "megatron.training.checkpointing"
@@ -124,7 +124,7 @@ def _torch_path_in_use() -> bool:
 
 
 def _apply() -> None:
-    from megatron_flat.megatron import cpu_training
+    from megatron_flat.cpu import training as cpu_training
 
     cpu_training.on_import(_patch_distributed_optimizer)
 
@@ -207,7 +207,7 @@ def _wrap_checkpointing(module: Any) -> None:
 def record_checkpoints() -> None:
     """Record each save and load of Megatron-LM's checkpointing from now on (before
     ``megatron.training.training`` imports the functions); :func:`events` returns them."""
-    from megatron_flat.megatron import cpu_training
+    from megatron_flat.cpu import training as cpu_training
 
     cpu_training.on_import(_wrap_checkpointing)
 

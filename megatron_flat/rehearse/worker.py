@@ -1,13 +1,13 @@
 """One rank of a rehearsal: run a Megatron-LM training script on CPU under the memory meter.
 
-    python -m torch.distributed.run ... -m megatron_flat.megatron.rehearsal SCRIPT [ARGS...]
+    python -m torch.distributed.run ... -m megatron_flat.rehearse.worker SCRIPT [ARGS...]
 
 ``python -m megatron_flat rehearse`` launches this twice (stock and flat); it is not meant to
 be run by hand. Per rank it
 
 1. puts SCRIPT's directory first on ``sys.path`` (a Megatron-LM checkout's own ``megatron``
    package then wins, as when the script is run directly) and applies the CPU workarounds
-   (``megatron.cpu``, ``megatron.cpu_training``);
+   (``cpu.backend``, ``cpu.training``);
 2. runs SCRIPT as ``__main__`` — patched in memory with ``megatron_flat.patch`` when the file
    on disk is not (the checkout is never written);
 3. measures under one ``MemoryMeter``: the four peak sections of ``megatron.peaks`` on every
@@ -37,10 +37,10 @@ class _Probe:
     """The meter's hooks into the training loop, and what they saw."""
 
     def __init__(self, meter):
-        from megatron_flat.megatron.peaks import _Switch
+        from megatron_flat.megatron.peaks import Switch
 
         self.meter = meter
-        self.step = _Switch(meter, STEP)
+        self.step = Switch(meter, STEP)
         self.models: List[Any] = []
         self._attached = set()
         self._sections = []
@@ -127,7 +127,7 @@ def _flat_modules(models) -> Dict[str, int]:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_flat.megatron.attention_tiles import TiledColumnParallelLinear
-    from megatron_flat.megatron.cpu_context_attention import ContextParallelCoreAttention
+    from megatron_flat.cpu.context_attention import ContextParallelCoreAttention
     from megatron_flat.megatron.moe import FlatMoELayer
     from megatron_flat.megatron.vocab import ring_dtp_output
 
@@ -195,14 +195,14 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
     sys.argv = [str(script)] + list(argv)
     sys.path.insert(0, str(script.parent))
 
-    from megatron_flat.megatron import cpu_training
+    from megatron_flat.cpu import training as cpu_training
 
     cpu_training.shim_python()
-    from megatron_flat.megatron import cpu
+    from megatron_flat.cpu import backend as cpu
 
     cpu.enable_cpu_backend()
     cpu_training.enable_cpu_training()
-    from megatron_flat.megatron import cpu_resume
+    from megatron_flat.rehearse import resume as cpu_resume
 
     if not cpu.cuda_present():
         cpu.apply_patches([cpu_resume.PATCH])
@@ -270,7 +270,7 @@ def _what_ran(models) -> Dict[str, Any]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
-        print("usage: python -m megatron_flat.megatron.rehearsal SCRIPT [ARGS...]",
+        print("usage: python -m megatron_flat.rehearse.worker SCRIPT [ARGS...]",
               file=sys.stderr)
         return 2
     out = os.environ.get(OUT_ENV)
