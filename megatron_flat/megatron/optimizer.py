@@ -121,6 +121,7 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.optim.offload_adamw import check_hyperparameters, check_param
+from megatron_flat.runtime import patching
 
 __all__ = [
     "MegatronMasterOffloadAdamW",
@@ -683,7 +684,7 @@ def _stock_kernel(inner: Any) -> Dict[str, Optional[bool]]:
 # sub-optimizer built while a FlatConfig with ``optimizer_offload`` is active.
 _WIRED: Optional[FlatConfig] = None
 _ACTIVE: List[FlatConfig] = []
-_STOCK: Dict[str, Any] = {}
+_BUILDER: List[patching.Patch] = []  # the builder's patch once declared (its seam is compat's)
 
 
 def _active_flat() -> Optional[FlatConfig]:
@@ -691,12 +692,7 @@ def _active_flat() -> Optional[FlatConfig]:
     return flat if flat is not None and flat.optimizer_offload else None
 
 
-def _patch_builder() -> None:
-    if _STOCK:
-        return
-    module, name = compat.inner_optimizer_builder()
-    stock = getattr(module, name)
-
+def _offloading_builder(stock: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def build(*args: Any, **kwargs: Any) -> Any:
         flat = _active_flat()
@@ -717,19 +713,30 @@ def _patch_builder() -> None:
                           f"({reason}); the Adam moments go to host memory", stacklevel=2)
         return offload_inner_optimizer(stock(*args, **kwargs), flat)
 
-    build._megatron_flat_stock = stock
-    _STOCK.update(module=module, name=name, stock=stock, build=build)
-    setattr(module, name, build)
+    return build
+
+
+def builder_patch() -> patching.Patch:
+    """The declared patch of Megatron's sub-optimizer builder (at compat's seam)."""
+    if not _BUILDER:
+        module, name = compat.inner_optimizer_builder()
+        _BUILDER.append(patching.Patch(
+            patching.path_of(module), name, _offloading_builder,
+            expects="Megatron's sub-optimizer builder (inner optimizer + wrapper)",
+            why="OffloadStreamAdamW replaces the inner optimizer of every sub-optimizer "
+                "built while --flat-optimizer-offload is on"))
+    return _BUILDER[0]
+
+
+def _patch_builder() -> None:
+    patching.apply(builder_patch())
 
 
 def _unpatch_builder() -> None:
-    if _STOCK and not _ACTIVE and _WIRED is None:
-        module, name = _STOCK["module"], _STOCK["name"]
-        if getattr(module, name) is _STOCK["build"]:
-            setattr(module, name, _STOCK["stock"])
-            _STOCK.clear()
-        # else someone wrapped the builder after us: ours stays in their chain, inert while
-        # nothing is active (and a later patch reuses it).
+    if _BUILDER and not _ACTIVE and _WIRED is None:
+        # False when someone wrapped the builder after us: ours stays in their chain, inert
+        # while nothing is active (and a later patch reuses it).
+        patching.revert(_BUILDER[0])
 
 
 @contextlib.contextmanager

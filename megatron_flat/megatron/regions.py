@@ -10,59 +10,42 @@ MoE layer goes through it: the transformer block's full recompute (0.16:
 recompute (``--moe-layer-recompute``, 0.19's ``--recompute-modules moe``), the MTP layers'
 recompute, and SCO, whose reentrant path is this same function.
 
-``enable()`` wraps that ``backward`` once per process so the re-run runs inside
+``enable()`` adds a hook to that ``backward`` (``megatron.checkpoint_hooks``, the one
+wrapper of that function) so the re-run runs inside
 :func:`~megatron_flat.dispatch.recompute.recompute_region`; nothing else changes (outputs,
-RNG replay and gradients are Megatron's). Autograd looks ``backward`` up on the class at call
-time, so the wrapper takes effect for every checkpoint. ``disable()`` restores Megatron's
-function. TE's fp8 checkpoint (``te_checkpoint``) is not wrapped: its re-runs keep values.
+RNG replay and gradients are Megatron's). ``disable()`` removes the hook. TE's fp8 checkpoint (``te_checkpoint``) is not wrapped: its re-runs keep values.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from megatron_flat.dispatch.recompute import windowed
+from megatron_flat.megatron import checkpoint_hooks
 
 __all__ = ["disable", "enable", "enabled"]
 
-_lock = threading.Lock()
+HOOK = "graph-only recompute: recompute regions"
 
 
-def _checkpoint_function() -> Any:
-    from megatron.core.tensor_parallel.random import CheckpointFunction
-
-    return CheckpointFunction
+@contextlib.contextmanager
+def _in_region(ctx: Any) -> Iterator[None]:
+    ctx.run_function = windowed(ctx.run_function)
+    yield
 
 
 def enabled() -> bool:
     """Whether Megatron's reentrant checkpoint opens recompute regions."""
-    return hasattr(_checkpoint_function().backward, "__flat_original__")
+    return checkpoint_hooks.active(HOOK)
 
 
 def enable() -> None:
     """Make Megatron's reentrant checkpoint re-run its function in a recompute region.
     Idempotent."""
-    with _lock:
-        cls = _checkpoint_function()
-        original = cls.backward
-        if hasattr(original, "__flat_original__"):
-            return
-
-        @functools.wraps(original)
-        def backward(ctx, *args):
-            ctx.run_function = windowed(ctx.run_function)
-            return original(ctx, *args)
-
-        backward.__flat_original__ = original
-        cls.backward = staticmethod(backward)
+    checkpoint_hooks.add(HOOK, backward=_in_region)
 
 
 def disable() -> None:
     """Undo :func:`enable` (no-op when not enabled)."""
-    with _lock:
-        cls = _checkpoint_function()
-        original = getattr(cls.backward, "__flat_original__", None)
-        if original is not None:
-            cls.backward = staticmethod(original)
+    checkpoint_hooks.remove(HOOK)

@@ -20,9 +20,11 @@ from typing import Any, List, Optional
 
 from megatron_flat.megatron.checkpoint_phase import FIRST_PASS, RERUN, disable, enable, phase
 from megatron_flat.megatron.state import setting
+from megatron_flat.runtime import patching
 
-__all__ = ["REPLAY_CAPABLE", "current_store", "fallback_reasons", "recompute_problems", "store_for", "unwire",
-           "replay_capable", "warn_fallback", "warn_once", "wire_attn_replay", "wired"]
+__all__ = ["REPLAY_CAPABLE", "WATCH", "current_store", "fallback_reasons", "recompute_problems",
+           "replay_capable", "store_for", "unwire", "warn_fallback", "warn_once",
+           "wire_attn_replay", "wired"]
 
 # The capability a core attention class declares (``replay_capable = True``) when it keeps
 # (O, LSE) in a checkpoint's first pass through :func:`current_store` and runs its re-run's
@@ -90,25 +92,27 @@ def wire_attn_replay(flat: Any, megatron: Any = None) -> bool:
     return True
 
 
-def _watch_local_attention() -> None:
-    """Megatron's local ``DotProductAttention`` built from now on says once that it cannot
-    replay (a replay-capable subclass carries a ``replay`` attribute)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    init = DotProductAttention.__init__
-    if getattr(init, "__flat_replay_watch__", False):
-        return
-
+def _watching(init: Any) -> Any:
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        if wired() and not hasattr(type(self), "replay"):
+        if wired() and not replay_capable(self):
             warn_once("local", f"megatron-flat: --flat-attn-replay: {type(self).__name__} "
                                "keeps no log-sum-exp to run its backward from a kept output; "
                                "its layers recompute attention as stock does")
 
-    __init__.__flat_replay_watch__ = True
-    __init__.__flat_replay_original__ = init
-    DotProductAttention.__init__ = __init__
+    return __init__
+
+
+# Megatron's local DotProductAttention built while replay is wired says once that it cannot
+# replay (a subclass declaring the capability is quiet).
+WATCH = patching.Patch(
+    "megatron.core.transformer.dot_product_attention.DotProductAttention", "__init__",
+    _watching, expects="DotProductAttention.__init__",
+    why="--flat-attn-replay says once when a layer's core attention falls back to recompute")
+
+
+def _watch_local_attention() -> None:
+    patching.apply(WATCH)
 
 
 def warn_fallback(reasons: List[str]) -> None:
@@ -127,16 +131,10 @@ def unwire() -> None:
         _wiring.clear()
         _warned.clear()
     disable()
-    import sys
-
     from megatron_flat.megatron import te_replay
 
     te_replay.disable()
-
-    module = sys.modules.get("megatron.core.transformer.dot_product_attention")
-    init = getattr(module.DotProductAttention, "__init__", None) if module else None
-    if getattr(init, "__flat_replay_watch__", False):
-        module.DotProductAttention.__init__ = init.__flat_replay_original__
+    patching.revert(WATCH)
 
 
 def _shared_host():

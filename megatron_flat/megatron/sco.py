@@ -63,6 +63,7 @@ from typing import Any, Callable, List, Optional
 
 from megatron_flat.checkpoint import SelectiveCheckpointOffload, tensor_parallel_checkpoint
 from megatron_flat.megatron import compat
+from megatron_flat.runtime import patching
 
 __all__ = ["disable", "enable", "enabled", "recompute_problems", "wire_sco"]
 
@@ -75,7 +76,7 @@ _state = threading.local()  # .route: SCO's checkpoint while the block's checkpo
 # .suppressed: inside a method whose checkpoint stays Megatron's (shared experts);
 # .moe_layer: the MoELayer whose forward is running (its dispatcher state is detached)
 _lock = threading.Lock()
-_patch: Optional[dict] = None  # what enable() changed, for disable()
+_patch: Optional[dict] = None  # the SCO in force and its applied patches, for disable()
 
 
 class _TensorParallelView:
@@ -116,7 +117,6 @@ def _delimit(original: Callable, route: Optional[Callable], attr: str = "route")
         finally:
             setattr(_state, attr, previous)
 
-    delimited.__flat_sco_original__ = original
     return delimited
 
 
@@ -191,34 +191,66 @@ def enable(host_budget_bytes: int, prefetch: int = 1, *,
 
         return route
 
+    global _patch
     with _lock:
         _disable_locked()
-        caller, owner, name = compat.full_recompute_site()
-        views = [(caller, _TensorParallelView(caller.__dict__["tensor_parallel"], _block_route))]
-        for site in module_recompute_sites():
-            real = site.caller.__dict__["tensor_parallel"]
-            views.append((site.caller, _TensorParallelView(
-                real, _module_route_of(adapter_for(site.offload_args)))))
-        shared_owner, shared_name = compat.shared_experts_site()
-        global _patch
-        _patch = dict(
-            globals=[(module, module.__dict__["tensor_parallel"]) for module, _ in views],
-            methods=[_wrap(owner, name, lambda f: _delimit(f, adapter_for((0,)))),
-                     _wrap(shared_owner, shared_name,
-                           lambda f: _delimit(f, True, attr="suppressed"))],
-            sco=sco, moe=_patch_moe_forward(),
-        )
-        for module, view in views:
-            module.tensor_parallel = view
+        patches = _patches(adapter_for)
+        done = []
+        try:
+            for patch in patches:
+                patching.apply(patch)
+                done.append(patch)
+        except Exception:
+            for patch in reversed(done):
+                patching.revert(patch)
+            raise
+        _patch = dict(sco=sco, patches=done)
     return sco
 
 
-def _wrap(owner: Any, name: str, wrapper: Callable[[Callable], Callable]) -> tuple:
-    """Replace ``owner.name`` by ``wrapper(original)``; returns what to restore."""
-    had_own = name in vars(owner)
-    original = getattr(owner, name)
-    setattr(owner, name, wrapper(original))
-    return owner, name, had_own, original
+_TENSOR_PARALLEL = "Megatron's tensor_parallel package (its checkpoint read at call time)"
+
+
+def _is_tensor_parallel(value: Any) -> bool:
+    return callable(getattr(value, "checkpoint", None))
+
+
+def _patches(adapter_for: Callable[[tuple], Callable]) -> List[patching.Patch]:
+    """SCO's declared patches, at the release's seams (``compat``): each recompute caller's
+    ``tensor_parallel`` global becomes a view routing ``checkpoint`` to SCO; the block's
+    checkpointed forward delimits when the block's view routes; the shared experts' compute
+    suppresses the module route; ``MoELayer.forward`` detaches its dispatcher's kept
+    tensors."""
+    caller, owner, name = compat.full_recompute_site()
+    patches = [patching.Patch(
+        caller.__name__, "tensor_parallel",
+        lambda real: _TensorParallelView(real, _block_route), expects=_TENSOR_PARALLEL,
+        check=_is_tensor_parallel,
+        why="SCO takes the block's full-recompute checkpoints while its checkpointed "
+            "forward runs")]
+    for site in module_recompute_sites():
+        route_of = _module_route_of(adapter_for(site.offload_args))
+        patches.append(patching.Patch(
+            site.caller.__name__, "tensor_parallel",
+            lambda real, route_of=route_of: _TensorParallelView(real, route_of),
+            expects=_TENSOR_PARALLEL, check=_is_tensor_parallel,
+            why=f"SCO takes the module recompute {'/'.join(site.modules)}'s checkpoints"))
+    shared_owner, shared_name = compat.shared_experts_site()
+    return patches + [
+        patching.Patch(patching.path_of(owner), name,
+                       lambda f: _delimit(f, adapter_for((0,))),
+                       expects="the transformer block's checkpointed forward",
+                       why="SCO routes the block's checkpoints only while it runs"),
+        patching.Patch(patching.path_of(shared_owner), shared_name,
+                       lambda f: _delimit(f, True, attr="suppressed"),
+                       expects="the MoE layer's shared-experts compute",
+                       why="the shared experts' checkpoint stays Megatron's (its input is "
+                           "the MoE layer's, kept on the device anyway)"),
+        patching.Patch("megatron.core.transformer.moe.moe_layer.MoELayer", "forward",
+                       _moe_forward, expects="MoELayer.forward",
+                       why="the dispatcher's kept router tensors would hold a restored "
+                           "boundary on the device until the layer's next forward"),
+    ]
 
 
 def _detach_dispatcher_state(layer: Any) -> None:
@@ -235,14 +267,9 @@ def _detach_dispatcher_state(layer: Any) -> None:
             state[name] = value.detach()
 
 
-def _patch_moe_forward() -> Optional[tuple]:
-    """Wrap ``MoELayer.forward`` so the dispatcher's kept tensors are detached afterwards (and
-    the layer is known to a module recompute made inside); returns what to restore."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    stock = MoELayer.__dict__.get("forward")
-    if stock is None or getattr(stock, "__flat_sco__", False):
-        return None
+def _moe_forward(stock: Callable) -> Callable:
+    """``MoELayer.forward`` that detaches the dispatcher's kept tensors afterwards (and makes
+    the layer known to a module recompute made inside)."""
 
     @functools.wraps(stock)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -254,9 +281,7 @@ def _patch_moe_forward() -> Optional[tuple]:
             _state.moe_layer = previous
             _detach_dispatcher_state(self)
 
-    forward.__flat_sco__ = True
-    MoELayer.forward = forward
-    return (MoELayer, stock)
+    return forward
 
 
 def _disable_locked() -> None:
@@ -264,16 +289,8 @@ def _disable_locked() -> None:
     if _patch is None:
         return
     p, _patch = _patch, None
-    if p.get("moe") is not None:
-        owner, stock = p["moe"]
-        owner.forward = stock
-    for module, real in p["globals"]:
-        module.tensor_parallel = real
-    for owner, name, had_own, original in reversed(p["methods"]):
-        if had_own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
+    for patch in reversed(p["patches"]):
+        patching.revert(patch)
 
 
 def disable() -> None:

@@ -48,7 +48,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
-from megatron_flat.runtime import extras
+from megatron_flat.runtime import extras, patching
 
 __all__ = ["FLAT_SPECS", "FlatSpecProvider", "LAYER_TRANSFORMS", "LazyFlatLayerSpec",
            "current_flat", "flat_gpt_layer_spec", "flat_gpt_layer_te_spec", "flat_gpt_spec",
@@ -59,7 +59,6 @@ __all__ = ["FLAT_SPECS", "FlatSpecProvider", "LAYER_TRANSFORMS", "LazyFlatLayerS
 
 _OFF = FlatConfig()
 _ACTIVE: List[FlatConfig] = []
-_PATCHED: dict = {}
 
 
 def current_flat() -> FlatConfig:
@@ -526,16 +525,18 @@ def _block_submodules(stock: Callable[..., Any]) -> Callable[..., Any]:
         return dataclasses.replace(
             submodules, layer_specs=[flat_layer_spec(s, flat) for s in submodules.layer_specs])
 
-    get_block_submodules._megatron_flat_stock = stock
     return get_block_submodules
 
 
-def _patch_block_submodules() -> None:
-    from megatron.core.transformer import transformer_block
+BLOCK_SUBMODULES = patching.Patch(
+    "megatron.core.transformer.transformer_block", "_get_block_submodules", _block_submodules,
+    expects="the transformer block's layer-spec resolver",
+    why="the flat spec is Megatron's own spec for the config, with the flat modules swapped "
+        "into each layer")
 
-    current = transformer_block._get_block_submodules
-    if getattr(current, "_megatron_flat_stock", None) is None:
-        transformer_block._get_block_submodules = _block_submodules(current)
+
+def _patch_block_submodules() -> None:
+    patching.apply(BLOCK_SUBMODULES)
 
 
 def _unredirect_for_tests() -> None:
@@ -563,13 +564,7 @@ def _active_flat() -> Optional[FlatConfig]:
     return flat if flat is not None and flat.dispatch != "off" else None
 
 
-def _patch_stock_moe_specs() -> None:
-    if _PATCHED:
-        return
-    from megatron.core.models.gpt import gpt_layer_specs, moe_module_specs
-
-    stock = moe_module_specs.get_moe_module_spec_for_backend
-
+def _flat_moe_spec(stock: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def get_moe_module_spec_for_backend(*args: Any, **kwargs: Any) -> Any:
         spec = stock(*args, **kwargs)
@@ -578,10 +573,20 @@ def _patch_stock_moe_specs() -> None:
             return _moe_for(spec, backend.flat)
         return _moe_for(spec, _active_flat())
 
-    get_moe_module_spec_for_backend._megatron_flat_stock = stock
-    for module in (moe_module_specs, gpt_layer_specs):
-        _PATCHED[module] = getattr(module, "get_moe_module_spec_for_backend")
-        module.get_moe_module_spec_for_backend = get_moe_module_spec_for_backend
+    return get_moe_module_spec_for_backend
+
+
+STOCK_MOE_SPECS = tuple(
+    patching.Patch(f"megatron.core.models.gpt.{module}", "get_moe_module_spec_for_backend",
+                   _flat_moe_spec, expects="Megatron's MoE spec function",
+                   why="every stock spec function takes its MoE spec from it, so a line's own "
+                       "spec builds FlatMoELayer with --flat-dispatch")
+    for module in ("moe_module_specs", "gpt_layer_specs"))
+
+
+def _patch_stock_moe_specs() -> None:
+    for patch in STOCK_MOE_SPECS:
+        patching.apply(patch)
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
+from megatron_flat.runtime import patching
 from megatron_flat.vocab import IGNORE_INDEX, ring_dtp_cross_entropy
 
 __all__ = ["RingDTPOutputLoss", "enable_ring_dtp", "ring_dtp_output", "unsupported_settings",
@@ -357,24 +358,24 @@ def wire_vocab(flat: FlatConfig, megatron: Any = None) -> None:
 
 
 # --------------------------------------------------------------------------- the patch
-_STOCK: dict = {}  # (owner, attribute) -> the stock function, for _unpatch_for_tests
+_PATCHES: list = []  # Ring-DTP's applied patches (runtime.patching), for _unpatch_for_tests
 # The Ring-DTP module of the _postprocess call in progress (0.19: read by the MTP loop's
 # wrapper, so MTP heads go through Ring-DTP exactly when the main head does).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("ring_dtp_active", default=None)
 
 
-def _patch(owner: Any, name: str, make) -> None:
-    stock = getattr(owner, name)
-    wrapped = functools.wraps(stock)(make(stock))
-    wrapped._megatron_flat_stock = stock
-    _STOCK[(owner, name)] = stock
-    setattr(owner, name, wrapped)
+def _patch(owner: Any, name: str, make, why: str) -> None:
+    patch = patching.Patch(patching.path_of(owner), name,
+                           lambda stock: functools.wraps(stock)(make(stock)),
+                           expects=f"Megatron's {name}", why=why)
+    patching.apply(patch)
+    _PATCHES.append(patch)
 
 
 def _patch_gpt_postprocess() -> None:
     """Wrap ``GPTModel._postprocess`` once (idempotent; inert for models without Ring-DTP),
     and on 0.19 the MTP loop and its acceptance counter it calls."""
-    if _STOCK:
+    if _PATCHES:
         return
     from megatron.core.models.gpt import GPTModel
 
@@ -413,13 +414,15 @@ def _patch_gpt_postprocess() -> None:
             return ring(call["hidden_states"], weight, call["labels"], call.get("loss_mask"))
         return _postprocess
 
-    _patch(GPTModel, "_postprocess", make_postprocess)
+    _patch(GPTModel, "_postprocess", make_postprocess,
+           "Ring-DTP replaces the output projection and the loss together")
     mtp_loop = compat.mtp_loss_function()
     if mtp_loop is not None:
-        _patch(*mtp_loop, _make_mtp_loop)
+        _patch(*mtp_loop, _make_mtp_loop, "MTP heads go through Ring-DTP when the main head does")
     counter = compat.mtp_acceptance_function()
     if counter is not None:
-        _patch(*counter, _make_acceptance_counter)
+        _patch(*counter, _make_acceptance_counter,
+               "Ring-DTP heads keep no logits to count MTP acceptance from")
 
 
 def _make_mtp_loop(stock):
@@ -465,6 +468,6 @@ def _shadowed(module: torch.nn.Module, **attributes: Any):
 
 
 def _unpatch_for_tests() -> None:
-    for (owner, name), stock in _STOCK.items():
-        setattr(owner, name, stock)
-    _STOCK.clear()
+    for patch in reversed(_PATCHES):
+        patching.revert(patch)
+    _PATCHES.clear()

@@ -92,8 +92,10 @@ def test_a_model_without_a_replayable_attention_is_refused(megatron_cpu):
 
 
 def test_phase_marks_compose_with_the_recompute_regions(megatron_cpu):
-    """``megatron.regions`` (graph-only recompute) wraps ``CheckpointFunction.backward`` too:
-    either order of enabling, both wrappers run, and each disable removes only its own."""
+    """``megatron.regions`` (graph-only recompute) hooks ``CheckpointFunction.backward`` too,
+    through the same single wrapper (``megatron.checkpoint_hooks``): either order of enabling,
+    both hooks run, each disable removes only its own, and with both gone Megatron's
+    functions are its own again."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from megatron_flat.megatron import attention_replay, regions
@@ -102,21 +104,23 @@ def test_phase_marks_compose_with_the_recompute_regions(megatron_cpu):
     regions.disable()
     attention_replay.disable()
     stock_forward, stock_backward = CheckpointFunction.forward, CheckpointFunction.backward
+    assert getattr(stock_backward, "__wrapped__", None) is None
     try:
         for first, second in ((attention_replay, regions), (regions, attention_replay)):
             first.enable()
             second.enable()
             assert attention_replay.enabled() and regions.enabled()
+            wrapped = CheckpointFunction.backward
+            assert CheckpointFunction.forward is not stock_forward
+            assert wrapped is not stock_backward
             attention_replay.disable()
             assert not attention_replay.enabled() and regions.enabled()
+            assert CheckpointFunction.backward is wrapped  # one wrapper; its hooks changed
             regions.disable()
             attention_replay.disable()
             assert CheckpointFunction.forward is stock_forward
-            if first is regions:  # ours was outermost: everything unwound
-                assert CheckpointFunction.backward is stock_backward
+            assert CheckpointFunction.backward is stock_backward
     finally:
-        CheckpointFunction.forward = staticmethod(stock_forward)
-        CheckpointFunction.backward = staticmethod(stock_backward)
         if had_regions:
             regions.enable()
 

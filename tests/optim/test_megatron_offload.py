@@ -13,6 +13,7 @@ import torch
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import optimizer as mopt
 from megatron_flat.megatron.optimizer import MegatronOffloadStreamAdamW
+from megatron_flat.runtime import patching
 
 FLAT = FlatConfig(optimizer_offload=True, optimizer_bucket_numel=4096, optimizer_num_slots=2)
 
@@ -45,10 +46,11 @@ def test_wiring_patches_megatron_and_is_undone(megatron_cpu, unwired):
     stock = _builder()
     assert _inner_types() == ["AdamW"]
     mopt.wire_optimizer_offload(FLAT, argparse.Namespace(optimizer="adam"))
-    assert _builder()._megatron_flat_stock is stock
+    assert _builder() is not stock and patching.original(mopt.builder_patch()) is stock
     assert _inner_types() == ["MegatronOffloadStreamAdamW"]  # plain get_megatron_optimizer
+    patched = _builder()
     mopt.wire_optimizer_offload(FLAT)  # again: still one patch
-    assert _builder()._megatron_flat_stock is stock
+    assert _builder() is patched and patching.original(mopt.builder_patch()) is stock
     mopt.unwire_optimizer_offload()
     assert _builder() is stock
     assert _inner_types() == ["AdamW"]
