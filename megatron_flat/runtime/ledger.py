@@ -156,6 +156,7 @@ Threads
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections import Counter
@@ -167,7 +168,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from megatron_flat.runtime import memory
+from megatron_flat.runtime import memory, patching
 
 __all__ = [
     "CostLedger",
@@ -671,8 +672,6 @@ def foreign_kernel(flops: int = 0, mem_bytes: int = 0) -> Iterator[None]:
 
 _PATCH_LOCK = threading.Lock()
 _PATCH_COUNT = 0
-# (owner, name) -> (the original, the installed wrapper)
-_ORIGINAL: dict[tuple[Any, str], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
@@ -686,8 +685,7 @@ def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
     return bool(targets)
 
 
-def _patched(name: str) -> Callable[..., Any]:
-    original = _ORIGINAL[(torch.Tensor, name)][0]
+def _patched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counted = _count_python_sync(name, self)
@@ -760,8 +758,7 @@ def _to_non_blocking(args: tuple, kwargs: dict) -> bool:
         return bool(kwargs.get("non_blocking", False))
 
 
-def _patched_to() -> Callable[..., Any]:
-    original = _ORIGINAL[(torch.Tensor, "to")][0]
+def _patched_to(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not (
@@ -781,8 +778,7 @@ def _patched_to() -> Callable[..., Any]:
     return to
 
 
-def _patched_cuda() -> Callable[..., Any]:
-    original = _ORIGINAL[(torch.Tensor, "cuda")][0]
+def _patched_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         # Without CUDA, ``.cuda()`` raises unless a CPU backend made it the identity
@@ -802,10 +798,10 @@ def _patched_cuda() -> Callable[..., Any]:
     return cuda
 
 
-def _patched_from_data(name: str, device_position: Optional[int]) -> Callable[..., Any]:
+def _patched_from_data(name: str, device_position: Optional[int],
+                       original: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.tensor`` / ``torch.as_tensor``: an upload when ``device=`` names the compute
     device and the data comes from the host (Python data, NumPy, a host tensor)."""
-    original = _ORIGINAL[(torch, name)][0]
 
     def from_data(data: Any, *args: Any, **kwargs: Any) -> Any:
         targets = _open_targets()
@@ -839,15 +835,23 @@ def _patched_from_data(name: str, device_position: Optional[int]) -> Callable[..
     return from_data
 
 
-# (owner, attribute, wrapper maker); the wrapper is installed while any ledger is open.
+# Calls that never reach the dispatcher on CPU; the wrappers are in place while any ledger is
+# open (runtime.patching: one registry, reverted when the last ledger closes).
+_SYNC_WHY = "a device-to-host read there is a sync the dispatcher does not see on CPU"
+_UPLOAD_WHY = "a host-to-device copy there is an upload the dispatcher does not see on CPU"
 _PATCHES: tuple = (
-    (torch.Tensor, "tolist", lambda: _patched("tolist")),
-    (torch.Tensor, "numpy", lambda: _patched("numpy")),
-    (torch.Tensor, "cpu", lambda: _patched("cpu")),
-    (torch.Tensor, "to", _patched_to),
-    (torch.Tensor, "cuda", _patched_cuda),
-    (torch, "tensor", lambda: _patched_from_data("tensor", None)),  # device= keyword-only
-    (torch, "as_tensor", lambda: _patched_from_data("as_tensor", 1)),  # (data, dtype, device)
+    *(patching.Patch("torch.Tensor", name, functools.partial(_patched, name),
+                     expects=f"Tensor.{name}", why=_SYNC_WHY)
+      for name in ("tolist", "numpy", "cpu")),
+    patching.Patch("torch.Tensor", "to", _patched_to, expects="Tensor.to", why=_UPLOAD_WHY),
+    patching.Patch("torch.Tensor", "cuda", _patched_cuda, expects="Tensor.cuda",
+                   why=_UPLOAD_WHY),
+    # device= keyword-only
+    patching.Patch("torch", "tensor", functools.partial(_patched_from_data, "tensor", None),
+                   expects="torch.tensor", why=_UPLOAD_WHY),
+    # (data, dtype, device)
+    patching.Patch("torch", "as_tensor", functools.partial(_patched_from_data, "as_tensor", 1),
+                   expects="torch.as_tensor", why=_UPLOAD_WHY),
 )
 
 
@@ -855,14 +859,8 @@ def _install_patches() -> None:
     global _PATCH_COUNT
     with _PATCH_LOCK:
         if _PATCH_COUNT == 0:
-            for owner, name, make in _PATCHES:
-                if not hasattr(owner, name):
-                    continue
-                original = getattr(owner, name)
-                _ORIGINAL[(owner, name)] = (original, original)  # the maker reads it
-                wrapper = make()
-                _ORIGINAL[(owner, name)] = (original, wrapper)
-                setattr(owner, name, wrapper)
+            for patch in _PATCHES:
+                patching.apply(patch)
         _PATCH_COUNT += 1
 
 
@@ -871,12 +869,10 @@ def _remove_patches() -> None:
     with _PATCH_LOCK:
         _PATCH_COUNT -= 1
         if _PATCH_COUNT == 0:
-            for (owner, name), (original, wrapper) in _ORIGINAL.items():
-                # Something patched it again while a ledger was open (a CPU backend's
-                # ``.cuda``): leave theirs in place.
-                if getattr(owner, name, None) is wrapper:
-                    setattr(owner, name, original)
-            _ORIGINAL.clear()
+            # A wrapper put on top while a ledger was open (a CPU backend's ``.cuda``) stays;
+            # ours stays inside it (revert says False) and counts nothing with no ledger open.
+            for patch in reversed(_PATCHES):
+                patching.revert(patch)
 
 
 # -- the ledger -------------------------------------------------------------------

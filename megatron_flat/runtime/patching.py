@@ -8,7 +8,9 @@ patch exists, and ``wrap``, which turns the attribute's current value into the r
 :func:`apply` and :func:`revert` keep one registry, keyed by owner and attribute: it is the only
 "already patched" mark (nothing is written onto the patched functions), so applying twice is a
 no-op and reverting restores exactly what was there, including "nothing of its own" for an
-attribute a class inherited. A patch is refused with one :class:`PatchError` naming the owner,
+attribute a class inherited. A patch something else has set the attribute over since is
+*displaced*: it is not reverted (that would drop the other), and applying it again wraps what
+is there now. A patch is refused with one :class:`PatchError` naming the owner,
 the attribute and what was expected when the attribute is missing or fails ``check``: a
 release that moved a seam stops the run at install, not in the middle of a step.
 """
@@ -94,11 +96,12 @@ def _current(record: _Record) -> Any:
 
 
 def apply(patch: Patch) -> Any:
-    """Put ``patch`` in place (once: a patch already applied stays as it is); returns the
-    replacement as the owner now serves it."""
+    """Put ``patch`` in place (once: a patch in place stays as it is); returns the replacement
+    as the owner now serves it. A patch displaced since (something set the attribute over
+    it) wraps what is there now."""
     with _lock:
         record = _records.get(patch.key)
-        if record is not None:
+        if record is not None and _current(record) is record.installed:
             return getattr(record.owner, patch.attribute)
         try:
             owner = resolve(patch.owner)
@@ -137,8 +140,10 @@ def revert(patch: Patch) -> bool:
 
 
 def is_applied(patch: Patch) -> bool:
+    """Whether ``patch`` is in place (applied and not displaced)."""
     with _lock:
-        return patch.key in _records
+        record = _records.get(patch.key)
+        return record is not None and _current(record) is record.installed
 
 
 def original(patch: Patch) -> Optional[Any]:

@@ -66,10 +66,22 @@ def test_a_patch_wrapped_again_on_top_is_not_reverted(seam):
     patching.apply(patch)
     ours = seam.double
     seam.double = _plus_one(ours)  # someone else's wrapper, on top of ours
-    assert not patching.revert(patch)
-    assert seam.double(1) == 4 and patching.is_applied(patch)
+    assert not patching.revert(patch) and not patching.is_applied(patch)
+    assert seam.double(1) == 4
     seam.double = ours
-    assert patching.revert(patch) and seam.double(1) == 2
+    assert patching.is_applied(patch) and patching.revert(patch) and seam.double(1) == 2
+
+
+def test_a_displaced_patch_wraps_what_is_there_when_applied_again(seam):
+    stock = seam.double
+    patch = patching.Patch("flat_seam", "double", _plus_one, expects="a function", why="test")
+    patching.apply(patch)
+    seam.double = lambda x: 10 * x  # replaced outright (not wrapping ours)
+    assert not patching.is_applied(patch)
+    patching.apply(patch)
+    assert seam.double(1) == 11 and patching.is_applied(patch)
+    assert patching.revert(patch) and seam.double(1) == 10
+    seam.double = stock
 
 
 def test_a_missing_or_unexpected_seam_is_refused_with_its_name(seam):
