@@ -24,18 +24,10 @@ def launched_world():
 
 
 def _megatron_use():
-    """tests/_megatron_use.py, loaded by path (tests are imported in importlib mode)."""
-    import importlib.util
-    import sys
+    """tests/_megatron_use.py (also a script: scripts/test.sh lists files with it)."""
+    from tests import _megatron_use
 
-    module = sys.modules.get("_megatron_use")
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            "_megatron_use", os.path.join(os.path.dirname(__file__), "_megatron_use.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["_megatron_use"] = module
-        spec.loader.exec_module(module)
-    return module
+    return _megatron_use
 
 
 def _megatron_scope():

@@ -6,14 +6,9 @@ projections in every layer of the rank's stage, alone or with the other four tec
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import pathlib
 from typing import Optional
 
-_spec = importlib.util.spec_from_file_location(
-    "_composed", pathlib.Path(__file__).parents[1] / "composed" / "_composed.py")
-composed = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(composed)
+from tests.composed import _composed as composed
 
 TILE = 6  # tokens a gathered tile: 3 rows of each rank's 8-row shard, a short last tile
 

@@ -2,17 +2,12 @@
 (2 ranks, gloo, TP 2 with sequence parallelism): alone, under full recompute, under module
 recompute, and with the other four techniques on at TP 2 x EP 2 (``_attn_tiles.py``)."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_attn_tiles", pathlib.Path(__file__).with_name("_attn_tiles.py"))
-tiles = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiles)
+from tests.attention import _attn_tiles as tiles
 
 LAYOUTS = {
     "tp2": (dict(tp=2), False),

@@ -3,17 +3,12 @@ TP 2 x PP 2 (1F1B; each stage's layers tiled), TP 2 x CP 2 (each CP rank's seque
 tiled over its TP group), and TP 2 x CP 2 x EP 2 with the other four techniques on
 (``_attn_tiles.py``)."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(4)
 
-_spec = importlib.util.spec_from_file_location(
-    "_attn_tiles", pathlib.Path(__file__).with_name("_attn_tiles.py"))
-tiles = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiles)
+from tests.attention import _attn_tiles as tiles
 
 # Under CP 2 x TP 2 a 32-token sequence leaves each rank 8 rows, as 16 tokens do at TP 2.
 CP_MODEL = dict(seq_length=32)

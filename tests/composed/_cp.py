@@ -17,8 +17,6 @@ chunks, the Ring-DTP module, boundaries offloaded, OffloadStreamAdamW as the inn
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -26,10 +24,7 @@ import torch.distributed as dist
 
 from megatron_flat.config import FlatConfig
 
-_spec = importlib.util.spec_from_file_location(
-    "_composed", pathlib.Path(__file__).with_name("_composed.py"))
-composed = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(composed)
+from tests.composed import _composed as composed
 
 STEPS = composed.STEPS
 

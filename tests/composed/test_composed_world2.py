@@ -4,17 +4,12 @@ experts, with module recompute (two SCO boundaries per layer), and with delayed 
 and OffloadStreamAdamW's side-stream copies land late, their destinations poison until a
 wait makes them due: a missing wait fails the comparison) (2 ranks, gloo)."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_composed", pathlib.Path(__file__).with_name("_composed.py"))
-composed = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(composed)
+from tests.composed import _composed as composed
 
 LAYOUTS = {
     "ep2": dict(ep=2, recompute="full"),

@@ -4,17 +4,12 @@ PP=2 with 1F1B (Ring-DTP on the last stage only), each with full recompute and M
 distributed optimizer (gloo); and the TP=2 layout with a tied model and an MTP head (every
 MTP head's projection + loss on the same ring)."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(4)
 
-_spec = importlib.util.spec_from_file_location(
-    "_composed", pathlib.Path(__file__).with_name("_composed.py"))
-composed = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(composed)
+from tests.composed import _composed as composed
 
 LAYOUTS = {
     "tp2-sp-etp1-ep2": dict(tp=2, etp=1, ep=2, recompute="full"),

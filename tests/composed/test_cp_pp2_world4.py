@@ -3,16 +3,12 @@ Megatron's distributed optimizer, with full recompute. Stock equals the single-r
 technique, and all four, equal stock. See ``_cp.py`` for what each test proves. (One layout per
 file: each torchrun process keeps the gloo threads of every group it made.)"""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(4)
 
-_spec = importlib.util.spec_from_file_location("_cp", pathlib.Path(__file__).with_name("_cp.py"))
-cp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cp)
+from tests.composed import _cp as cp
 
 globals().update(cp.layout_tests(dict(cp=2, pp=2, recompute="full",
                                            distributed_optimizer=True)))

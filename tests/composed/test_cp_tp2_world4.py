@@ -8,16 +8,12 @@ at CP 2 × TP 2 × EP 2 (``test_cp_tp2_ep2_world4.py``). See ``_cp.py`` for what
 proves. (One layout per file: each torchrun process keeps the gloo threads of every group it
 made.)"""
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(4)
 
-_spec = importlib.util.spec_from_file_location("_cp", pathlib.Path(__file__).with_name("_cp.py"))
-cp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cp)
+from tests.composed import _cp as cp
 
 TESTS = cp.layout_tests(dict(cp=2, tp=2, recompute="full"),
                         techniques=("ring-dtp", "sco", "offload-adamw"))

@@ -5,16 +5,12 @@ with an MTP head (its label and mask rolls cross the CP ranks). See ``_cp.py`` f
 test proves."""
 
 import functools
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location("_cp", pathlib.Path(__file__).with_name("_cp.py"))
-cp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cp)
+from tests.composed import _cp as cp
 
 LAYOUTS = {
     "cp2-distopt": dict(cp=2, recompute="full", distributed_optimizer=True),

@@ -6,16 +6,11 @@ transposed, ``[H, 2F]`` blocks, so BLAS reads them another way; seen: 1e-9 on th
 gradient); on one rank here, at EP=2 in ``test_moe_world2.py``. This is the reference the
 flat layer's grouped experts are checked against."""
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "_moe_layers", pathlib.Path(__file__).with_name("_moe_layers.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.dispatch import _moe_layers as helpers
 
 
 @pytest.mark.parametrize("profile", ["balanced", "1/2", "0.7/1"])

@@ -8,8 +8,6 @@ dispatcher does, so there the results are bitwise equal; otherwise fp32 rounding
 ``_moe_layers.RTOL``).
 """
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -17,10 +15,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_moe_layers", pathlib.Path(__file__).with_name("_moe_layers.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.dispatch import _moe_layers as helpers
 
 P = 2
 

@@ -2,8 +2,6 @@
 at EP=4 and PP=2 x EP=2 through the equivalence harness (method and tolerances: see the
 2-rank file and ``_moe_layers``)."""
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -11,10 +9,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.world(4)
 
-_spec = importlib.util.spec_from_file_location(
-    "_moe_layers", pathlib.Path(__file__).with_name("_moe_layers.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.dispatch import _moe_layers as helpers
 
 P = 4
 

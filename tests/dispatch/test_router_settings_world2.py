@@ -11,8 +11,6 @@ split into chunks and sent to helpers. Output, input gradient and every paramete
 (router, this rank's experts, shared experts) agree to fp32 rounding (``_moe_layers.RTOL``).
 """
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -20,10 +18,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_moe_layers", pathlib.Path(__file__).with_name("_moe_layers.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.dispatch import _moe_layers as helpers
 
 P = 2
 DEEPSEEK = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,

@@ -5,17 +5,12 @@ bitwise equal; the ledger counts one attention forward per layer and microbatch 
 two, the same backwards; nothing left kept between steps; a forward without a checkpoint
 (no recompute, or evaluation) keeps nothing."""
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 STEPS = 2
-_spec = importlib.util.spec_from_file_location(
-    "_replay", pathlib.Path(__file__).with_name("_replay.py"))
-replay_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay_runs)
+from tests.megatron import _replay as replay_runs
 
 
 def _tiny(**over):

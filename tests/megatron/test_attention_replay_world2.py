@@ -14,10 +14,7 @@ import torch
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_replay", pathlib.Path(__file__).with_name("_replay.py"))
-replay_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay_runs)
+from tests.megatron import _replay as replay_runs
 
 STEPS = 2
 SCO = dict(sco=True, sco_host_budget_gib=0.01)

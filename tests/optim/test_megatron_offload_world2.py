@@ -19,18 +19,13 @@ written into the param groups as Megatron's scheduler does:
   continues from the loaded weights (no revert), bitwise as stock Megatron does.
 """
 
-import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
-_spec = importlib.util.spec_from_file_location(
-    "_optim_megatron_runs", pathlib.Path(__file__).with_name("_megatron_runs.py"))
-runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runs)
+from tests.optim import _megatron_runs as runs
 FLAT, LAYOUTS = runs.FLAT, runs.LAYOUTS
 dist_checkpointing_on_cpu, equal_tensors, everywhere = (
     runs.dist_checkpointing_on_cpu, runs.equal_tensors, runs.everywhere)

@@ -3,15 +3,10 @@ sequence parallelism): the ``attention block`` section (``_attention_block.py``)
 (the baseline terms' target) on shapes that vary tokens, hidden and head width, and no
 sequence-parallel gather buffer, planned or measured."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "_attention_block", pathlib.Path(__file__).with_name("_attention_block.py"))
-block = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(block)
+from tests.plan import _attention_block as block
 
 TOLERANCE = 0.05
 SHAPES = {

@@ -4,8 +4,6 @@ with the tiles and Ring-DTP. The ``attention block`` section within 5% (the base
 target); Megatron's persistent gather buffer exactly: N × H for stock, still N × H with the
 tiles alone (the stock output layer gathers through it), gone with Ring-DTP beside them."""
 
-import importlib.util
-import pathlib
 
 import pytest
 
@@ -13,10 +11,7 @@ from megatron_flat.config import FlatConfig
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_attention_block", pathlib.Path(__file__).with_name("_attention_block.py"))
-block = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(block)
+from tests.plan import _attention_block as block
 
 TOLERANCE = 0.05
 SHAPE = dict(seq_length=512, hidden_size=128, num_attention_heads=4, vocab_size=512)

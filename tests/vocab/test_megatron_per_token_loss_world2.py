@@ -35,18 +35,13 @@ single-rank model (its per-token MTP rescale counts tokens per CP rank; see
 """
 
 import functools
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_megatron_vocab", pathlib.Path(__file__).with_name("_megatron_vocab.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.vocab import _megatron_vocab as helpers
 
 PER_TOKEN = {"calculate_per_token_loss": True}
 MASKED = 0.25  # fraction of tokens with loss mask 0

@@ -9,18 +9,13 @@
   (TP=1: the blocked version).
 """
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.world(2)
 
-_spec = importlib.util.spec_from_file_location(
-    "_megatron_vocab", pathlib.Path(__file__).with_name("_megatron_vocab.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.vocab import _megatron_vocab as helpers
 
 MODES = ("weights", "activations", "auto")
 

@@ -10,17 +10,12 @@
   stage's, so both copies step alike (the harness requires replicas to agree bitwise).
 """
 
-import importlib.util
-import pathlib
 
 import pytest
 
 pytestmark = pytest.mark.world(4)
 
-_spec = importlib.util.spec_from_file_location(
-    "_megatron_vocab", pathlib.Path(__file__).with_name("_megatron_vocab.py"))
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from tests.vocab import _megatron_vocab as helpers
 
 MODES = ("weights", "activations", "auto")
 
