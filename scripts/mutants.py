@@ -176,10 +176,10 @@ MUTANTS += [
 # never exchanges. The selections run at world 2, both ring schedules.
 RING = "megatron_flat/vocab/ring.py"
 CROSS_ENTROPY = "megatron_flat/vocab/cross_entropy.py"
-RING_DTP = ("tests/vocab/test_ring_dtp_world2.py",)
+RING_DTP = ("tests/vocab/test_ring_dtp_worlds.py",)
 # A relay is still in flight when the next contribution is written only from the third
 # rank on (at P = 2 the one relay is the last): the write-order mutants need P = 4.
-RING_DTP4 = ("tests/vocab/test_ring_dtp_world4.py",)
+RING_DTP4 = ("tests/vocab/test_ring_dtp_worlds.py",)
 _NO_RING_STREAM = ("the ring has no side stream on CPU: gloo's exchanges are issued inline with "
                    "the compute they follow (on CUDA it takes two GPUs: NCCL)")
 _RING_ALLOCATOR = ("a hop's buffers are recorded on the ring's CUDA side stream, which CPU does "
@@ -249,7 +249,7 @@ MUTANTS += [
            RING_DTP4, world=4),
     # Collective decision: a rank whose inputs are bad must stop every rank before the ring.
     drop("ce.peer-errors-ignored", CROSS_ENTROPY, "        planning.raise_for_peer_errors(table)",
-         ("tests/vocab/test_ring_dtp_world2.py::test_bad_labels_raise_on_every_rank",), world=2,
+         ("tests/vocab/test_ring_dtp_worlds.py::test_bad_labels_raise_on_every_rank",), world=2,
          delayed=False, timeout=60),
 ]
 

@@ -127,15 +127,25 @@ def block_megatron() -> None:
         sys.meta_path.insert(0, _Blocker())
 
 
+_MULTI_RANK = re.compile(r"_world(\d+|s)\.py$")
+WORLD_SIZES = (2, 4)  # the sizes tests/_worlds.py marks (tests/test_megatron_use.py checks)
+
+
 def test_files(world: Optional[int]) -> Iterable[Path]:
     """The single-process test files (``world`` None) or those of one world size, in
-    ``tests/`` and its folders."""
-    pattern = "test_*.py" if world is None else f"test_*_world{world}.py"
+    ``tests/`` and its folders. Multi-rank files end in ``_world<N>.py`` (one world size) or
+    ``_worlds.py`` (tests parametrised over the sizes of ``tests/_worlds.py``, each case
+    marked with its own: listed for each of those sizes)."""
     tests = ROOT / "tests"
-    for path in sorted([*tests.glob(pattern), *tests.glob(f"*/{pattern}")]):
-        if world is None and re.search(r"_world\d+\.py$", path.name):
-            continue
-        yield path
+    for path in sorted([*tests.glob("test_*.py"), *tests.glob("*/test_*.py")]):
+        multi = _MULTI_RANK.search(path.name)
+        if world is None:
+            if not multi:
+                yield path
+        elif multi and multi.group(1) == str(world):
+            yield path
+        elif multi and multi.group(1) == "s" and world in WORLD_SIZES:
+            yield path
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -56,9 +56,16 @@ def test_the_suite_splits_and_the_known_files_land_where_they_belong():
     assert "tests/patches/test_rehearse.py" in involved
     assert "tests/plan/test_fit.py" in free and "tests/runtime/test_memory.py" in free
     assert "tests/test_megatron_use.py" in involved  # top-level files too (it starts a process)
-    assert not any(p.endswith(("_world2.py", "_world4.py")) for p in involved | free)
-    worlds = {p.relative_to(ROOT).as_posix() for p in use.test_files(2)}
-    assert "tests/vocab/test_ring_dtp_world2.py" in worlds
+    assert not any(p.endswith(("_world2.py", "_world4.py", "_worlds.py"))
+                   for p in involved | free)
+    worlds = {n: {p.relative_to(ROOT).as_posix() for p in use.test_files(n)} for n in (2, 3, 4)}
+    assert "tests/dispatch/test_llep_world2.py" in worlds[2]
+    # a file of several world sizes is listed for each size it marks, and only those
+    assert "tests/vocab/test_ring_dtp_worlds.py" in worlds[2] & worlds[4]
+    assert not any(p.endswith("_worlds.py") for p in worlds[3])
+    from tests import _worlds
+
+    assert tuple(w.values[0] for w in _worlds.WORLDS) == use.WORLD_SIZES
 
 
 def test_the_block_raises_where_an_import_error_would_be_forgiven():

@@ -3,7 +3,7 @@ alltoall MoE layer with ``TEGroupedMLP`` (CPU grouped linears; 0.16 and 0.19) eq
 same layer with ``SequentialMLP`` bitwise — output, input, router and every expert weight
 gradient — and with ``GroupedMLP`` (0.16) to fp32 rounding (its weights are stored
 transposed, ``[H, 2F]`` blocks, so BLAS reads them another way; seen: 1e-9 on the input
-gradient); on one rank here, at EP=2 in ``test_moe_world2.py``. This is the reference the
+gradient); on one rank here, at EP=2 in ``test_moe_worlds.py``. This is the reference the
 flat layer's grouped experts are checked against."""
 
 

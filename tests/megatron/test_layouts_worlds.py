@@ -1,18 +1,17 @@
-"""Megatron-Core's own layouts at 2 ranks agree with the single-rank model.
+"""Megatron-Core's own layouts at 2 and 4 ranks agree with the single-rank model.
 
 Covers what the CPU backend must run: MoE with the alltoall and allgather dispatchers at
-EP=2, TP=2 with sequence parallelism, PP=2 with the 1F1B schedule, the distributed
-optimizer at DP=2, full recompute (uniform and block) and selective recompute. Tolerances: see
-``megatron_flat.testing.equivalence`` (fp32 reduction order).
+EP=2 and EP=4, TP=2 with sequence parallelism, PP=2 with the 1F1B schedule, the distributed
+optimizer at DP=2, full recompute (uniform and block) and selective recompute, and at 4 ranks
+EP combined with TP and with PP. Tolerances: see ``megatron_flat.testing.equivalence`` (fp32
+reduction order).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.world(2)
-
-LAYOUTS = {
+LAYOUTS_2 = {
     "ep2-alltoall": dict(ep=2),
     "ep2-allgather": dict(ep=2, dispatcher="allgather"),
     "tp2-sp": dict(tp=2),
@@ -24,6 +23,15 @@ LAYOUTS = {
     "ep2-recompute-selective": dict(ep=2, recompute="selective",
                                     recompute_modules=("layernorm", "core_attn", "moe")),
 }
+LAYOUTS_4 = {
+    "ep4-alltoall": dict(ep=4),
+    "ep4-allgather": dict(ep=4, dispatcher="allgather"),
+    "tp2-ep2": dict(tp=2, ep=2),
+    "pp2-ep2-recompute-full": dict(pp=2, ep=2, recompute="full"),
+}
+LAYOUTS = {**LAYOUTS_2, **LAYOUTS_4}
+CASES = ([pytest.param(name, marks=pytest.mark.world(2)) for name in LAYOUTS_2]
+         + [pytest.param(name, marks=pytest.mark.world(4)) for name in LAYOUTS_4])
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,7 @@ def reference(megatron_cpu, tiny):
     return run_reference(tiny)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", CASES)
 def test_layout_matches_single_rank(name, tiny, reference):
     from megatron_flat.testing.equivalence import Layout, assert_equivalent, run_layout
 
@@ -53,6 +61,7 @@ def test_layout_matches_single_rank(name, tiny, reference):
     assert (result.grads is None) == layout.distributed_optimizer
 
 
+@pytest.mark.world(2)
 def test_harness_catches_a_wrong_expert_shard(tiny, reference):
     """A silently corrupted expert on one rank must be reported, not averaged away."""
     from megatron_flat.testing.equivalence import Layout, mismatches, run_layout
@@ -82,6 +91,7 @@ class _CorruptAfterLoad:
         return model
 
 
+@pytest.mark.world(2)
 def test_full_tensors_rejects_disagreeing_replicas(tiny, megatron_cpu):
     """Norm weights are replicated over TP; if the replicas differ, gathering says so."""
     from megatron_flat.testing.distributed import megatron_layout
