@@ -202,6 +202,24 @@ def reference(megatron_cpu, tiny):
     return run_reference(tiny)
 
 
+def _flat_gpt_step(tiny, reference, layout_kw, flat_kw):
+    """The tiny MoE GPT's run of ``Layout(**layout_kw)`` with FlatMoELayer (per
+    ``flat(**flat_kw)``, built by Megatron's own spec functions): (result, the flat layers)."""
+    from megatron_flat.megatron.moe import FlatMoELayer
+    from megatron_flat.megatron.spec import flat_moe_specs
+    from megatron_flat.testing.equivalence import Layout, run_layout
+
+    built = []
+
+    def record(model):
+        built.extend(m for m in model.modules() if isinstance(m, FlatMoELayer))
+        return model
+
+    with flat_moe_specs(flat(**flat_kw)):
+        result = run_layout(tiny, Layout(**layout_kw), reference, wrap_model=record)
+    return result, built
+
+
 GPT_LAYOUTS = {
     # 32 tokens per micro-batch per rank; c = 8 -> K = 4 chunks; lambda 0 + m 1 -> LLEP spills.
     "ep2-pipelined": (dict(ep=2), dict(dispatch_chunk_tokens=8, llep_imbalance_threshold=0.0)),
@@ -217,19 +235,10 @@ GPT_LAYOUTS = {
 def test_gpt_step_matches_stock_model(name, tiny, reference):
     """Loss and every gradient (and the parameters after two AdamW steps) of the tiny MoE GPT
     with FlatMoELayer — built by Megatron's own spec functions — equal the stock model's."""
-    from megatron_flat.megatron.moe import FlatMoELayer
-    from megatron_flat.megatron.spec import flat_moe_specs
-    from megatron_flat.testing.equivalence import Layout, assert_equivalent, run_layout
+    from megatron_flat.testing.equivalence import assert_equivalent
 
     layout_kw, flat_kw = GPT_LAYOUTS[name]
-    built = []
-
-    def record(model):
-        built.extend(m for m in model.modules() if isinstance(m, FlatMoELayer))
-        return model
-
-    with flat_moe_specs(flat(**flat_kw)):
-        result = run_layout(tiny, Layout(**layout_kw), reference, wrap_model=record)
+    result, built = _flat_gpt_step(tiny, reference, layout_kw, flat_kw)
     assert len(built) == tiny.num_layers
     assert_equivalent(result, reference)
     assert result.grads is not None
@@ -330,19 +339,10 @@ GPT_LAYOUTS_4 = {
 @pytest.mark.world(4)
 @pytest.mark.parametrize("name", list(GPT_LAYOUTS_4))
 def test_gpt_step_at_ep4_and_pp2_matches_stock_model(name, tiny, reference):
-    from megatron_flat.megatron.moe import FlatMoELayer
-    from megatron_flat.megatron.spec import flat_moe_specs
-    from megatron_flat.testing.equivalence import Layout, assert_equivalent, run_layout
+    from megatron_flat.testing.equivalence import assert_equivalent
 
     layout_kw, flat_kw = GPT_LAYOUTS_4[name]
-    built = []
-
-    def record(model):
-        built.extend(m for m in model.modules() if isinstance(m, FlatMoELayer))
-        return model
-
-    with flat_moe_specs(flat(**flat_kw)):
-        result = run_layout(tiny, Layout(**layout_kw), reference, wrap_model=record)
+    result, built = _flat_gpt_step(tiny, reference, layout_kw, flat_kw)
     assert len(built) == tiny.num_layers // layout_kw.get("pp", 1)
     assert_equivalent(result, reference)
     assert all(layer.flat_dispatch.last.num_chunks == 4 for layer in built)
