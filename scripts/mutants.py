@@ -256,7 +256,7 @@ MUTANTS += [
 # -- dispatch/: PipelinedLLEP's all-to-alls and the group's decisions -----------------------
 EXCHANGE = "megatron_flat/dispatch/exchange.py"
 LLEP = "megatron_flat/dispatch/llep.py"
-OVERLAP = ("tests/dispatch/test_llep_world2.py::test_overlap_is_bitwise_the_serial_schedule",)
+OVERLAP = ("tests/dispatch/test_llep_worlds.py::test_overlap_is_bitwise_the_serial_schedule",)
 
 MUTANTS += [
     drop("exchange.in-flight-all-to-all-not-waited", EXCHANGE, "                work.wait()",
@@ -280,13 +280,13 @@ MUTANTS += [
     Mutant("llep.settings-disagreement-ignored", LLEP,
            "        bad = [name for c, name in enumerate(fields)\n",
            "        bad = [] and [name for c, name in enumerate(fields)  # mutant\n",
-           ("tests/dispatch/test_llep_world2.py::test_ranks_must_agree_on_settings",), world=2,
+           ("tests/dispatch/test_llep_worlds.py::test_ranks_must_agree_on_settings",), world=2,
            delayed=False, timeout=60),
     Mutant("llep.receive-bound-judged-alone", LLEP,
            "        if self.ep_size > 1:\n            every = mine.new_empty(self.ep_size * 2)\n",
            "        if False:  # mutant: each rank judges only its own chunks\n"
            "            every = mine.new_empty(self.ep_size * 2)\n",
-           ("tests/dispatch/test_llep_world2.py::"
+           ("tests/dispatch/test_llep_worlds.py::"
             "test_receive_bound_violation_raises_on_every_rank",), world=2, delayed=False,
            timeout=60),
     Mutant("llep.graph-only-verdict-alone", LLEP,

@@ -59,7 +59,7 @@ def test_the_suite_splits_and_the_known_files_land_where_they_belong():
     assert not any(p.endswith(("_world2.py", "_world4.py", "_worlds.py"))
                    for p in involved | free)
     worlds = {n: {p.relative_to(ROOT).as_posix() for p in use.test_files(n)} for n in (2, 3, 4)}
-    assert "tests/dispatch/test_llep_world2.py" in worlds[2]
+    assert "tests/dispatch/test_graph_only_world2.py" in worlds[2] - worlds[4]
     # a file of several world sizes is listed for each size it marks, and only those
     assert "tests/vocab/test_ring_dtp_worlds.py" in worlds[2] & worlds[4]
     assert not any(p.endswith("_worlds.py") for p in worlds[3])

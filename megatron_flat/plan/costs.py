@@ -46,7 +46,7 @@ __all__ = ["unit_costs", "UNITS", "expert_units", "attention_flops", "attention_
 UNITS = ("dispatch", "vocab", "boundaries", "optimizer", "parameters")
 
 # Host syncs and aten ops (launches) per MoE layer, counted by the ledger on the landed code
-# at EP = 2, megatron-core 0.16.1 (benchmarks/ledger.py; tests/runtime/test_ledger_world2.py
+# at EP = 2, megatron-core 0.16.1 (benchmarks/ledger.py; tests/runtime/test_ledger_worlds.py
 # pins them). Megatron's alltoall dispatcher: per forward pass one wait for its split sizes
 # and two masked_select (0.19 has no masked_select). PipelinedLLEP: per call one wait, for
 # the route counts its plan needs (its tables reach the device in one non-blocking copy);
@@ -189,7 +189,7 @@ def moe_layer_counts(*, hidden: int, ffn: int, experts: int, tokens: int, ep: in
                                                             too); stock: 0
 
     Checked exactly against the ledger on the tiny layer (``tests/runtime/
-    test_ledger_world2.py``), stock and flat, with and without recompute.
+    test_ledger_worlds.py``), stock and flat, with and without recompute.
     """
     H, F, E, b = hidden, ffn, experts, bytes_per_value
     e_local = E // ep
@@ -261,7 +261,7 @@ def vocab_counts(*, hidden: int, vocab: int, tokens: int, tp: int, bytes_per_val
     and ``tile_reread_bytes(width, H, b)`` bytes (``mem_bytes``); FLOPs and ring bytes are
     the same.
 
-    Checked exactly against the ledger at TP = 2 (``tests/runtime/test_ledger_world2.py``).
+    Checked exactly against the ledger at TP = 2 (``tests/runtime/test_ledger_worlds.py``).
     """
     H, V, b, P, n_sp = hidden, vocab, bytes_per_value, tp, tokens
     shard = math.ceil(V / P)

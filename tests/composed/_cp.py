@@ -1,4 +1,4 @@
-"""The techniques under context parallelism (shared by the world-2 and world-4 files).
+"""The techniques under context parallelism (shared helpers of ``test_cp_worlds.py``).
 
 For one layout with CP > 1 (always with full recompute, which SCO needs, and the same in
 every run):
@@ -16,8 +16,7 @@ chunks, the Ring-DTP module, boundaries offloaded, OffloadStreamAdamW as the inn
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -132,34 +131,3 @@ class CPCase:
 
     def assert_all_four_match_stock(self):
         composed.assert_composed_equal(self.tiny, self.layout, self.reference, self.stock)
-
-
-def layout_tests(layout: dict, model: Optional[dict] = None,
-                 techniques: Sequence[str] = tuple(TECHNIQUES)) -> Dict[str, object]:
-    """The tests of one CP layout, for a test module's globals (one layout per world-4 file):
-    stock = one rank, each of ``techniques`` = stock, and all four = stock when every technique
-    is in ``techniques``. The layout's runs are made once, by the first test that needs them."""
-    import pytest
-
-    @functools.lru_cache(maxsize=None)
-    def case() -> CPCase:
-        from megatron_flat.testing.equivalence import Layout
-        from megatron_flat.testing.tiny_gpt import TinyMoE
-
-        return CPCase(TinyMoE(**(model or {})), Layout(**layout))
-
-    def test_stock_cp_equals_single_rank(megatron_cpu):
-        case().assert_stock_matches_single_rank()
-
-    @pytest.mark.parametrize("technique", list(techniques))
-    def test_technique_under_cp_equals_stock(megatron_cpu, technique):
-        case().assert_technique_matches_stock(technique)
-
-    tests = {"case": case, "test_stock_cp_equals_single_rank": test_stock_cp_equals_single_rank,
-             "test_technique_under_cp_equals_stock": test_technique_under_cp_equals_stock}
-    if set(techniques) == set(TECHNIQUES):
-        def test_all_four_under_cp_equal_stock(megatron_cpu):
-            case().assert_all_four_match_stock()
-
-        tests["test_all_four_under_cp_equal_stock"] = test_all_four_under_cp_equal_stock
-    return tests

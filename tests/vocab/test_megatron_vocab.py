@@ -4,7 +4,7 @@ Loss and every gradient against the stock model (untied and tied embeddings); ho
 plugin turns it on (per model, or for every model once installed); what it refuses; and
 that the peak meter's "vocabulary projection + loss" section measures the Ring-DTP path.
 Multi-rank checks against Megatron's vocab-parallel cross-entropy and whole training
-steps: ``test_megatron_vocab_world{2,4}.py``.
+steps: ``test_megatron_vocab_worlds.py``.
 """
 
 from types import SimpleNamespace

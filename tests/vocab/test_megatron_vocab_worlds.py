@@ -1,45 +1,61 @@
-"""Ring-DTP as GPTModel's output layer + loss at TP=2 (gloo), against Megatron itself.
+"""Ring-DTP as GPTModel's output layer + loss (gloo), against Megatron itself.
 
 * The output module against Megatron's projection + ``vocab_parallel_cross_entropy`` at
-  TP=2: loss, hidden-state gradient, weight-shard gradient, every mode; with and without
-  sequence parallelism, loss mask, bf16, huge logits (``_megatron_vocab.py``).
-* A full tiny MoE GPT step through the equivalence harness with Ring-DTP on against the
-  stock single-rank model: loss, every gradient, the parameters after two AdamW steps —
-  untied and tied embeddings, at TP=2 with sequence parallelism (the ring) and at DP=2
-  (TP=1: the blocked version).
+  TP=2 and TP=4 (``_megatron_vocab.py``): loss, hidden-state gradient, weight-shard gradient,
+  every mode; with and without sequence parallelism, loss mask, bf16, huge logits; at TP=2
+  also in 512-byte token tiles.
+* Full tiny MoE GPT steps through the equivalence harness with Ring-DTP on against the stock
+  single-rank model: loss, every gradient, the parameters after two AdamW steps.
+  - 2 ranks: untied and tied embeddings, at TP=2 with sequence parallelism (the ring) and at
+    DP=2 (TP=1: the blocked version); with MTP heads; without labels (Megatron's logits).
+  - 4 ranks, tied embeddings: TP=4 with sequence parallelism (4 tokens x 2 per rank, a ring
+    of 4), and TP=2 x PP=2 — the last stage's output copy of the word embedding gets the
+    Ring-DTP gradient and Megatron's embedding-group all-reduce sums it with the first
+    stage's, so both copies step alike (the harness requires replicas to agree bitwise).
 """
 
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.world(2)
-
+from tests._worlds import WORLDS
 from tests.vocab import _megatron_vocab as helpers
+
+world2 = pytest.mark.world(2)
+world4 = pytest.mark.world(4)
 
 MODES = ("weights", "activations", "auto")
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(helpers.CASES))
-def test_output_loss_matches_megatron_tp2(megatron_cpu, case, mode):
+@pytest.mark.parametrize("world", WORLDS)
+def test_output_loss_matches_megatron(megatron_cpu, world, case, mode):
     from megatron_flat.testing.distributed import megatron_layout
 
-    # Whole strips and 512-byte token tiles in one layout: each layout's gloo groups keep
-    # their threads for the life of the process.
-    with megatron_layout(tp=2):
-        for tile_bytes in (None, 512):
-            helpers.check_against_megatron(case, mode, tp=2, tile_bytes=tile_bytes)
+    # At TP=2 whole strips and 512-byte token tiles in one layout: each layout's gloo groups
+    # keep their threads for the life of the process.
+    with megatron_layout(tp=world):
+        for tile_bytes in ((None, 512) if world == 2 else (None,)):
+            helpers.check_against_megatron(case, mode, tp=world, tile_bytes=tile_bytes)
 
 
 # ---------------------------------------------------------------------------- whole model
 @pytest.fixture(scope="module")
 def references(megatron_cpu):
+    """The stock single-rank run per tied/untied embeddings, computed when first asked for."""
     from megatron_flat.testing.equivalence import run_reference
     from megatron_flat.testing.tiny_gpt import TinyMoE
 
-    tinies = {tied: TinyMoE(share_embeddings=tied) for tied in (False, True)}
-    return {tied: (tiny, run_reference(tiny)) for tied, tiny in tinies.items()}
+    done = {}
+
+    def reference(tied):
+        if tied not in done:
+            tiny = TinyMoE(share_embeddings=tied)
+            done[tied] = (tiny, run_reference(tiny))
+        return done[tied]
+
+    return reference
 
 
 STEPS = {
@@ -54,12 +70,13 @@ STEPS = {
 }
 
 
+@world2
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", list(STEPS))
 def test_gpt_step_matches_stock_model(references, name, tied):
     from megatron_flat.testing.equivalence import assert_equivalent
 
-    tiny, reference = references[tied]
+    tiny, reference = references(tied)
     layout, mode, block, tile = STEPS[name]
     result, seen = helpers.gpt_step(tiny, reference, layout, mode, block, tile)
     assert_equivalent(result, reference)
@@ -78,6 +95,7 @@ def test_gpt_step_matches_stock_model(references, name, tied):
         assert "output_layer.weight" not in result.grads  # the embedding got the grad
 
 
+@world2
 def test_without_labels_the_model_returns_megatron_logits(megatron_cpu):
     """Inference/evaluation (no labels) keeps Megatron's logits path, bitwise."""
     from megatron_flat.megatron.vocab import enable_ring_dtp, ring_dtp_output
@@ -102,6 +120,35 @@ def test_without_labels_the_model_returns_megatron_logits(megatron_cpu):
     assert torch.equal(stock, flat)
 
 
+STEPS_TP4 = {
+    # name: (layout, mode); tied embeddings (world 2 runs untied and tied in both modes).
+    "tp4-sp-weights": (dict(tp=4), "weights"),
+    "tp2-pp2-auto": (dict(tp=2, pp=2), "auto"),  # 16 tokens per rank, 64 rows: activations
+}
+
+
+@world4
+@pytest.mark.parametrize("name", list(STEPS_TP4))
+def test_gpt_step_at_4_ranks_matches_stock_model(references, name):
+    from megatron_flat.testing.equivalence import assert_equivalent
+
+    layout, mode = STEPS_TP4[name]
+    tiny, reference = references(True)
+    result, seen = helpers.gpt_step(tiny, reference, layout, mode)
+    assert_equivalent(result, reference)
+    assert result.grads is not None
+    assert result.losses[1] != result.losses[0]
+    (ring, calls, last_stage, weight), = seen
+    assert (ring is not None) == last_stage
+    assert last_stage or layout.get("pp", 1) > 1
+    if last_stage:
+        dp = 4 // (layout["tp"] * layout.get("pp", 1))
+        micro = tiny.global_batch_size // tiny.micro_batch_size // dp
+        assert ring.tp == layout["tp"] and ring.mode == mode
+        assert calls == {"stock": 0, "ring": 2 * micro}
+        assert weight.grad_added_to_main_grad is True  # straight into DDP's main_grad
+
+
 # ---------------------------------------------------------------------------- MTP heads
 @pytest.fixture(scope="module")
 def mtp_references(megatron_cpu):
@@ -113,6 +160,7 @@ def mtp_references(megatron_cpu):
     return {tied: (tiny, run_reference(tiny)) for tied, tiny in tinies.items()}
 
 
+@world2
 @pytest.mark.parametrize("tied", [False, True], ids=["untied-1-head", "tied-2-heads"])
 @pytest.mark.parametrize("name", ["tp2-sp-activations", "tp2-sp-weights", "dp2-blocked"])
 def test_gpt_step_with_mtp_heads_matches_stock_model(mtp_references, name, tied):

@@ -1,6 +1,9 @@
-"""CostLedger at world size 2: collectives of known sizes, and benchmarks/ledger.py's two
+"""CostLedger over 2 and 4 ranks: collectives of known sizes, and benchmarks/ledger.py's
 cheapest units at a tiny shape (every key, the structural facts stock vs flat must show, and
-the per-layer formulas of ``megatron_flat.plan.costs`` equal to the counts)."""
+the per-layer formulas of ``megatron_flat.plan.costs`` equal to the counts). At both sizes the
+flat MoE layer waits for the device no more often than Megatron's alltoall layer (once per
+forward pass, never in backward), alone and under full recompute, with FLOPs and all-to-all
+bytes under recompute at most stock's."""
 
 from __future__ import annotations
 
@@ -13,14 +16,19 @@ import torch.distributed as dist
 
 from megatron_flat.plan.costs import moe_layer_counts, vocab_counts
 from megatron_flat.runtime.ledger import CostLedger
+from tests._worlds import WORLDS
 
-pytestmark = pytest.mark.world(2)
+world2 = pytest.mark.world(2)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# 4 experts top-2, 64 tokens per rank, chunk cap 16 (K = 4); vocab 2 x 256, 32 tokens per rank.
-TINY = ["--experts", "4", "--topk", "2", "--tokens", "64", "--hidden", "32", "--ffn", "32",
-        "--chunk", "16", "--vocab-tokens", "32", "--vocab-per-rank", "256",
-        "--vocab-block", "64"]
+# Per world size: 4 experts top-2 (8 at 4 ranks: 2 per rank), 64 tokens per rank, chunk cap
+# 16 (K = 4); at 2 ranks also the vocabulary unit: vocab 2 x 256, 32 tokens per rank.
+MOE = ["--topk", "2", "--tokens", "64", "--hidden", "32", "--ffn", "32", "--chunk", "16"]
+TINY = {
+    2: ["--experts", "4", *MOE, "--vocab-tokens", "32", "--vocab-per-rank", "256",
+        "--vocab-block", "64"],
+    4: ["--experts", "8", *MOE],
+}
 
 
 def _bench():
@@ -33,12 +41,16 @@ def _bench():
 
 @pytest.fixture(scope="module")
 def run(megatron_cpu):
+    world = dist.get_world_size()
     bench = _bench()
-    args = bench.parse_args(TINY)
-    records = bench.unit_moe(args) + bench.unit_moe_recompute(args) + bench.unit_vocab(args)
+    args = bench.parse_args(TINY[world])
+    records = bench.unit_moe(args) + bench.unit_moe_recompute(args)
+    if world == 2:
+        records += bench.unit_vocab(args)
     return bench, args, {(r["unit"], r["variant"]): r for r in records}
 
 
+@world2
 def test_records_have_every_key(run) -> None:
     bench, _, by = run
     assert sorted(by) == sorted((u, v) for u in ("moe", "moe-recompute", "vocab")
@@ -56,6 +68,7 @@ def test_records_have_every_key(run) -> None:
         assert r["ops"] > 0 and r["flops"] > 0
 
 
+@world2
 def test_moe_flops_differ_only_by_the_chunk_recompute(run) -> None:
     _, args, by = run
     stock, flat = by[("moe", "stock")], by[("moe", "flat")]
@@ -70,7 +83,8 @@ def test_moe_flops_differ_only_by_the_chunk_recompute(run) -> None:
     assert flat["peak_device_bytes"] < stock["peak_device_bytes"]
 
 
-def test_moe_under_full_recompute_does_no_more_than_stock(run) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_moe_under_full_recompute_does_no_more_than_stock(run, world) -> None:
     """Inside Megatron's full recompute the flat layer's re-run is graph-only (no dispatch,
     no expert GEMM): expert FLOPs and all-to-all bytes at most the stock layer's."""
     _, args, by = run
@@ -88,6 +102,7 @@ def test_moe_under_full_recompute_does_no_more_than_stock(run) -> None:
         stock["all_to_all_bytes"]
 
 
+@world2
 def test_vocab_ring_moves_no_logits(run) -> None:
     _, args, by = run
     stock, flat = by[("vocab", "stock")], by[("vocab", "flat")]
@@ -103,6 +118,7 @@ def test_vocab_ring_moves_no_logits(run) -> None:
     assert flat["flops"] >= stock["flops"]
 
 
+@world2
 @pytest.mark.parametrize("unit", ["moe", "moe-recompute"])
 @pytest.mark.parametrize("variant", ["stock", "flat"])
 def test_moe_layer_formulas_equal_the_counts(run, unit, variant) -> None:
@@ -126,6 +142,7 @@ def test_moe_layer_formulas_equal_the_counts(run, unit, variant) -> None:
     assert abs(r["ops"] - want["ops"]) <= 0.15 * want["ops"]  # a fitted launch proxy
 
 
+@world2
 @pytest.mark.parametrize("variant", ["stock", "flat"])
 def test_vocab_formulas_equal_the_counts(run, variant) -> None:
     _, args, by = run
@@ -145,6 +162,7 @@ def test_vocab_formulas_equal_the_counts(run, variant) -> None:
         assert r["collective_calls"]["send"] == want["collective_calls"]["send"]
 
 
+@world2
 def test_all_to_all_known_splits(dist_world) -> None:
     rank = dist.get_rank()
     # rank 0 sends 2 rows to itself and 3 to rank 1; rank 1 sends 1 to rank 0 and 4 to itself
@@ -162,6 +180,7 @@ def test_all_to_all_known_splits(dist_world) -> None:
     assert ledger.syncs == 0
 
 
+@world2
 def test_other_collectives_ring_bytes(dist_world) -> None:
     rank = dist.get_rank()
     x = torch.randn(8)  # 32 bytes
@@ -190,6 +209,7 @@ def test_other_collectives_ring_bytes(dist_world) -> None:
     assert ledger.all_to_all_bytes == 0
 
 
+@world2
 def test_collective_output_is_device_data(dist_world) -> None:
     counts = torch.tensor([1, 2])
     counts.add_(torch.zeros(2, dtype=torch.long))  # pre-existing zeros: device data
@@ -207,7 +227,8 @@ def test_collective_output_is_device_data(dist_world) -> None:
 
 
 @pytest.mark.parametrize("unit, passes", [("moe", 1), ("moe-recompute", 2)])
-def test_flat_moe_waits_once_per_forward_pass(run, unit, passes) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_flat_moe_waits_once_per_forward_pass(run, world, unit, passes) -> None:
     """PipelinedLLEP reads the device once per forward (every rank's route counts per
     chunk and expert: the plan and every split size follow from them) and never in
     backward; Megatron's alltoall dispatcher waits once per forward for its split sizes
@@ -215,11 +236,14 @@ def test_flat_moe_waits_once_per_forward_pass(run, unit, passes) -> None:
     release, alone and under full recompute (its graph-only re-run waits once too)."""
     _, _, by = run
     flat, stock = by[(unit, "flat")], by[(unit, "stock")]
+    if world == 4:
+        assert flat["stages"] == 4
     assert flat["sync_kinds"] == {"cpu": passes}
     assert stock["sync_kinds"].get("event_synchronize") == passes
     assert flat["syncs"] <= stock["syncs"]
 
 
+@world2
 def test_attention_replay_unit_saves_one_attention_forward_per_layer(megatron_cpu) -> None:
     bench = _bench()
     args = bench.parse_args(["--seq-length", "64"])

@@ -1,10 +1,11 @@
-"""LLEP / PipelinedLLEP over 2 ranks (gloo) against a dense single-process MoE.
+"""LLEP / PipelinedLLEP over 2 and 4 ranks (gloo) against a dense single-process MoE.
 
 Every rank rebuilds every rank's synthetic inputs from seeds and computes the global
 reference, so outputs, token/router-probability gradients and each rank's expert-weight
 gradients are checked without gathering. Tolerance (rtol 1e-5, atol 1e-6 on values of order
 1e-2..1): fp32 rounding only — chunking changes GEMM row counts and the reduction order of
-weight gradients, nothing else.
+weight gradients, nothing else. With 4 ranks a hot expert spills to several helpers, one
+helper serves several owners, and ranks differ in N.
 """
 
 import pytest
@@ -14,54 +15,107 @@ import torch.distributed as dist
 from megatron_flat.dispatch.experts import GLUExperts
 from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.testing.moe_reference import RankCase, engine_mismatches, sync_case
+from tests._worlds import WORLDS, per_world
 
-pytestmark = pytest.mark.world(2)
+world2 = pytest.mark.world(2)
+world4 = pytest.mark.world(4)
 
+# The world-2 tests' shape (P ranks, E experts); world 4 has E4 experts, 2 per rank.
 P = 2
 E, H, F = 4, 8, 12
+E4 = 8
+EXPERTS = {2: E, 4: E4}
 
-# name: (tokens per rank, topk, profile, options)
+# name: (tokens per rank, topk, profile, options), per world size
 SCENARIOS = {
-    "balanced-plain-ep": ([12, 12], 2, "balanced", dict(chunk_tokens=4)),
-    "skew-llep-spills": ([16, 16], 2, "0.9/1", dict(chunk_tokens=4, imbalance_threshold=0.0)),
-    "skew-contiguous": ([16, 16], 2, "0.9/1", dict(chunk_tokens=5, membership="contiguous",
-                                                   imbalance_threshold=0.0)),
-    "one-rank-receives-nothing": ([10, 10], 1, "1/1", dict(chunk_tokens=3,
-                                                          imbalance_threshold=1e9)),
-    "ragged-n-and-empty-rank": ([0, 13], 2, "0.7/2", dict(chunk_tokens=4,
-                                                        imbalance_threshold=0.0)),
-    "n-below-k": ([2, 7], 2, "0.8/1", dict(chunk_tokens=1, imbalance_threshold=0.0)),
-    "k1": ([9, 5], 2, "0.8/1", dict(chunk_tokens=64, imbalance_threshold=0.0)),
-    "unchunked-llep": ([11, 6], 2, "0.8/1", dict(mode="llep", imbalance_threshold=0.0)),
-    # Chunk graphs kept from forward to backward: the first 2 of 4 chunks, and every chunk.
-    "kept-chunks": ([16, 11], 2, "0.9/1", dict(chunk_tokens=4, imbalance_threshold=0.0,
-                                              saved_chunks=2)),
-    "all-chunks-kept": ([12, 12], 2, "balanced", dict(chunk_tokens=4, saved_chunks=99)),
-    # The CUDA schedule (next chunk's all-to-all in flight while this one computes) on gloo.
-    "overlap": ([14, 9], 2, "0.9/1", dict(chunk_tokens=3, imbalance_threshold=0.0,
-                                          overlap=True)),
+    2: {
+        "balanced-plain-ep": ([12, 12], 2, "balanced", dict(chunk_tokens=4)),
+        "skew-llep-spills": ([16, 16], 2, "0.9/1", dict(chunk_tokens=4, imbalance_threshold=0.0)),
+        "skew-contiguous": ([16, 16], 2, "0.9/1", dict(chunk_tokens=5, membership="contiguous",
+                                                       imbalance_threshold=0.0)),
+        "one-rank-receives-nothing": ([10, 10], 1, "1/1", dict(chunk_tokens=3,
+                                                              imbalance_threshold=1e9)),
+        "ragged-n-and-empty-rank": ([0, 13], 2, "0.7/2", dict(chunk_tokens=4,
+                                                            imbalance_threshold=0.0)),
+        "n-below-k": ([2, 7], 2, "0.8/1", dict(chunk_tokens=1, imbalance_threshold=0.0)),
+        "k1": ([9, 5], 2, "0.8/1", dict(chunk_tokens=64, imbalance_threshold=0.0)),
+        "unchunked-llep": ([11, 6], 2, "0.8/1", dict(mode="llep", imbalance_threshold=0.0)),
+        # Chunk graphs kept from forward to backward: the first 2 of 4 chunks, and every chunk.
+        "kept-chunks": ([16, 11], 2, "0.9/1", dict(chunk_tokens=4, imbalance_threshold=0.0,
+                                                  saved_chunks=2)),
+        "all-chunks-kept": ([12, 12], 2, "balanced", dict(chunk_tokens=4, saved_chunks=99)),
+        # The CUDA schedule (next chunk's all-to-all in flight while this one computes) on gloo.
+        "overlap": ([14, 9], 2, "0.9/1", dict(chunk_tokens=3, imbalance_threshold=0.0,
+                                              overlap=True)),
+    },
+    4: {
+        "balanced-plain-ep": ([8, 8, 8, 8], 2, "balanced", dict(chunk_tokens=3)),
+        "skew-spills-to-many": ([12, 12, 12, 12], 2, "0.9/1", dict(chunk_tokens=4,
+                                                                 imbalance_threshold=0.0)),
+        "one-rank-gets-everything": ([6, 6, 6, 6], 1, "1/1", dict(chunk_tokens=2,
+                                                                imbalance_threshold=1e9)),
+        "ragged-n-below-k": ([1, 0, 9, 4], 2, "0.6/2", dict(chunk_tokens=1,
+                                                          membership="contiguous",
+                                                          imbalance_threshold=0.0)),
+        "unchunked-llep": ([7, 10, 3, 8], 3, "0.5/1", dict(mode="llep", imbalance_threshold=0.0)),
+    },
 }
 
+# World 4: the same hot expert on every rank (else rotated by rank).
+SAME_ROUTING = {"skew-spills-to-many", "one-rank-gets-everything"}
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_matches_dense_moe(name, dist_world):
-    sizes, topk, profile, opts = SCENARIOS[name]
+
+@pytest.mark.parametrize("world, name", per_world(SCENARIOS))
+def test_matches_dense_moe(world, name, dist_world):
+    sizes, topk, profile, opts = SCENARIOS[world][name]
     rank = dist.get_rank()
-    full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(11))
-    cases = [RankCase(n, H, E, topk, profile, seed=100 + r, shift=r) for r, n in enumerate(sizes)]
-    options = DispatchOptions(min_tokens_per_gemm=1, **opts)
+    if world == 2:
+        full = GLUExperts(E, H, F, generator=torch.Generator().manual_seed(11))
+        cases = [RankCase(n, H, E, topk, profile, seed=100 + r, shift=r)
+                 for r, n in enumerate(sizes)]
+        options = DispatchOptions(min_tokens_per_gemm=1, **opts)
+    else:
+        full = GLUExperts(E4, H, F, generator=torch.Generator().manual_seed(12))
+        shift = 0 if name in SAME_ROUTING else 1
+        cases = [RankCase(n, H, E4, topk, profile, seed=200 + r, shift=shift * r)
+                 for r, n in enumerate(sizes)]
+        options = DispatchOptions(min_tokens_per_gemm=1, debug_checks=True, **opts)
     problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-6)
     assert problems == []
     assert max(stats.received) <= stats.receive_bound
-    if options.mode == "pipelined":
+    if world == 2 and options.mode == "pipelined":
         assert stats.num_chunks == max(1, min(-(-max(sizes) // options.chunk_tokens), 10))
-    if name.startswith("skew"):
-        assert stats.llep and stats.plan.weight_transfers  # hot expert 0 spilled
-    if options.mode == "pipelined":
         assert stats.saved_chunks == min(options.saved_chunks, stats.num_chunks)
+    if world == 2 and name.startswith("skew"):
+        assert stats.llep and stats.plan.weight_transfers  # hot expert 0 spilled
+    if name == "skew-spills-to-many":
+        helpers = {h for e, _, h in stats.plan.weight_transfers if e == 0}
+        assert len(helpers) >= 2
     if name == "one-rank-receives-nothing":
         assert not stats.llep
         assert (sum(stats.received) == 0) == (rank == 1)  # every route goes to expert 0
+    if name == "one-rank-gets-everything":
+        assert (sum(stats.received) == 0) == (rank != 0)
+
+
+@world4
+def test_helper_gemms_get_m_rows_per_chunk(dist_world):
+    """The plan is made with each chunk's loads: every helper GEMM of every chunk gets at
+    least m rows (m = 30, K = 4 strided chunks: a plan from the whole batch alone would cut
+    its spill pieces four ways to about 20 rows), and the result equals the dense reference."""
+    m = 30
+    rank = dist.get_rank()
+    full = GLUExperts(E4, H, F, generator=torch.Generator().manual_seed(12))
+    cases = [RankCase(200, H, E4, 2, "0.6/1", seed=200 + r) for r in range(4)]
+    options = DispatchOptions(chunk_tokens=50, imbalance_threshold=0.0, min_tokens_per_gemm=m,
+                              debug_checks=True)
+    problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-6)
+    assert problems == []
+    assert stats.num_chunks == 4 and stats.plan.weight_transfers
+    every = [None] * 4
+    dist.all_gather_object(every, [n for chunk in stats.helper_rows for n in chunk])
+    rows = [n for got in every for n in got]
+    assert rows and min(rows) >= m, rows
 
 
 class _GraphKeepingBank:
@@ -102,6 +156,7 @@ def _run_engine(options, whole_graph=False):
     return [out.detach(), b["tokens"].grad, b["logits"].grad] + weights, eng.last
 
 
+@world2
 @pytest.mark.parametrize("whole_graph", [False, True], ids=["first-layer", "whole-graph"])
 @pytest.mark.parametrize("saved", [1, 3, 10])
 def test_saved_chunks_are_bitwise_the_recomputed_ones(saved, whole_graph, dist_world):
@@ -119,6 +174,7 @@ def test_saved_chunks_are_bitwise_the_recomputed_ones(saved, whole_graph, dist_w
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@world2
 def test_ranks_must_agree_on_settings(dist_world):
     rank = dist.get_rank()
     bank = GLUExperts(E // P, H, F)
@@ -129,6 +185,7 @@ def test_ranks_must_agree_on_settings(dist_world):
         eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"])
 
 
+@world2
 def test_bad_input_fails_everywhere_before_a_collective(dist_world):
     """Every rank rejects the bad call locally; the group is still usable afterwards."""
     rank = dist.get_rank()
@@ -145,6 +202,7 @@ def test_bad_input_fails_everywhere_before_a_collective(dist_world):
     assert out.shape == (5, H) and eng.last.num_chunks == 3
 
 
+@world2
 def test_receive_bound_violation_raises_on_every_rank(dist_world, monkeypatch):
     """A receive-bound violation is a bug; every rank reports it (none is left waiting in
     the dispatch), naming the rank that would receive too much, and the group stays usable."""
@@ -176,6 +234,7 @@ def llep_local_bank(full, rank):
     return local_bank_from(full, rank * (E // P), E // P)
 
 
+@world2
 @pytest.mark.parametrize("extra", [dict(), dict(saved_chunks=2), dict(mode="llep")],
                          ids=["recomputed", "kept", "llep"])
 def test_overlap_is_bitwise_the_serial_schedule(extra, dist_world, monkeypatch):
@@ -200,7 +259,6 @@ def test_overlap_is_bitwise_the_serial_schedule(extra, dist_world, monkeypatch):
     chunks = stats.num_chunks
     assert sum(flags) >= 4 * chunks + 1, (flags, chunks)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-
 
 
 class _NativeBank:
@@ -255,6 +313,7 @@ class _PerExpert:
             bank.run_saving
 
 
+@world2
 @pytest.mark.parametrize("extra", [dict(), dict(saved_chunks=2), dict(mode="llep")],
                          ids=["recomputed", "saved", "llep"])
 def test_native_experts_run_in_one_call_per_chunk(extra, dist_world):
@@ -289,10 +348,11 @@ def test_native_experts_run_in_one_call_per_chunk(extra, dist_world):
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("profile", ["balanced", "0.9/1"], ids=["plain-ep", "spills"])
-def test_one_host_sync_per_forward_call_none_in_backward(profile, recompute, dist_world):
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_host_sync_per_forward_call_none_in_backward(world, profile, recompute, dist_world):
     """With CUDA semantics (reads of device data, blocking uploads) a call waits once, for
     the route counts (the forward and, under full recompute, the checkpoint's re-run), and
     backward never, with and without spills."""
-    got = sync_case(profile, recompute, experts=E, hidden=H, ffn=F)
+    got = sync_case(profile, recompute, experts=EXPERTS[world], hidden=H, ffn=F)
     assert got == {"forward": 2 if recompute else 1, "backward": 0, "chunks": 5,
                    "spills": profile != "balanced"}

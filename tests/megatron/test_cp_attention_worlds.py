@@ -1,4 +1,5 @@
-"""ContextParallelCoreAttention equals single-rank causal attention, forward and backward.
+"""ContextParallelCoreAttention equals single-rank causal attention, forward and backward,
+at CP 2 and CP 4 (eight chunks, each rank two of them).
 
 Every rank computes the reference (plain causal attention over the whole sequence) itself;
 the CP run feeds each rank its two load-balanced chunks and gathers outputs and input
@@ -14,8 +15,9 @@ from megatron_flat.cpu.context_attention import (
     load_balanced_chunks,
 )
 from megatron_flat.testing.distributed import megatron_layout
+from tests._worlds import WORLDS
 
-pytestmark = pytest.mark.world(2)
+world2 = pytest.mark.world(2)
 
 
 def _attention(cp: int, heads: int = 4, groups: int = 4):
@@ -43,9 +45,11 @@ def _to_global(parts, cp: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("groups", [4, 2])
-def test_cp_equals_single_rank(groups, megatron_cpu):
-    """CP = the world (2 here; 4 in the world-4 file, which runs this same test)."""
+@pytest.mark.parametrize("world", WORLDS)
+def test_cp_equals_single_rank(world, groups, megatron_cpu):
+    """CP = the world."""
     cp = dist.get_world_size()
+    assert cp == world
     seq, b, heads, dim = 24, 2, 4, 16
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(seq, b, heads, dim, generator=gen)
@@ -72,6 +76,7 @@ def test_cp_equals_single_rank(groups, megatron_cpu):
             assert full.abs().max() > 0
 
 
+@world2
 def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
     """Multi-latent attention under CP on the CPU backend: queries/keys of k_channels 24,
     values of v_channels 16. ``DotProductAttention`` built with MLA's arguments and CP = the
@@ -121,6 +126,7 @@ def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
             torch.testing.assert_close(_to_global(parts, cp), want, rtol=1e-5, atol=1e-6)
 
 
+@world2
 def test_refuses_uneven_chunks(megatron_cpu):
     cp = dist.get_world_size()
     with megatron_layout(1, 1, 1, cp=cp):
