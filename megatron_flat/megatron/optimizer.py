@@ -19,90 +19,9 @@ with ``optimizer_bucket_numel`` and ``optimizer_num_slots``:
   ``get_megatron_optimizer`` call (Megatron-LM's training loop makes one) builds it;
   :func:`unwire_optimizer_offload` undoes it, :func:`optimizer_offload` is the scoped form.
 
-Which parameters the inner optimizer holds, and where the fp32 master lives
-    * Distributed optimizer, bf16/fp16 model: Megatron's *precision-aware* path. The
-      sub-optimizer is built from a copy of the OptimizerConfig with Megatron's derived
-      ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` switch on (and
-      ``store_param_remainders`` off: whole fp32 masters), so the distributed optimizer hands its inner optimizer this rank's
-      bf16/fp16 *model* param shards (views of the parameter buffer the all-gather reads)
-      and each shard's gradient as ``decoupled_grad``, skips its own main→model copy, and
-      saves and loads optimizer state through ``get_unscaled_state``/``set_scaled_state``.
-      The inner optimizer (:class:`MegatronMasterOffloadAdamW`) keeps the fp32 master and
-      both moments in host memory (12 bytes per parameter) and writes the updated values
-      into the bf16 shard itself; the device keeps only the staging slots. This needs no
-      transformer-engine (Megatron's ``use_precision_aware_optimizer`` field, which asks
-      for TE's FusedAdam, stays off) and no Megatron patch. Gradients are made fp32 first,
-      as the stock path's ``main_grad.float()`` (a no-op with Megatron-LM's default fp32
-      grad buffer). Checkpoints hold fp32 masters in Megatron's usual keys and dtypes, so
-      they move between the stock and the offloaded optimizer.
-    * Non-distributed ``Float16OptimizerWithFloat16Params``: its fp32 main params (the
-      master) stay on the device, where Megatron keeps them, and the inner optimizer treats
-      them as their own master; both moments (8 of 12 bytes per parameter) go to host
-      memory. A warning says so; ``--use-distributed-optimizer`` moves the master too.
-    * fp32 model (either wrapper): each parameter is its own master; the moments go to host.
-    * fp8 parameters keep Megatron's fp32 main shards (moments only, with a warning).
-
-Exactness
-    The update is torch's AdamW kernel (``torch.optim.adamw.adamw``) with the stock inner
-    optimizer's hyperparameters, per group, and, for a stock ``torch.optim.AdamW``, its
-    ``foreach``/``fused`` choice as torch resolves it (``_stock_kernel``); in place of
-    transformer-engine's or apex's FusedAdam it runs torch's fused kernel on CUDA. Where
-    Megatron's stock inner optimizer is ``torch.optim.AdamW`` (no transformer-engine or apex,
-    as on CPU machines), training is bitwise equal to stock Megatron. With transformer-engine
-    or apex installed Megatron uses their FusedAdam, whose arithmetic differs from torch's
-    (bias correction and weight decay are applied in another order), so runs agree to fp32
-    rounding, not bitwise; the offloaded step stays bitwise equal to ``torch.optim.AdamW``.
-
-Skipped steps
-    Megatron's ``step`` runs ``prepare_grads`` (copy grads to the main params; with a grad
-    scaler, unscale and the inf/nan check), returns ``(False, None, None)`` when inf/nan was
-    found, else clips by the global norm, then calls the inner ``step``. Every global
-    operation therefore finishes before the first bucket is uploaded, and a skipped step
-    never reaches the inner optimizer: every byte of state and every parameter is unchanged.
-    Without a grad scaler (bf16, fp32) stock Megatron has no inf/nan check at all; the
-    wrappers built here add one to ``prepare_grads`` (one fused non-finite check over the
-    main grads, all-reduced over Megatron's grad-stats group as the scaler path's is: all
-    ranks of a distributed optimizer; the model-parallel ranks otherwise, whose
-    data-parallel replicas hold the same all-reduced gradients), so a non-finite gradient
-    skips the step on every rank, reported as Megatron reports a skip
-    (``update_successful=False``), instead of writing NaN into the weights. It reads the
-    gradients only: finite steps are unchanged.
-
-Checkpoints
-    The inner state is shaped like ``torch.optim.AdamW``'s (per parameter ``step``,
-    ``exp_avg``, ``exp_avg_sq``) and ``optimizer.state[p]`` holds views of the host buffers,
-    so Megatron's ``state_dict``/``load_state_dict``/``sharded_state_dict`` read and write it
-    as they do torch's AdamW state, and checkpoints saved with Megatron's stock inner
-    optimizer load into the offloaded one. Megatron's distributed optimizer, though, was
-    written for transformer-engine's FusedAdam, which keeps one step per group and none per
-    parameter; with torch's AdamW layout (stock torch AdamW included, i.e. every CPU run) it
-    cannot resume: ``state_dict`` asserts on an optimizer without state, its loaders hand one
-    shared ``step`` tensor to every parameter (which torch's AdamW then increments once per
-    parameter), ``dp_reshardable`` writes the load template's per-parameter step back over
-    the saved one, and the legacy ``load_parameter_state`` raises ``KeyError: 'step'``. For
-    the offloaded inner optimizer these are handled: state is created (in host memory, not
-    as Megatron's device placeholders) before a load, ``step`` tensors are never aliased, a
-    missing per-parameter ``step`` keeps the current one and the step Megatron saved in its
-    param groups is re-applied after every load; the state dict also carries each group's
-    ``step`` as FusedAdam does, which the distributed optimizer's TE/apex code path reads.
-    Megatron's ``init_state_fn`` (placeholder state before a load) creates host state too.
-
-Loading a checkpoint without optimizer state (``--no-load-optim``, ``--finetune``)
-    The model weights change outside the optimizer, so the fp32 masters must follow them or
-    the next step would write the old weights back. Megatron-LM calls
-    ``optimizer.reload_model_params()`` after such a load (for fp16/bf16; with fp32 models the
-    main params *are* the model params or views of them, so nothing can go stale). The
-    wrappers built here keep that contract: Megatron copies the model params into its main
-    params, then every offloaded inner optimizer refreshes the host master of any
-    low-precision parameter it holds (:meth:`OffloadStreamAdamW.reload_model_params`). The
-    moments and step counts are left as they are (Megatron's behaviour: a fresh optimizer
-    has none; to restart them, build a new optimizer).
-
-Memory
-    One OffloadStreamAdamW per Megatron sub-optimizer (dense, and expert when the model has
-    experts), each with its own ``num_slots x largest bucket x 12`` bytes of device staging
-    (fp32 gradients are read where they are), allocated when it first plans (its first step,
-    or a checkpoint load).
+Which parameters the inner optimizer holds and where the fp32 master lives, why the update
+is bitwise stock's, skipped steps, checkpoints, loads without optimizer state and the device
+staging: docs/optimizer.md.
 """
 
 from __future__ import annotations

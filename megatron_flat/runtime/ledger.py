@@ -1,157 +1,16 @@
 """Deterministic counts of the costs that decide GPU step time, for a block of code.
 
-``CostLedger`` is shaped like :class:`~megatron_flat.runtime.memory.MemoryMeter`:
-a ``with`` block, named sections, figures readable after the block. Where the
-meter measures bytes, the ledger counts what a CPU run's wall time hides:
+Contract: ``with CostLedger() as ledger:`` counts, for the ops run in the block (autograd's
+backward included), ``flops``, ``collective_bytes`` / ``collective_calls`` (bytes this rank puts
+on its links, read from the ``c10d`` ops), ``h2d_bytes`` / ``d2h_bytes``, ``syncs`` /
+``sync_kinds`` (what blocks the host on CUDA), ``ops`` (a launch proxy), fused-attention calls
+and ``mem_bytes``, overall and per :meth:`CostLedger.section`. Counts are deterministic, so
+tests may assert them. Shaped like :class:`~megatron_flat.runtime.memory.MemoryMeter`.
 
-``flops``
-    2·M·N·K for every matmul-family aten op (``mm``, ``addmm``, ``bmm``,
-    ``baddbmm``, ``addbmm``, ``mv``, ``addmv``, ``dot``, ``_grouped_mm``), and
-    for torch's CPU flash attention kernel 2·pairs·(d + d_v) forward and
-    2·pairs·(3d + 2d_v) backward (pairs: the query-key pairs it computes,
-    causal ones only when causal);
-    ``linear`` and ``matmul`` reach the dispatcher as these. Kernels the
-    dispatcher does not see (a grouped-GEMM extension) report theirs with
-    :func:`record_flops`.
-``collective_bytes`` / ``collective_calls``
-    Per collective name, the bytes this rank puts on its links and the number
-    of calls, read from the ``c10d`` ops every ``torch.distributed`` call
-    dispatches (so functions bound at import, like Megatron's
-    ``dist_all_gather_func``, are seen too). Bytes are those of a ring or
-    pairwise algorithm: ``all_to_all_single`` sends its input less the piece
-    it keeps; ``all_gather_into_tensor`` (P−1)·input; ``reduce_scatter_tensor``
-    (P−1)/P·input; ``all_reduce`` 2·(P−1)/P·bytes; ``broadcast`` the tensor
-    (every rank forwards it once in a ring); ``send`` (``send``, ``isend`` and
-    ``batch_isend_irecv`` alike) the tensor; ``recv`` counts calls, 0 bytes.
-    Coalesced forms (Megatron's distributed optimizer all-gathers parameters and
-    reduce-scatters gradients in buckets with them) count under the plain name.
-``h2d_bytes`` / ``d2h_bytes``
-    Bytes copied between host memory and the compute device. On CUDA: every
-    ``copy_`` / ``_to_copy`` between a CPU and a CUDA tensor, and
-    ``torch.tensor`` / ``as_tensor`` of Python data onto the device (a copy
-    below the dispatcher). On CPU, host memory is what the project keeps
-    there: the host pool's buffer
-    (:func:`~megatron_flat.runtime.memory.register_host_storage`), storages
-    passed to :func:`mark_host_memory`, and the results of ``.cpu()`` of
-    device data; a ``copy_`` with exactly one side in host memory counts, and
-    so does every upload (below).
-``syncs`` (and ``sync_kinds``, a count per kind)
-    Operations that on CUDA block the host until the device has drained its
-    queue: ``.item()``, ``bool()``/``int()``/``float()`` (all
-    ``_local_scalar_dense``), ``.tolist()``, ``.numpy()``, ``.cpu()``,
-    ``torch.equal``, a blocking device→host copy (on CUDA), every
-    host→device copy except one from pinned memory with ``non_blocking=True``
-    (kinds ``h2d_copy`` and ``h2d_implicit``, below), and ops whose output
-    shape depends on device data: ``nonzero`` (``torch.where(c)``,
-    ``argwhere``), boolean-mask indexing and index assignment,
-    ``masked_select``, ``unique`` variants, ``bincount``, ``repeat_interleave``
-    without ``output_size``.
-``ops``
-    aten (and c10d) operations executed that are not views or metadata: a
-    proxy for kernel launches.
-``attention_forward_calls`` / ``attention_backward_calls``
-    Calls of fused attention kernels (torch's CPU flash kernel; CUDA's flash,
-    memory-efficient and cuDNN kernels), forward and backward.
-``mem_bytes``
-    Bytes read and written by those ops (inputs plus outputs, as tensors, not
-    storages): a proxy for memory traffic that the step-time model uses for
-    bandwidth-bound work. Collectives are not included.
-
-Device data on CPU
-    On CUDA, device data is what lives on a CUDA device. On CPU every tensor
-    is a CPU tensor, so the ledger tells the compute device's data from
-    host-side planning data by *taint*, kept on each storage (so views and
-    in-place writes share it, and it outlives the block):
-
-    * an op with at least one device-data input makes every output and every
-      tensor it writes device data (host memory keeps its mark);
-    * an op without device-data inputs makes host-side data, of two kinds.
-      *Host* data comes from the host: Python data (``torch.tensor(list)``,
-      ``as_tensor``, ``from_numpy``: ``lift_fresh``), what a host read
-      returns (``.cpu()``; ``.tolist()`` then ``torch.tensor``), host memory,
-      and anything computed from them, i.e. a plan built on the host.
-      *Factory* data is what an op with no tensor input at all makes
-      (``zeros``, ``empty``, ``arange``, ``full``, ``ones``, ``randperm``)
-      and anything computed only from such outputs: on CPU it may have been
-      made with ``device=x.device``, so it is never counted as uploaded by
-      itself; host data written into it makes it host data, device data
-      written into it or combined with it makes device data (first rule);
-      neither kind is device data (:func:`is_device_data`);
-    * what a collective writes is device data (on a GPU, NCCL moves device
-      memory only), so a ``.tolist()`` of a gathered table is a sync, as it is
-      there;
-    * a storage the ledger has never seen (it existed before any ledger
-      looked at it: the block's inputs, parameters, gradients, optimizer
-      state) is device data, unless marked with :func:`mark_host` (a plan
-      cached before the block) or in host memory;
-    * ``.cpu()`` of device data is a sync and a device→host copy whose result
-      is host data: on CPU it returns a copy, as it would on a GPU.
-
-Uploads on CPU
-    A host→device copy blocks on CUDA unless its source is pinned and it is
-    made with ``non_blocking=True``; a CPU run makes every one free, so the
-    ledger counts them by rule. Each counts its bytes in ``h2d_bytes`` and,
-    unless the source is host memory (the pinned pool's or
-    :func:`mark_host_memory`'s storages) and ``non_blocking=True``, one sync:
-
-    * explicit (kind ``h2d_copy``, one op): ``Tensor.to``, ``Tensor.cuda``
-      (where a CPU backend made it the identity), ``torch.tensor(data,
-      device=d)`` and ``torch.as_tensor(data, device=d)``, of host or factory
-      data (Python data, NumPy, a CPU tensor that is not device data), to the
-      compute device. These calls never reach the dispatcher as a copy on CPU,
-      so they are counted by patches installed while a ledger is open. The
-      convention for which device is the compute device on a CPU run: a
-      ``torch.device`` object or an int (what device-agnostic code passes,
-      ``x.device``), or for ``.to(other)`` a tensor holding device data; a
-      device written as a string (``"cpu"``, as in ``counts.to("cpu",
-      torch.long)``) names the host, and that call is not an upload. The
-      result is device data: on CPU ``.to`` of the same device returns its
-      input, so the patch returns a copy marked device (the source keeps its
-      mark, as ``.cpu()`` returns a copy marked host memory). ``torch.tensor``
-      takes no ``non_blocking``: always a sync;
-    * ``copy_`` of host data (not factory data) with dim > 0 into device
-      data (``h2d_copy``). A 0-dim source is a scalar: ``x[i] = n`` reaches
-      the dispatcher on CPU as a ``copy_`` of a lifted 0-dim host tensor,
-      while on CUDA the value is made on the device. A ``copy_`` with one
-      side in host memory keeps the rule
-      above (h2d/d2h bytes, no sync: the project's CPU code copies
-      synchronously by design; on a GPU those copies are pinned and
-      non-blocking);
-    * implicit (kind ``h2d_implicit``): an op with device-data inputs that
-      also reads a host-data tensor with dim > 0, e.g. indexing device data
-      with a host index (``x[idx]``, ``index_select``, ``index_put_``,
-      ``gather``, ``searchsorted``): CUDA uploads the index every time, once
-      per op, its bytes in ``h2d_bytes``; other mixed ops are errors on CUDA
-      and count the same way. 0-dim CPU tensors are scalars on CUDA and host
-      memory is the CPU path's own working set: neither counts here.
-
-    On CUDA the dispatcher sees ``.to`` / ``copy_`` as real CPU→CUDA copies
-    (blocking unless ``non_blocking`` and the source ``is_pinned()``), and
-    a CPU tensor with dim > 0 beside CUDA tensors in one op is an implicit
-    upload; the CPU-run conventions above apply only where CUDA is absent.
-
-Limits
-    A factory that on a GPU would take ``device=x.device`` makes factory data
-    here until device data is written into it (``index_add_``, ``copy_``, a
-    collective), so a sync on a freshly made device buffer that no device data
-    touched is missed. ``.to("cpu")`` of device data is not a sync here (on
-    CPU it is the identity and never reaches the dispatcher); the result stays
-    device data, so a later read of it is. Uploads through names bound before
-    the ledger patched them (``from torch import tensor``, Megatron's CPU
-    ``torch`` proxy) and through ``torch.asarray`` / ``new_tensor`` are not
-    seen as uploads.
-
-    State made before any ledger saw it (an optimizer's step counters, a
-    cached plan) counts as device data; running the warm-up inside a ledger
-    (whose counts are thrown away) marks it by origin, since marks outlive
-    the block. On CUDA, ``CostLedger(cuda_sync_check=True)`` also counts the warnings of
-    ``torch.cuda.set_sync_debug_mode("warn")`` in ``cuda_sync_warnings``, to
-    cross-check ``syncs``.
-
-Threads
-    Counting happens in a ``TorchDispatchMode``; autograd carries it into the
-    backward, including CUDA's device threads. Ops run by other threads that
-    did not inherit it are not seen.
+A CPU run counts with CUDA semantics: device data is told from host planning data by a taint
+kept on each storage (:func:`mark_host`, :func:`mark_host_memory`, :func:`is_device_data`),
+and every host→device copy a GPU would block on is a sync even though the CPU makes it free.
+The rules, with their limits, are in docs/costs.md ("The cost ledger's rules").
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ disagreement is reported as a mismatch rather than averaged away.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -233,6 +234,10 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
                   config_overrides: Optional[dict] = None) -> RunResult:
     """The unsplit model on the whole global batch, in this process only.
 
+    Made once per process for each ``(tiny, steps, config_overrides)`` (the run is a pure
+    function of them: fixed seeds, one rank, no collective) and handed out as a copy, so the
+    files of one pytest session share it and no caller can change another's.
+
     Loss per microbatch is the mean token loss; a step's loss is the mean over
     microbatches (what Megatron's schedule and DP averaging compute). The optimizer is
     ``torch.optim.AdamW`` with Megatron's hyperparameters and global-norm clipping.
@@ -247,6 +252,17 @@ def run_reference(tiny: TinyMoE, *, steps: int = 2,
     if tiny.masked_fraction and not per_token:
         raise ValueError("TinyMoE.masked_fraction needs calculate_per_token_loss: the mean-loss "
                          "reference counts every token")
+    key = (tiny, steps, tuple(sorted((config_overrides or {}).items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(tiny, steps, config_overrides, per_token)
+    return copy.deepcopy(_REFERENCES[key])
+
+
+_REFERENCES: Dict[tuple, RunResult] = {}
+
+
+def _reference_run(tiny: TinyMoE, steps: int, config_overrides: Optional[dict],
+                   per_token: bool) -> RunResult:
     backward = _per_token_backward if per_token else _mean_backward
     with megatron_layout(1, 1, 1, seed=tiny.seed):
         torch.manual_seed(tiny.seed)

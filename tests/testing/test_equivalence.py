@@ -63,6 +63,29 @@ def test_rounding_level_differences_pass():
     assert mismatches(got, ref) == []
 
 
+def test_reference_is_made_once_and_handed_out_as_copies(megatron_cpu, monkeypatch):
+    """The files of one session share each reference run; a caller's change stays its own."""
+    import torch
+
+    from megatron_flat.testing import equivalence
+    from megatron_flat.testing.tiny_gpt import TinyMoE
+
+    tiny = TinyMoE(global_batch_size=4, seed=5)
+    runs = []
+    made = equivalence._reference_run
+    monkeypatch.setattr(equivalence, "_reference_run", lambda *a: runs.append(a) or made(*a))
+    first = equivalence.run_reference(tiny, steps=1)
+    first.params[next(iter(first.params))].add_(1.0)
+    first.losses[0] = -1.0
+    again = equivalence.run_reference(tiny, steps=1)
+    other = equivalence.run_reference(tiny, steps=2)
+    assert len(runs) == 2  # (tiny, 1) once, (tiny, 2) once
+    fresh = made(tiny, 1, None, False)
+    assert again.losses == fresh.losses and again.losses[0] != -1.0
+    assert all(torch.equal(again.params[k], fresh.params[k]) for k in fresh.params)
+    assert len(other.losses) == 2
+
+
 def test_world_of_one_matches_reference(megatron_cpu):
     """Megatron's DDP + optimizer + schedule on one rank equal the plain reference loop."""
     from megatron_flat.testing.equivalence import Layout, assert_equivalent, run_layout, run_reference
