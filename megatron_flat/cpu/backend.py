@@ -9,9 +9,11 @@ demo and benchmarks on machines without a GPU; production runs never call it.
 Contract:
 - Every patch is a no-op when CUDA is available (``enable_cpu_backend`` returns without
   touching anything), so calling it on a GPU machine is harmless.
-- Every patch says why it is needed and applies only where the installed megatron-core has
-  what it patches (feature detection: ``Patch.needed``), never by version number.
-- Patches are applied once (idempotent) and can be listed with ``applied_patches()``.
+- Each :class:`Workaround` says why it is needed, applies only where the installed
+  megatron-core has what it patches (feature detection: ``Workaround.needed``), never by
+  version number, and declares its monkey-patches as ``runtime.patching`` patches (owner,
+  attribute, what must be there, why): a seam that moved stops with one ``PatchError``.
+- Workarounds are applied once (idempotent) and listed by ``applied_workarounds()``.
 
 The main mechanism is a *CPU view of torch.cuda* confined to named Megatron modules:
 their module-global ``torch`` is replaced by a proxy that is the real ``torch`` except
@@ -27,14 +29,15 @@ import copy
 import functools
 import importlib
 import logging
+import threading
 import types
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
 from megatron_flat.megatron import compat
-from megatron_flat.runtime import ledger
+from megatron_flat.runtime import ledger, patching
 
 log = logging.getLogger(__name__)
 
@@ -207,14 +210,24 @@ def _always() -> bool:
 
 
 @dataclass(frozen=True)
-class Patch:
-    """One CPU patch: what it changes, why, and whether the installed megatron-core needs it
-    (``needed``: a feature check, e.g. "has GroupedMLP")."""
+class Workaround:
+    """One CPU workaround: the patches it declares (``runtime.patching``; built when applied,
+    so Megatron is imported only then), why, and whether the installed megatron-core needs it
+    (``needed``: a feature check, e.g. "has GroupedMLP"). ``then`` runs once after its
+    patches are in place (e.g. re-creating the RNG tracker from the patched class)."""
 
     name: str
     reason: str
-    apply: Callable[[], None]
+    patches: Callable[[], Sequence[patching.Patch]]
     needed: Callable[[], bool] = _always
+    then: Optional[Callable[[], None]] = None
+
+    def apply(self) -> None:
+        """Put its patches in place (each once: ``runtime.patching``), then run ``then``."""
+        for patch in self.patches():
+            patching.apply(patch)
+        if self.then is not None:
+            self.then()
 
 
 _APPLIED: List[str] = []
@@ -227,36 +240,60 @@ def torch_proxy() -> TorchWithCpuCuda:
     return _TORCH_PROXY
 
 
-def _proxy_torch_in(*module_names: str) -> Callable[[], None]:
-    """Give the named Megatron modules the CPU view of ``torch.cuda``.
-
-    Modules missing from the installed release are skipped (their twin elsewhere is listed
-    separately for the release that has it).
-    """
-
-    def apply() -> None:
-        for name in module_names:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-            if getattr(module, "torch", None) is torch:
-                module.torch = torch_proxy()
-
-    return apply
+def _is_torch(value) -> bool:
+    return value is torch or isinstance(value, TorchWithCpuCuda)
 
 
-def _patch_rng() -> None:
+def module_torch_patch(module: str, why: str, view: Callable[[], types.ModuleType] = None
+                       ) -> patching.Patch:
+    """``module``'s global ``torch`` becomes a CPU view of it (``torch_proxy()`` unless
+    ``view`` makes another)."""
+    make = view or torch_proxy
+    return patching.Patch(module, "torch", lambda _: make(), expects="the torch module (or a "
+                          "CPU view of it)", why=why, check=_is_torch)
+
+
+def _modules_using_torch(names: Iterable[str]) -> List[str]:
+    """The modules of ``names`` that the installed release has and that import torch (their
+    twin elsewhere is listed separately for the release that has it)."""
+    found = []
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "torch", None) is torch:
+            found.append(name)
+    return found
+
+
+def _cpu_view_of_torch(*module_names: str) -> Callable[[], List[patching.Patch]]:
+    """Give the named Megatron modules the CPU view of ``torch.cuda``."""
+
+    def patches() -> List[patching.Patch]:
+        return [module_torch_patch(name, "it calls torch.cuda on a CPU-only torch")
+                for name in _modules_using_torch(module_names)]
+
+    return patches
+
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+
+
+def _cpu_rng_state_get(device="cuda", clone=False, graph_safe=False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_rng_state_set(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker(stock):
+    """Megatron's RNG tracker class over the CPU generator."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    def get_state(device="cuda", clone=False, graph_safe=False):
-        state = torch.get_rng_state()
-        return state.clone() if clone else state
-
-    def set_state(new_state, device=-1, graph_safe=False):
-        torch.set_rng_state(new_state)
-
-    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+    class CpuRNGStatesTracker(stock):
         """Megatron's tracker over the CPU generator.
 
         Same bookkeeping as the CUDA tracker; ``fork`` omits the "CPU RNG state changed"
@@ -282,18 +319,30 @@ def _patch_rng() -> None:
                 torch.set_rng_state(outer)
                 self._current_state_name = outer_name
 
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
-    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
-    mrandom.torch = torch_proxy()  # torch.cuda.manual_seed / get_rng_state in add()
+    return CpuRNGStatesTracker
+
+
+def _rng_patches() -> List[patching.Patch]:
+    why = "model_parallel_cuda_manual_seed and the checkpoint RNG fork use the CUDA generator"
+    return [
+        patching.Patch(_RANDOM, "_get_cuda_rng_state", lambda _: _cpu_rng_state_get,
+                       expects="a function", why=why),
+        patching.Patch(_RANDOM, "_set_cuda_rng_state", lambda _: _cpu_rng_state_set,
+                       expects="a function", why=why),
+        patching.Patch(_RANDOM, "CudaRNGStatesTracker", _cpu_tracker, expects="a class",
+                       why=why, check=lambda v: isinstance(v, type)),
+        # torch.cuda.manual_seed / get_rng_state in the tracker's add()
+        module_torch_patch(_RANDOM, why),
+    ]
+
+
+def _reset_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
-def _patch_split_sizes() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    original = moe_utils.maybe_move_tensor_to_cpu
-
+def _split_sizes_on_host(stock):
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         # Megatron converts split sizes to host numbers only for CUDA tensors; on CPU they
         # stayed tensors, which all_to_all_single rejects as split sizes. As on a GPU, the
@@ -304,23 +353,22 @@ def _patch_split_sizes() -> None:
             ledger.mark_host_memory(host)
             ledger.record_transfer(d2h_bytes=host.numel() * host.element_size())
             return host.numpy() if as_numpy else host
-        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return stock(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    return maybe_move_tensor_to_cpu
 
 
-def _mark_dispatcher_host_indices() -> None:
-    from megatron.core.transformer.moe import token_dispatcher
+def _split_size_patches() -> List[patching.Patch]:
+    why = "it converts only CUDA split sizes to host numbers"
+    return [patching.Patch(f"megatron.core.transformer.moe.{module}", "maybe_move_tensor_to_cpu",
+                           _split_sizes_on_host, expects="a function", why=why)
+            for module in ("moe_utils", "token_dispatcher")]
 
-    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
-    original = cls.__init__
-    if getattr(original, "_megatron_flat_marks_host", False):
-        return
 
-    @functools.wraps(original)
+def _marks_host_indices(stock):
+    @functools.wraps(stock)
     def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        stock(self, *args, **kwargs)
         # Without permute fusion these chunk-sort indices are built with device="cpu", on a
         # GPU too: their .tolist() reads host memory, not a sync.
         if str(getattr(self, "permute_idx_device", "")) == "cpu":
@@ -329,8 +377,14 @@ def _mark_dispatcher_host_indices() -> None:
                 if isinstance(value, torch.Tensor):
                     ledger.mark_host(value)
 
-    __init__._megatron_flat_marks_host = True
-    cls.__init__ = __init__
+    return __init__
+
+
+def _host_index_patches() -> List[patching.Patch]:
+    return [patching.Patch(
+        "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher", "__init__",
+        _marks_host_indices, expects="a constructor",
+        why="its chunk-sort indices are host data the ledger must not count as syncs")]
 
 
 def _lacks_te_general_gemm() -> bool:
@@ -339,35 +393,37 @@ def _lacks_te_general_gemm() -> bool:
     return not hasattr(moe_utils, "te_general_gemm")
 
 
-def _define_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
+def _te_general_gemm_patches() -> List[patching.Patch]:
+    return [patching.Patch("megatron.core.transformer.moe.moe_utils", "te_general_gemm",
+                           lambda _: None, expects="absent", missing_ok=True,
+                           why="the router's gating linear reads it whether or not TE imported")]
 
-    moe_utils.te_general_gemm = None
 
-
-def _allow_sequence_parallel_torch_norm() -> None:
-    from megatron.core.transformer import torch_norm
-
-    original = torch_norm.WrappedTorchNorm.__new__
-    if getattr(original, "_megatron_flat", False):
-        return
-
+def _sequence_parallel_torch_norm(stock):
     def __new__(cls, config, hidden_size, *args, **kwargs):
         if not config.sequence_parallel:
-            return original(cls, config, hidden_size, *args, **kwargs)
+            return stock(cls, config, hidden_size, *args, **kwargs)
         # The torch norm itself is sequence-parallel-agnostic (it normalises each token);
         # what SP needs is that its weight grads, partial over each rank's sequence shard,
         # are all-reduced over TP. Marking the params ``sequence_parallel`` makes
         # finalize_model_grads do exactly that, as it does for TE norms.
         plain = copy.copy(config)
         object.__setattr__(plain, "sequence_parallel", False)
-        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        norm = stock(cls, plain, hidden_size, *args, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm
 
-    __new__._megatron_flat = True
-    torch_norm.WrappedTorchNorm.__new__ = __new__
+    return __new__
+
+
+def _torch_norm_patches() -> List[patching.Patch]:
+    return [patching.Patch("megatron.core.transformer.torch_norm.WrappedTorchNorm", "__new__",
+                           _sequence_parallel_torch_norm, expects="a constructor",
+                           why="it asserts sequence parallelism off, which MoE with TP > 1 needs")]
+
+
+_CUDA_NAMES = threading.local()  # depth of calls running with CUDA type names
 
 
 def _with_cuda_type_names(fn: Callable) -> Callable:
@@ -375,60 +431,53 @@ def _with_cuda_type_names(fn: Callable) -> Callable:
 
     Megatron's optimizers classify params by ``param.type() == 'torch.cuda.FloatTensor'``
     (and Half/BFloat16) and reject anything else; on CPU the same classification is right
-    once the name is read as the CUDA name. Scoped to the wrapped call only.
+    once the name is read as the CUDA name. Scoped to the outermost wrapped call.
     """
-    if getattr(fn, "_megatron_flat", False):
-        return fn
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        original = torch.Tensor.type
-        if getattr(original, "_megatron_flat", False):  # already inside a wrapped call
+        depth = getattr(_CUDA_NAMES, "depth", 0)
+        if depth:  # inside another wrapped call: the names are CUDA's already
             return fn(*args, **kwargs)
+        original = torch.Tensor.type
 
         def type_(self, dtype=None, non_blocking=False, **kw):
             if dtype is None and not kw and self.device.type == "cpu":
                 return original(self).replace("torch.", "torch.cuda.", 1)
             return original(self, dtype, non_blocking, **kw)
 
-        type_._megatron_flat = True
         torch.Tensor.type = type_
+        _CUDA_NAMES.depth = 1
         try:
             return fn(*args, **kwargs)
         finally:
+            _CUDA_NAMES.depth = 0
             torch.Tensor.type = original
 
-    call._megatron_flat = True
     return call
 
 
-def _optimizer_type_checks() -> None:
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+def _optimizer_type_patches() -> List[patching.Patch]:
+    why = "it accepts only 'torch.cuda.*Tensor' type names"
+    optim = "megatron.core.optimizer"
+    wrap = _with_cuda_type_names
+    return [
+        patching.Patch(f"{optim}.distrib_optimizer.DistributedOptimizer",
+                       "_build_model_and_main_param_groups", wrap, expects="a classmethod",
+                       why=why, classmethod_=True),
+        patching.Patch(f"{optim}.distrib_optimizer.DistributedOptimizer", "__init__", wrap,
+                       expects="a constructor", why=why),
+        patching.Patch(f"{optim}.optimizer.Float16OptimizerWithFloat16Params", "__init__", wrap,
+                       expects="a constructor", why=why),
+        patching.Patch(f"{optim}.clip_grads", "clip_grad_by_total_norm_fp32", wrap,
+                       expects="a function", why=why),
+        patching.Patch(f"{optim}.optimizer", "clip_grad_by_total_norm_fp32", wrap,
+                       expects="a function", why=why),
+    ]
 
-    dist_opt = distrib_optimizer.DistributedOptimizer
-    build = dist_opt.__dict__["_build_model_and_main_param_groups"]
-    if isinstance(build, staticmethod):
-        build = staticmethod(_with_cuda_type_names(build.__func__))
-    elif isinstance(build, classmethod):
-        build = classmethod(_with_cuda_type_names(build.__func__))
-    else:
-        build = _with_cuda_type_names(build)
-    dist_opt._build_model_and_main_param_groups = build
-    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
-    f16 = optimizer.Float16OptimizerWithFloat16Params
-    f16.__init__ = _with_cuda_type_names(f16.__init__)
-    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
-    clip_grads.clip_grad_by_total_norm_fp32 = clip
-    optimizer.clip_grad_by_total_norm_fp32 = clip
 
-
-def _uneven_first_dim_collectives() -> None:
+def _padded_gather(stock):
     import torch.distributed as dist
-    from megatron.core.tensor_parallel import mappings
-
-    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
-    if getattr(gather, "_megatron_flat", False):
-        return
 
     # gloo rejects the list forms of all_gather / reduce_scatter when sizes differ, which
     # Megatron uses for uneven splits (expert-tensor-parallel dispatch). Padding every
@@ -436,7 +485,7 @@ def _uneven_first_dim_collectives() -> None:
     # places; the padded rows are zeros and are dropped.
     def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or input_.device.type != "cpu" or group.size() == 1:
-            return gather(input_, group, output_split_sizes, use_global_buffer)
+            return stock(input_, group, output_split_sizes, use_global_buffer)
         width = max(output_split_sizes)
         padded = input_.new_zeros((width,) + tuple(input_.shape[1:]))
         padded[: input_.shape[0]] = input_
@@ -444,10 +493,16 @@ def _uneven_first_dim_collectives() -> None:
         dist.all_gather_into_tensor(out, padded, group=group)
         return torch.cat([out[r * width : r * width + n] for r, n in enumerate(output_split_sizes)])
 
+    return _gather_along_first_dim
+
+
+def _padded_reduce_scatter(stock):
+    import torch.distributed as dist
+
     def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None,
                                         use_global_buffer=False):
         if input_split_sizes is None or input_.device.type != "cpu" or group.size() == 1:
-            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+            return stock(input_, group, input_split_sizes, use_global_buffer)
         width = max(input_split_sizes)
         padded = input_.new_zeros((width * group.size(),) + tuple(input_.shape[1:]))
         for r, piece in enumerate(torch.split(input_, list(input_split_sizes), dim=0)):
@@ -456,52 +511,62 @@ def _uneven_first_dim_collectives() -> None:
         dist.reduce_scatter_tensor(out, padded, group=group)
         return out[: input_split_sizes[group.rank()]].contiguous()
 
-    _gather_along_first_dim._megatron_flat = True
-    mappings._gather_along_first_dim = _gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+    return _reduce_scatter_along_first_dim
 
 
-def _checkpoint_without_output_no_fp8() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
+def _uneven_collective_patches() -> List[patching.Patch]:
+    why = "gloo refuses the list collectives it uses for uneven splits"
+    mappings = "megatron.core.tensor_parallel.mappings"
+    return [patching.Patch(mappings, "_gather_along_first_dim", _padded_gather,
+                           expects="a function", why=why),
+            patching.Patch(mappings, "_reduce_scatter_along_first_dim", _padded_reduce_scatter,
+                           expects="a function", why=why)]
 
-    cls = mrandom.CheckpointWithoutOutput
-    original = cls.__init__
-    if getattr(original, "_megatron_flat", False) or hasattr(mrandom, "FP8GlobalStateManager"):
-        return
 
-    @functools.wraps(original)
+def _fp8_off(stock):
+    @functools.wraps(stock)
     def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        stock(self, *args, **kwargs)
         # ``fp8 is not None`` turns the default ``fp8=False`` into fp8 mode, which then
         # reads transformer-engine's FP8GlobalStateManager; without TE fp8 cannot be on.
         self.fp8 = False
 
-    __init__._megatron_flat = True
-    cls.__init__ = __init__
+    return __init__
 
 
-def _tied_embedding_copy_on_cpu() -> None:
-    from megatron.core.models.common.language_module import language_module
+def _no_fp8_state_manager() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
 
-    cls = language_module.LanguageModule
-    original = cls.setup_embeddings_and_output_layer
-    if getattr(original, "_megatron_flat", False):
-        return
+    return not hasattr(mrandom, "FP8GlobalStateManager")
 
-    @functools.wraps(original)
+
+def _checkpoint_fp8_patches() -> List[patching.Patch]:
+    return [patching.Patch(f"{_RANDOM}.CheckpointWithoutOutput", "__init__", _fp8_off,
+                           expects="a constructor",
+                           why="its default turns fp8 on, which needs transformer-engine")]
+
+
+def _cuda_is_identity_during(stock):
+    @functools.wraps(stock)
     def setup_embeddings_and_output_layer(self, *args, **kwargs):
         # With PP > 1 and tied embeddings the last stage's output weight is moved with
         # ``weight.data.cuda()`` before the embedding group's all-reduce; on a CPU-only torch
         # the weight stays where it is (Tensor.cuda is the identity during this call).
-        stock = torch.Tensor.cuda
+        cuda = torch.Tensor.cuda
         torch.Tensor.cuda = lambda tensor, *a, **kw: tensor
         try:
-            return original(self, *args, **kwargs)
+            return stock(self, *args, **kwargs)
         finally:
-            torch.Tensor.cuda = stock
+            torch.Tensor.cuda = cuda
 
-    setup_embeddings_and_output_layer._megatron_flat = True
-    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    return setup_embeddings_and_output_layer
+
+
+def _tied_embedding_patches() -> List[patching.Patch]:
+    return [patching.Patch(
+        "megatron.core.models.common.language_module.language_module.LanguageModule",
+        "setup_embeddings_and_output_layer", _cuda_is_identity_during, expects="a method",
+        why="it moves the last stage's shared output weight with .cuda()")]
 
 
 _ROPE_MODULES = (
@@ -511,22 +576,16 @@ _ROPE_MODULES = (
 )
 
 
-def _cp_rotary_slice_on_cpu() -> None:
-    from megatron.core.models.common.embeddings import rope_utils
-
+def _cp_rotary_slice(stock):
     from megatron_flat.cpu.context_attention import load_balanced_chunks
 
-    original = rope_utils.get_pos_emb_on_this_cp_rank
-    if getattr(original, "_megatron_flat", False):
-        return
-
-    @functools.wraps(original)
+    @functools.wraps(stock)
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         # Megatron uploads the two chunk indices from pinned host memory (.cuda), which a
         # CPU-only torch has neither of; the same selection is made from host indices, and
         # the ledger counts the 16-byte upload a GPU makes.
         if pos_emb.device.type != "cpu" or cp_group is None:
-            return original(pos_emb, seq_dim, cp_group)
+            return stock(pos_emb, seq_dim, cp_group)
         size = cp_group.size()
         index = torch.tensor(load_balanced_chunks(cp_group.rank(), size))
         ledger.record_transfer(h2d_bytes=index.numel() * index.element_size())
@@ -535,25 +594,37 @@ def _cp_rotary_slice_on_cpu() -> None:
         picked = chunks.index_select(seq_dim, index)
         return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
 
-    get_pos_emb_on_this_cp_rank._megatron_flat = True
+    return get_pos_emb_on_this_cp_rank
+
+
+def _cp_rotary_patches() -> List[patching.Patch]:
+    """Every module that binds rope_utils' function (by import) gets the CPU slice."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    stock = rope_utils.get_pos_emb_on_this_cp_rank
+    names = []
     for name in _ROPE_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        if getattr(module, "get_pos_emb_on_this_cp_rank", None) is original:
-            module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+        if getattr(module, "get_pos_emb_on_this_cp_rank", None) is stock:
+            names.append(name)
+    return [_cp_rotary_patch(name) for name in names]
 
 
-def _context_parallel_core_attention() -> None:
+def _cp_rotary_patch(module: str) -> patching.Patch:
+    return patching.Patch(module, "get_pos_emb_on_this_cp_rank", _cp_rotary_slice,
+                          expects="a function",
+                          why="it uploads chunk indices with pin_memory and .cuda()")
+
+
+def _cpu_core_attention(stock):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megatron_flat.cpu.context_attention import ContextParallelCoreAttention
     from megatron_flat.cpu.flash_attention import FlashCoreAttention
 
-    original = DotProductAttention.__new__
-    if getattr(original, "_megatron_flat", False):
-        return
     substituted = (DotProductAttention, FlashCoreAttention)
 
     def __new__(cls, config=None, *args, **kwargs):
@@ -567,8 +638,8 @@ def _context_parallel_core_attention() -> None:
 
             announce_once()  # multi-latent attention: separate q/k and v head dims
             if getattr(config, "context_parallel_size", 1) > 1:
-                return original(MLAContextParallelCoreAttention)
-            return original(MLADotProductAttention)
+                return stock(MLAContextParallelCoreAttention)
+            return stock(MLADotProductAttention)
         if cls in substituted and getattr(config, "context_parallel_size", 1) > 1:
             if not _ANNOUNCED:
                 _ANNOUNCED.append(True)
@@ -577,10 +648,16 @@ def _context_parallel_core_attention() -> None:
                             "Megatron's local attention has no CP)",
                             config.context_parallel_size)
             cls = ContextParallelCoreAttention
-        return original(cls)
+        return stock(cls)
 
-    __new__._megatron_flat = True
-    DotProductAttention.__new__ = __new__
+    return __new__
+
+
+def _core_attention_patches() -> List[patching.Patch]:
+    return [patching.Patch(
+        "megatron.core.transformer.dot_product_attention.DotProductAttention", "__new__",
+        _cpu_core_attention, expects="a constructor",
+        why="it refuses context parallelism and MLA's separate head dims")]
 
 
 _ANNOUNCED: List[bool] = []
@@ -595,25 +672,25 @@ def _mla_te_half_imported() -> bool:
                                                                   type)
 
 
-def _mla_without_te() -> None:
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    mla.HAVE_TE = False
-
-
-def _grouped_reference() -> None:
-    from megatron_flat.cpu.grouped import install_reference_gmm
-
-    install_reference_gmm()
+def _mla_patches() -> List[patching.Patch]:
+    return [patching.Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE",
+                           lambda _: False, expects="a bool", check=lambda v: isinstance(v, bool),
+                           why="it is set when TE's extension module imports, without TE")]
 
 
-PATCHES: List[Patch] = [
-    Patch(
+def _grouped_patches() -> List[patching.Patch]:
+    from megatron_flat.cpu.grouped import reference_gmm_patches
+
+    return reference_gmm_patches()
+
+
+WORKAROUNDS: List[Workaround] = [
+    Workaround(
         "torch.cuda view",
         "MoE dispatchers, p2p communication, schedules, DDP buffers, the optimizer, MTP's "
         "loss tracker, attention sinks and MLA's YaRN rotary call "
         "torch.cuda.current_device()/Stream()/current_stream() unconditionally.",
-        _proxy_torch_in(
+        _cpu_view_of_torch(
             "megatron.core.transformer.moe.token_dispatcher",
             "megatron.core.transformer.moe.moe_utils",
             "megatron.core.transformer.moe.router",
@@ -643,92 +720,94 @@ PATCHES: List[Patch] = [
             "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         ),
     ),
-    Patch(
+    Workaround(
         "CPU RNG tracker",
         "model_parallel_cuda_manual_seed and the checkpoint RNG fork read and set the CUDA "
         "generator; on CPU the tracker forks the CPU generator instead.",
-        _patch_rng,
+        _rng_patches,
+        then=_reset_rng_tracker,
     ),
-    Patch(
+    Workaround(
         "a2a split sizes on host",
         "maybe_move_tensor_to_cpu only converts CUDA tensors, leaving CPU split-size "
         "tensors that all_to_all_single cannot take.",
-        _patch_split_sizes,
+        _split_size_patches,
     ),
-    Patch(
+    Workaround(
         "dispatcher host indices",
         "The alltoall dispatcher builds its chunk-sort indices on the host (on a GPU too); on "
         "CPU they are marked host data so the cost ledger does not count reading them as "
         "host syncs.",
-        _mark_dispatcher_host_indices,
+        _host_index_patches,
     ),
-    Patch(
+    Workaround(
         "te_general_gemm global",
         "Where moe_utils binds te_general_gemm only when transformer-engine imports (0.16), the "
         "router's gating linear still reads it unconditionally (NameError without TE).",
-        _define_te_general_gemm,
+        _te_general_gemm_patches,
         needed=_lacks_te_general_gemm,
     ),
-    Patch(
+    Workaround(
         "torch norm under sequence parallelism",
         "WrappedTorchNorm asserts sequence_parallel is off (TE norms are the GPU path), yet MoE "
         "with TP>1 requires SP; the norm is built as usual and its params marked for the "
         "TP all-reduce of SP grads.",
-        _allow_sequence_parallel_torch_norm,
+        _torch_norm_patches,
     ),
-    Patch(
+    Workaround(
         "optimizer param type names",
         "DistributedOptimizer, Float16OptimizerWithFloat16Params and grad clipping accept "
         "only 'torch.cuda.*Tensor' type names; CPU params are classified by the same rule.",
-        _optimizer_type_checks,
+        _optimizer_type_patches,
     ),
-    Patch(
+    Workaround(
         "uneven first-dim gather/reduce-scatter",
         "Expert-tensor-parallel dispatch gathers and reduce-scatters uneven splits with the "
         "list collectives, which gloo refuses when sizes differ.",
-        _uneven_first_dim_collectives,
+        _uneven_collective_patches,
     ),
-    Patch(
+    Workaround(
         "CheckpointWithoutOutput without fp8",
         "Selective recompute (layernorm, mla_up_proj, ...) builds CheckpointWithoutOutput, whose "
         "default turns fp8 mode on and then needs transformer-engine's FP8GlobalStateManager.",
-        _checkpoint_without_output_no_fp8,
+        _checkpoint_fp8_patches,
+        needed=_no_fp8_state_manager,
     ),
-    Patch(
+    Workaround(
         "tied embeddings across pipeline stages",
         "setup_embeddings_and_output_layer moves the last stage's shared output weight with "
         "weight.data.cuda() before the embedding-group all-reduce (PP > 1, tied embeddings).",
-        _tied_embedding_copy_on_cpu,
+        _tied_embedding_patches,
     ),
-    Patch(
+    Workaround(
         "rotary chunks under context parallelism",
         "get_pos_emb_on_this_cp_rank uploads its chunk indices with pin_memory=True and .cuda(), "
         "neither of which a CPU-only torch has.",
-        _cp_rotary_slice_on_cpu,
+        _cp_rotary_patches,
     ),
-    Patch(
+    Workaround(
         "core attention under context parallelism",
         "DotProductAttention (the local spec's core attention) refuses context_parallel_size > 1 "
         "(Megatron's CP lives in transformer-engine's attention); under CP it is built as "
         "cpu.context_attention.ContextParallelCoreAttention, exact and O(N). "
         "Multi-latent attention builds it with k_channels/v_channels, which it does not take: "
         "there it is cpu.mla_attention.MLADotProductAttention (the stock forward).",
-        _context_parallel_core_attention,
+        _core_attention_patches,
     ),
-    Patch(
+    Workaround(
         "MLA without transformer-engine",
         "multi_latent_attention sets HAVE_TE when megatron.core.extensions.transformer_engine "
         "imports, which it does without transformer-engine, leaving TELinear a placeholder "
         "that is not a class; its isinstance(linear_proj, TELinear) then raises. HAVE_TE is "
         "set to what is true.",
-        _mla_without_te,
+        _mla_patches,
         needed=_mla_te_half_imported,
     ),
-    Patch(
+    Workaround(
         "grouped_gemm reference",
         "GroupedMLP (--moe-grouped-gemm) calls the CUDA-only grouped_gemm package and asserts "
         "bf16; a per-expert matmul loop (cpu.grouped.gmm) stands in, in any dtype.",
-        _grouped_reference,
+        _grouped_patches,
         needed=lambda: compat.grouped_mlp_class() is not None,
     ),
 ]
@@ -739,28 +818,30 @@ def cuda_present() -> bool:
 
 
 def enable_cpu_backend() -> List[str]:
-    """Make the installed megatron-core run on CPU with gloo; returns the patches applied.
+    """Make the installed megatron-core run on CPU with gloo; returns the workarounds applied.
 
     A no-op (returns ``[]``) when CUDA is available. Idempotent.
     """
     if cuda_present():
         return []
     compat.check_supported()
-    apply_patches(PATCHES)
+    apply_workarounds(WORKAROUNDS)
     return list(_APPLIED)
 
 
-def apply_patches(patches: List[Patch]) -> List[str]:
-    """Apply each of ``patches`` the installed code needs, once per process (recorded for
-    ``applied_patches()``); returns the names of ``patches`` applied now or before."""
-    for patch in patches:
-        if patch.name in _APPLIED or not patch.needed():
+def apply_workarounds(workarounds: Sequence[Workaround]) -> List[str]:
+    """Apply each of ``workarounds`` the installed code needs, once per process: its patches
+    through ``runtime.patching`` (the one record of what is patched), then its ``then``;
+    returns the names of ``workarounds`` applied now or before (``applied_workarounds()``)."""
+    for workaround in workarounds:
+        if workaround.name in _APPLIED or not workaround.needed():
             continue
-        patch.apply()
-        _APPLIED.append(patch.name)
-        log.debug("megatron-flat CPU patch applied: %s (%s)", patch.name, patch.reason)
-    return [p.name for p in patches if p.name in _APPLIED]
+        workaround.apply()
+        _APPLIED.append(workaround.name)
+        log.debug("megatron-flat CPU workaround applied: %s (%s)", workaround.name,
+                  workaround.reason)
+    return [w.name for w in workarounds if w.name in _APPLIED]
 
 
-def applied_patches() -> List[str]:
+def applied_workarounds() -> List[str]:
     return list(_APPLIED)

@@ -26,11 +26,13 @@ from __future__ import annotations
 import copy
 import functools
 import types
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 
-__all__ = ["gmm", "install_reference_gmm", "grouped_experts_spec",
+from megatron_flat.runtime import patching
+
+__all__ = ["gmm", "reference_gmm_patches", "grouped_experts_spec",
            "CpuColumnParallelGroupedLinear", "CpuRowParallelGroupedLinear"]
 
 
@@ -52,19 +54,7 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) ->
     return torch.cat([x @ (b[e].t() if trans_b else b[e]) for e, x in enumerate(rows)])
 
 
-def install_reference_gmm() -> None:
-    """CPU patch (0.16): ``GroupedMLP`` finds a ``grouped_gemm`` whose ``ops.gmm`` is
-    :func:`gmm`, and runs without ``config.bf16`` (it is given a private copy of its config
-    with the flag set for the call: nothing else in its forward reads it)."""
-    from megatron.core.transformer.moe import experts, grouped_gemm_util
-
-    ops = types.SimpleNamespace(gmm=gmm)
-    grouped_gemm_util.grouped_gemm = types.SimpleNamespace(ops=ops, __name__="cpu_reference")
-    grouped_gemm_util.ops = ops
-    stock = experts.GroupedMLP.forward
-    if getattr(stock, "_megatron_flat", False):
-        return
-
+def _bf16_for_the_call(stock):
     @functools.wraps(stock)
     def forward(self, *args, **kwargs):
         config = self.config
@@ -77,8 +67,28 @@ def install_reference_gmm() -> None:
         finally:
             self.config = config
 
-    forward._megatron_flat = True
-    experts.GroupedMLP.forward = forward
+    return forward
+
+
+_REFERENCE_OPS = types.SimpleNamespace(gmm=gmm)
+_REFERENCE_PACKAGE = types.SimpleNamespace(ops=_REFERENCE_OPS, __name__="cpu_reference")
+
+
+def reference_gmm_patches() -> List[patching.Patch]:
+    """CPU patches (0.16): ``GroupedMLP`` finds a ``grouped_gemm`` whose ``ops.gmm`` is
+    :func:`gmm`, and runs without ``config.bf16`` (it is given a private copy of its config
+    with the flag set for the call: nothing else in its forward reads it)."""
+    why = "GroupedMLP calls the CUDA-only grouped_gemm package and asserts bf16"
+    util = "megatron.core.transformer.moe.grouped_gemm_util"
+    return [
+        patching.Patch(util, "grouped_gemm", lambda _: _REFERENCE_PACKAGE,
+                       expects="the grouped_gemm package or None", why=why,
+                       check=lambda v: True, missing_ok=True),
+        patching.Patch(util, "ops", lambda _: _REFERENCE_OPS, expects="grouped_gemm's ops",
+                       why=why, check=lambda v: True, missing_ok=True),
+        patching.Patch("megatron.core.transformer.moe.experts.GroupedMLP", "forward",
+                       _bf16_for_the_call, expects="a method", why=why),
+    ]
 
 
 class _CpuGroupedLinear(torch.nn.Module):

@@ -28,6 +28,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_flat.config import add_flat_args
+from megatron_flat.runtime import patching
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -97,21 +98,7 @@ def help_requested(argv: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") for a in rest)
 
 
-def show_flat_flags_in_help(arguments: Any = None) -> bool:
-    """Make ``arguments.parse_args`` (``megatron.training.arguments`` by default) always add
-    the ``--flat-*`` flags, so whichever parse answers ``--help`` lists them. Idempotent;
-    returns False when Megatron-LM's arguments module cannot be imported."""
-    if arguments is None:
-        try:
-            arguments = importlib.import_module("megatron.training.arguments")
-        except ImportError:
-            return False
-    stock = getattr(arguments, "parse_args", None)
-    if stock is None:
-        return False
-    if getattr(stock, "_megatron_flat", False):
-        return True
-
+def _flat_flags_always(stock: Callable) -> Callable:
     @functools.wraps(stock)
     def parse_args(extra_args_provider: Optional[ExtraArgsProvider] = None, *args: Any,
                    **kwargs: Any) -> argparse.Namespace:
@@ -122,8 +109,24 @@ def show_flat_flags_in_help(arguments: Any = None) -> bool:
 
         return stock(provider, *args, **kwargs)
 
-    parse_args._megatron_flat = True  # type: ignore[attr-defined]
-    arguments.parse_args = parse_args
+    return parse_args
+
+
+def show_flat_flags_in_help(arguments: Any = None) -> bool:
+    """Make ``arguments.parse_args`` (``megatron.training.arguments`` by default) always add
+    the ``--flat-*`` flags, so whichever parse answers ``--help`` lists them (a
+    ``runtime.patching`` patch). Idempotent; returns False when Megatron-LM's arguments
+    module cannot be imported."""
+    if arguments is None:
+        try:
+            arguments = importlib.import_module("megatron.training.arguments")
+        except ImportError:
+            return False
+    if getattr(arguments, "parse_args", None) is None:
+        return False
+    patching.apply(patching.Patch(
+        patching.path_of(arguments), "parse_args", _flat_flags_always, expects="a function",
+        why="the parse that answers --help must list the --flat-* flags"))
     return True
 
 

@@ -31,6 +31,7 @@ import copy
 import functools
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -524,6 +525,11 @@ WRAPPER_PATCHES: Tuple[WrapperPatch, ...] = (
 )
 
 
+# The wrappers offload_inner_optimizer has done (the one "already done" record; nothing is
+# written on the wrapper itself but the patched methods).
+_OFFLOADED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 def _apply_wrapper_patches(wrapper: Any, applies: Dict[str, bool]) -> None:
     for patch in WRAPPER_PATCHES:
         if applies[patch.when]:
@@ -542,7 +548,7 @@ def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
 
     if getattr(wrapper, "chained_optimizers", None) is not None:
         raise TypeError("offload_inner_optimizer takes one Megatron optimizer, not a chain")
-    if getattr(wrapper, "_megatron_flat_offload", False):
+    if wrapper in _OFFLOADED:
         return wrapper
     problems = unsupported_optimizer_settings(wrapper.config)
     if getattr(getattr(wrapper, "ddp_config", None), "use_megatron_fsdp", False):
@@ -577,7 +583,7 @@ def offload_inner_optimizer(wrapper: Any, flat: FlatConfig) -> Any:
     _apply_wrapper_patches(wrapper, {"always": True, "offloaded": offloaded,
                                      "distributed": distributed,
                                      "precision_aware": precision_aware})
-    wrapper._megatron_flat_offload = True
+    _OFFLOADED.add(wrapper)
     return wrapper
 
 

@@ -42,6 +42,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from megatron_flat.runtime import patching
+
 __all__ = ["attention_class", "attentions", "disable", "enable", "enabled", "kernel_module",
            "unsupported"]
 
@@ -79,6 +81,9 @@ def kernel_module() -> Optional[Any]:
     transformer-engine is not importable or keeps them nowhere this module knows."""
     found = [m for m in _calling_kernel(_KERNEL_MODULES) if hasattr(m, "FusedAttnFunc")]
     return found[0] if found else None
+
+
+ATTENTION_PATH = "transformer_engine.pytorch.DotProductAttention"
 
 
 def attention_class() -> Optional[type]:
@@ -119,11 +124,18 @@ def enable(store: Callable[[Any], Any], warn_once: Callable[[str, str], None]) -
             raise RuntimeError(f"attention replay: {reason}")
         cls = attention_class()
         modules = [kernel_module()] + _cp_modules()
+        patches = [patching.Patch(patching.path_of(m), "fused_attn_fwd", _replaying,
+                                  expects="transformer-engine's fused attention kernel",
+                                  why="attention replay keeps the first pass's O and LSE")
+                   for m in modules]
+        # The class as Megatron reaches it (TE's own module path may differ by release).
+        patches.append(patching.Patch(ATTENTION_PATH, "forward", _wrap_forward,
+                                      expects="a method",
+                                      why="attention replay marks which call is replayed"))
         _patched.update(cls=cls, forward=cls.forward, store=store, warn=warn_once,
-                        kernels=[(m, m.fused_attn_fwd) for m in modules])
-        for module in modules:
-            module.fused_attn_fwd = _replaying(module.fused_attn_fwd)
-        cls.forward = _wrap_forward(cls.forward)
+                        kernels=[(m, m.fused_attn_fwd) for m in modules], patches=patches)
+        for patch in patches:
+            patching.apply(patch)
 
 
 def disable() -> None:
@@ -131,9 +143,8 @@ def disable() -> None:
     with _lock:
         if not _patched:
             return
-        for module, original in _patched["kernels"]:
-            module.fused_attn_fwd = original
-        _patched["cls"].forward = _patched["forward"]
+        for patch in reversed(_patched["patches"]):
+            patching.revert(patch)
         _patched.clear()
 
 

@@ -9,7 +9,7 @@ Resuming on CPU
     load ``state_dict`` asserts that the fresh optimizer's per-parameter steps agree (it has
     none), the loader gives every parameter one shared ``step`` tensor (which AdamW then
     increments once per parameter), and the ``dp_reshardable`` loader writes the load
-    template's steps back over the saved one. :data:`PATCH` makes that path do what the
+    template's steps back over the saved one. :data:`WORKAROUND` makes that path do what the
     FusedAdam path does, for an inner ``torch.optim.Adam``/``AdamW`` only: before a load,
     every parameter gets torch's own initial state (step 0, zero moments, which AdamW would
     make at its first step anyway), and after it, every parameter gets its own tensor holding
@@ -33,7 +33,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from megatron_flat.cpu.backend import Patch
+from megatron_flat.cpu.backend import Workaround
+from megatron_flat.runtime import patching
 
 DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 CHECKPOINTING = "megatron.training.checkpointing"
@@ -75,13 +76,7 @@ def saved_step(state_dict: Any) -> Any:
     return steps.pop() if len(steps) == 1 else None
 
 
-def _patch_distributed_optimizer(module: Any) -> None:
-    cls = getattr(module, "DistributedOptimizer", None)
-    if module.__name__ != DISTRIB_OPTIMIZER or cls is None or \
-            getattr(cls, "_megatron_flat_cpu_resume", False):
-        return
-    stock_sharded, stock_load = cls.sharded_state_dict, cls.load_state_dict
-
+def _resumable_sharded_state_dict(stock_sharded):
     @functools.wraps(stock_sharded)
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args,
                            **kwargs):
@@ -90,6 +85,10 @@ def _patch_distributed_optimizer(module: Any) -> None:
             initial_state(inner)
         return stock_sharded(self, model_sharded_state_dict, is_loading, *args, **kwargs)
 
+    return sharded_state_dict
+
+
+def _resumable_load_state_dict(stock_load):
     @functools.wraps(stock_load)
     @torch.no_grad()
     def load_state_dict(self, state_dict):
@@ -106,14 +105,27 @@ def _patch_distributed_optimizer(module: Any) -> None:
                 st["step"] = torch.tensor(step, dtype=_scalar_dtype())
         return result
 
-    cls.sharded_state_dict = sharded_state_dict
-    cls.load_state_dict = load_state_dict
-    cls._megatron_flat_cpu_resume = True
+    return load_state_dict
+
+
+_RESUME_WHY = ("Megatron's torch-AdamW path asserts on a fresh optimizer and shares one step "
+               "tensor")
+
+
+def _patch_distributed_optimizer(module: Any) -> None:
+    if module.__name__ != DISTRIB_OPTIMIZER or getattr(module, "DistributedOptimizer",
+                                                       None) is None:
+        return
+    owner = f"{DISTRIB_OPTIMIZER}.DistributedOptimizer"
+    for attribute, wrap in (("sharded_state_dict", _resumable_sharded_state_dict),
+                            ("load_state_dict", _resumable_load_state_dict)):
+        patching.apply(patching.Patch(owner, attribute, wrap, expects="a method",
+                                      why=_RESUME_WHY))
 
 
 def _torch_path_in_use() -> bool:
     """Whether the installed distributed optimizer takes its torch-optimizer path (no
-    transformer-engine or apex): the only case :data:`PATCH` changes."""
+    transformer-engine or apex): the only case :data:`WORKAROUND` changes."""
     try:
         import importlib
 
@@ -129,11 +141,16 @@ def _apply() -> None:
     cpu_training.on_import(_patch_distributed_optimizer)
 
 
-PATCH = Patch("distributed-optimizer resume with torch's AdamW",
-              "transformer-engine's FusedAdam keeps the step per param group and resumes; "
-              "Megatron's torch-AdamW path asserts on a fresh optimizer and shares one step "
-              "tensor; state is made before a load and the saved step restored per parameter.",
-              _apply, _torch_path_in_use)
+def _per_module() -> List[patching.Patch]:
+    return []  # the distributed optimizer's module is patched as it loads (then=_apply)
+
+
+WORKAROUND = Workaround(
+    "distributed-optimizer resume with torch's AdamW",
+    "transformer-engine's FusedAdam keeps the step per param group and resumes; "
+    "Megatron's torch-AdamW path asserts on a fresh optimizer and shares one step "
+    "tensor; state is made before a load and the saved step restored per parameter.",
+    _per_module, _torch_path_in_use, then=_apply)
 
 
 # ---------------------------------------------------------------------------- digests
@@ -182,17 +199,17 @@ def _record(op: str, iteration: Any, optimizer: Any) -> None:
                     "digest": optimizer_digest(optimizer)})
 
 
-def _wrap_checkpointing(module: Any) -> None:
-    if module.__name__ != CHECKPOINTING or getattr(module, "_megatron_flat_recorded", False):
-        return
-    stock_save, stock_load = module.save_checkpoint, module.load_checkpoint
-
+def _recording_save(stock_save):
     @functools.wraps(stock_save)
     def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
         result = stock_save(iteration, model, optimizer, *args, **kwargs)
         _record("save", iteration, optimizer)
         return result
 
+    return save_checkpoint
+
+
+def _recording_load(stock_load):
     @functools.wraps(stock_load)
     def load_checkpoint(model, optimizer, *args, **kwargs):
         result = stock_load(model, optimizer, *args, **kwargs)
@@ -200,8 +217,17 @@ def _wrap_checkpointing(module: Any) -> None:
         _record("load", iteration, optimizer)
         return result
 
-    module.save_checkpoint, module.load_checkpoint = save_checkpoint, load_checkpoint
-    module._megatron_flat_recorded = True
+    return load_checkpoint
+
+
+def _wrap_checkpointing(module: Any) -> None:
+    if module.__name__ != CHECKPOINTING:
+        return
+    for attribute, wrap in (("save_checkpoint", _recording_save),
+                            ("load_checkpoint", _recording_load)):
+        patching.apply(patching.Patch(CHECKPOINTING, attribute, wrap, expects="a function",
+                                      why="the rehearsal records each save's and load's "
+                                          "optimizer state"))
 
 
 def record_checkpoints() -> None:
@@ -217,5 +243,5 @@ def events() -> List[Dict[str, Any]]:
     return list(_EVENTS)
 
 
-__all__ = ["PATCH", "STATE_KINDS", "events", "initial_state", "optimizer_digest",
+__all__ = ["WORKAROUND", "STATE_KINDS", "events", "initial_state", "optimizer_digest",
            "record_checkpoints", "saved_step"]

@@ -62,7 +62,6 @@ class _Probe:
 
             return forward_backward
 
-        get_forward_backward_func._megatron_flat = True
         return get_forward_backward_func
 
     def attach(self, model) -> None:
@@ -205,12 +204,13 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
     from megatron_flat.rehearse import resume as cpu_resume
 
     if not cpu.cuda_present():
-        cpu.apply_patches([cpu_resume.PATCH])
+        cpu.apply_workarounds([cpu_resume.WORKAROUND])
     cpu_resume.record_checkpoints()
 
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
+    from megatron_flat.runtime import patching
     from megatron_flat.runtime.memory import MemoryMeter
 
     record: Dict[str, Any] = {"ok": False, "script": str(script)}
@@ -218,10 +218,11 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
     meter = MemoryMeter("cpu")
     with meter:
         probe = _Probe(meter)
-        getter = schedules.get_forward_backward_func
-        wrapped = probe.wrap_schedule_getter(getter)
-        pipeline_parallel.get_forward_backward_func = wrapped
-        schedules.get_forward_backward_func = wrapped
+        for owner in (pipeline_parallel, schedules):  # bound in both; training imports either
+            patching.apply(patching.Patch(
+                patching.path_of(owner), "get_forward_backward_func",
+                probe.wrap_schedule_getter, expects="a function",
+                why="the rehearsal measures each step's peaks"))
         namespace = {"__name__": "__main__", "__file__": str(script),
                      "__builtins__": __builtins__}
         try:
@@ -239,7 +240,7 @@ def run(script: Path, argv: List[str], out: Optional[Path]) -> int:
     record["sections"] = {name: [s.peak_device_bytes, s.peak_host_bytes, s.entries]
                           for name, s in meter.sections.items()}
     record["run_peak"] = [meter.peak_device_bytes, meter.peak_host_bytes]
-    record["patches"] = cpu.applied_patches()
+    record["patches"] = cpu.applied_workarounds()
     record["checkpoints"] = cpu_resume.events()
     record.update(_what_ran(probe.models))
     if out is not None:

@@ -41,7 +41,10 @@ class Patch:
     replaced on it; ``wrap(original) -> replacement``; ``expects``: what must be there, in
     words (shown when ``check`` fails); ``why``: the reason, for ``applied()`` and the docs;
     ``check(original) -> bool`` (default: callable); ``static``: install the replacement as
-    a ``staticmethod`` (autograd Functions' ``forward``/``backward``)."""
+    a ``staticmethod`` (autograd Functions' ``forward``/``backward``); ``classmethod_``: the
+    attribute is a class's own ``classmethod``: ``wrap`` gets its function and the
+    replacement is installed as a ``classmethod``; ``missing_ok``: the attribute may be
+    absent (``wrap`` then gets None and the patch defines it; reverting deletes it again)."""
 
     owner: str
     attribute: str
@@ -50,6 +53,8 @@ class Patch:
     why: str
     check: Callable[[Any], bool] = field(default=callable, compare=False)
     static: bool = False
+    classmethod_: bool = False
+    missing_ok: bool = False
 
     @property
     def key(self) -> Tuple[str, str]:
@@ -100,21 +105,28 @@ def apply(patch: Patch) -> Any:
     as the owner now serves it. A patch displaced since (something set the attribute over
     it) wraps what is there now."""
     with _lock:
-        record = _records.get(patch.key)
-        if record is not None and _current(record) is record.installed:
-            return getattr(record.owner, patch.attribute)
         try:
             owner = resolve(patch.owner)
         except (ImportError, AttributeError) as error:
             raise PatchError(f"{patch.owner} (for {patch.attribute}, {patch.why}) cannot be "
                              f"found: {error}") from None
+        record = _records.get(patch.key)
+        # In place on this very owner: nothing to do (a module loaded anew is a new owner).
+        if record is not None and record.owner is owner and _current(record) is record.installed:
+            return getattr(owner, patch.attribute)
         original = getattr(owner, patch.attribute, _MISSING)
-        if original is _MISSING or not patch.check(original):
+        if patch.classmethod_:
+            own = vars(owner).get(patch.attribute)
+            original = own.__func__ if isinstance(own, classmethod) else _MISSING
+        if original is _MISSING and patch.missing_ok:
+            original = None
+        elif original is _MISSING or not patch.check(original):
             found = "nothing" if original is _MISSING else type(original).__name__
             raise PatchError(f"{patch.owner}.{patch.attribute} is not {patch.expects} (found "
                              f"{found}); megatron-flat patches it because {patch.why}")
         replacement = patch.wrap(original)
-        installed = staticmethod(replacement) if patch.static else replacement
+        installed = (staticmethod(replacement) if patch.static else
+                     classmethod(replacement) if patch.classmethod_ else replacement)
         own = vars(owner).get(patch.attribute, _MISSING)
         setattr(owner, patch.attribute, installed)
         _records[patch.key] = _Record(patch, owner, own, original, installed)

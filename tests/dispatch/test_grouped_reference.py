@@ -61,7 +61,7 @@ def test_reference_gmm_matches_a_dense_loop():
 
 def test_grouped_reference_is_a_listed_patch_on_016(megatron_cpu):
     from megatron_flat.megatron import compat
-    from megatron_flat.cpu.backend import applied_patches
+    from megatron_flat.cpu.backend import applied_workarounds
 
-    assert ("grouped_gemm reference" in applied_patches()) == (compat.grouped_mlp_class()
+    assert ("grouped_gemm reference" in applied_workarounds()) == (compat.grouped_mlp_class()
                                                                is not None)

@@ -7,27 +7,43 @@ from megatron_flat.cpu import backend as cpu
 
 
 def test_every_patch_documents_why_and_applies_where_needed(megatron_cpu):
-    assert cpu.PATCHES
-    for patch in cpu.PATCHES:
+    assert cpu.WORKAROUNDS
+    for patch in cpu.WORKAROUNDS:
         assert len(patch.reason) > 40, patch.name
-    applied = [name for name in cpu.applied_patches() if name in {p.name for p in cpu.PATCHES}]
-    expected = [p.name for p in cpu.PATCHES if p.name in applied or p.needed()]
+    applied = [name for name in cpu.applied_workarounds() if name in {p.name for p in cpu.WORKAROUNDS}]
+    expected = [p.name for p in cpu.WORKAROUNDS if p.name in applied or p.needed()]
     assert applied == expected
+
+
+def test_every_workaround_patches_through_the_one_mechanism(megatron_cpu):
+    """Each applied workaround's monkey-patches are ``runtime.patching`` records, in place,
+    each saying what it expects and why; no marker attribute is written on what they patch."""
+    from megatron_flat.runtime import patching
+
+    in_place = patching.applied()
+    for workaround in cpu.WORKAROUNDS:
+        if workaround.name not in cpu.applied_workarounds():
+            continue
+        for patch in workaround.patches():
+            assert patch.expects and len(patch.why) > 20, (workaround.name, patch)
+            assert patching.is_applied(patch) and patch in in_place, (workaround.name, patch)
+            replacement = getattr(patching.resolve(patch.owner), patch.attribute)
+            assert not hasattr(replacement, "_megatron_flat"), patch
 
 
 def test_feature_gating(megatron_cpu):
     """Patches follow what the installed release has, not its version number."""
     from megatron.core.transformer.moe import experts
 
-    grouped = next(p for p in cpu.PATCHES if p.name == "grouped_gemm reference")
-    assert (grouped.name in cpu.applied_patches()) == hasattr(experts, "GroupedMLP")
-    te_gemm = next(p for p in cpu.PATCHES if p.name == "te_general_gemm global")
+    grouped = next(p for p in cpu.WORKAROUNDS if p.name == "grouped_gemm reference")
+    assert (grouped.name in cpu.applied_workarounds()) == hasattr(experts, "GroupedMLP")
+    te_gemm = next(p for p in cpu.WORKAROUNDS if p.name == "te_general_gemm global")
     # Once defined (by the patch or by the release itself), it is no longer needed.
     assert not te_gemm.needed()
 
 
 def test_idempotent(megatron_cpu):
-    before = cpu.applied_patches()
+    before = cpu.applied_workarounds()
     assert cpu.enable_cpu_backend() == before
 
 
@@ -86,6 +102,10 @@ def test_tied_embedding_copy_is_confined_to_its_call(megatron_cpu):
     GPT step); elsewhere a CUDA copy still fails loudly on a CPU-only torch."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    assert getattr(LanguageModule.setup_embeddings_and_output_layer, "_megatron_flat", False)
+    from megatron_flat.runtime import patching
+
+    tied = next(w for w in cpu.WORKAROUNDS if w.name == "tied embeddings across pipeline stages")
+    (patch,) = tied.patches()
+    assert patching.is_applied(patch) and patching.resolve(patch.owner) is LanguageModule
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1).cuda()

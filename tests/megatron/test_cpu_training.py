@@ -9,12 +9,12 @@ from megatron_flat.cpu import training as cpu_training
 
 
 def test_every_workaround_says_why():
-    for patch in cpu_training.PATCHES:
+    for patch in cpu_training.WORKAROUNDS:
         assert len(patch.reason) > 40, patch.name
 
 
 def test_typing_override_shim_only_when_missing(monkeypatch):
-    patch = next(p for p in cpu_training.PATCHES if p.name == "typing.override")
+    patch = next(p for p in cpu_training.WORKAROUNDS if p.name == "typing.override")
     if hasattr(typing, "override") and not getattr(typing.override, "__module__", "") == \
             "megatron_flat.cpu.training":
         assert not patch.needed()  # Python 3.12+: nothing to shim
@@ -60,7 +60,7 @@ def test_device_arch_version_answered_for_the_cpu(tmp_path, monkeypatch):
     """validate_args (TP or CP > 1) asks get_device_arch_version(), which reads cuda:0: the
     patch answers for the CPU in the module defining it (already loaded) and in every module
     importing it by name later; a stand-in megatron.training mirrors Megatron-LM's layout."""
-    patch = next(p for p in cpu_training.PATCHES if p.name == "device architecture on CPU")
+    patch = next(p for p in cpu_training.WORKAROUNDS if p.name == "device architecture on CPU")
     package = tmp_path / "megatron" / "training"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
