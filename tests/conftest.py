@@ -46,12 +46,21 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if _megatron_scope() == "free":
         _megatron_use().block_megatron()
+    # make test sets TORCHDYNAMO_DISABLE=1: compiled functions run eagerly, so torch.compile may
+    # return them unchanged and no test process imports the compiler with Megatron-Core.
+    from megatron_flat.cpu import training as cpu_training
+
+    cpu_training.eager_compile()
     config.addinivalue_line(
         "markers", "inline_copies(reason): measures memory (or behaviour) with copies done as "
         "they are issued; FLAT_DELAYED_COPIES=1 runs it without delaying them")
     config.addinivalue_line(
         "markers", "rehearsal(smoke=False): an end-to-end rehearsal (Megatron-LM runs in "
         "subprocesses); FLAT_REHEARSALS=smoke keeps only the ones marked smoke=True")
+    config.addinivalue_line(
+        "markers", "end_to_end(smoke=False): a whole job run in the test's own process (the "
+        "demo's sweep); FLAT_REHEARSALS=smoke keeps only the ones marked smoke=True, as for "
+        "rehearsals")
     junit_dir = os.environ.get("FLAT_JUNIT_DIR")
     if junit_dir:
         world = launched_world()
@@ -80,11 +89,15 @@ def _rehearsals() -> str:
     return mode
 
 
+_END_TO_END = ("rehearsal", "end_to_end")
+
+
 def _wanted_rehearsal(item, mode: str) -> bool:
-    if mode == "all" or item.get_closest_marker("rehearsal") is None:
+    marks = [m for name in _END_TO_END for m in item.iter_markers(name)]
+    if mode == "all" or not marks:
         return True
     # pytest.param(..., marks=rehearsal(smoke=True)) comes before the function's own marker
-    return any(m.kwargs.get("smoke", False) for m in item.iter_markers("rehearsal"))
+    return any(m.kwargs.get("smoke", False) for m in marks)
 
 
 def pytest_collection_modifyitems(config, items):

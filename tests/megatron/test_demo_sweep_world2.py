@@ -22,7 +22,14 @@ def _demo():
     return module
 
 
-@pytest.mark.parametrize("cp,tp", [(1, 1), (2, 1), (1, 2)])
+# End-to-end runs of the main job: all three with the first megatron-core version, the demo's
+# own layout (CP 1, TP 1) as the smoke run with the second (FLAT_REHEARSALS=smoke).
+SWEEPS = [pytest.param(1, 1, marks=pytest.mark.end_to_end(smoke=True), id="1-1"),
+          pytest.param(2, 1, marks=pytest.mark.end_to_end, id="2-1"),
+          pytest.param(1, 2, marks=pytest.mark.end_to_end, id="1-2")]
+
+
+@pytest.mark.parametrize("cp,tp", SWEEPS)
 def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp, tp):
     """At CP 1 (the demo's layout), CP 2 (``--cp 2``: each rank holds half of every
     sequence, attention through the CPU backend's CP attention) and TP 2 (``--tp 2``: TP 2

@@ -167,9 +167,9 @@ def test_saved_step_reads_the_distributed_optimizers_param_groups():
 
 
 # ---------------------------------------------------------------------------- rehearsals
-def _resume(tmp_path, era, line):
+def _resume(tmp_path, era, line, nproc=2):
     script = checkout.write_checkout(tmp_path / "mlm", era)
-    return _rehearse(tmp_path, script, line, nproc=2, options=("--resume-at", "2"))
+    return _rehearse(tmp_path, script, line, nproc=nproc, options=("--resume-at", "2"))
 
 
 def _events(work, run):
@@ -207,8 +207,10 @@ def test_checkpoints_cross_both_ways(tmp_path, era, distributed):
 def test_a_lossy_crossing_is_caught(tmp_path):
     """The flat run's load scales the loaded first moments by 1 + 1e-6: the losses stay
     within tolerance, the optimizer state does not."""
+    # One rank (EP 1): the check is per rank, and rank 0's loaded state is the perturbed one.
     line = list(checkout.LINE) + checkout.FLAT + ["--perturb-loaded-state", "1e-6"]
-    done, _ = _resume(tmp_path, "0.16", line)
+    line[line.index("--expert-model-parallel-size") + 1] = "1"
+    done, _ = _resume(tmp_path, "0.16", line, nproc=1)
     assert done.returncode == 1, done.stdout
     assert done.stdout.splitlines()[-1] == (
         "rehearsal: the optimizer state did not cross stock-to-flat at iteration 2: exp_avg "
