@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_flat.rehearse import line as cpu_line, preflight
+from megatron_flat.rehearse import line as cpu_line, preflight, supervise
 from megatron_flat.config import FlatConfig, add_flat_args
 
 WORKER = "megatron_flat.rehearse.worker"
@@ -268,6 +268,8 @@ class Run:
     losses: Dict[int, float]
     ranks: List[dict]
     seconds: float
+    cause: Optional[str] = None  # why the supervisor ended it (stalled, out of time)
+    stacks: Dict[int, str] = field(default_factory=dict)  # rank -> stack dumped then
 
     @property
     def ok(self) -> bool:
@@ -307,7 +309,9 @@ def _environment(out: Path) -> Dict[str, str]:
 
 
 def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Path,
-           timeout: float) -> Run:
+           timeout: float, stall_seconds: float = supervise.STALL_S) -> Run:
+    """One run under ``rehearse.supervise``: it ends by itself, or is ended (stalled or out of
+    time) with its ranks' stacks and the cause in the returned :class:`Run`."""
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -315,19 +319,32 @@ def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Pa
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "-m", WORKER, str(script), *args]
     start = time.monotonic()
-    with log.open("w") as sink:
-        sink.write("$ " + " ".join(command) + "\n")
-        sink.flush()
-        try:
-            done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT,
-                                  env=_environment(out), timeout=timeout)
-            code = done.returncode
-        except subprocess.TimeoutExpired:
-            sink.write(f"\nrehearsal: timed out after {timeout:g} s\n")
-            code = 124
+    log.write_text("$ " + " ".join(command) + "\n")
+    outcome = supervise.supervise(command, log=log, env=_environment(out), timeout=timeout,
+                                  stall_seconds=stall_seconds, stack_dir=out)
+    if outcome.cause is not None:
+        with log.open("a") as sink:
+            sink.write(f"\nrehearsal: the run {outcome.cause}; ended at: "
+                       f"{supervise.where(outcome.stacks)}\n")
+            for rank, stack in sorted(outcome.stacks.items()):
+                sink.write(f"\n-- rank {rank}'s Python stack --\n{stack}\n")
     text = log.read_text(errors="replace")
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return Run(name, code, log, parse_losses(text), ranks, time.monotonic() - start)
+    return Run(name, outcome.code, log, parse_losses(text), ranks, time.monotonic() - start,
+               outcome.cause, outcome.stacks)
+
+
+EXIT_NOT_RUN = -1  # a Run that was not started (the stock run it needed did not complete)
+PROBE_TIMEOUT_S = 300.0  # the parser probe, when --timeout is not given
+
+
+def _train_iters(args: Sequence[str]) -> int:
+    """The run's --train-iters (what the time limit is derived from; 100 when not given)."""
+    values = cpu_line.option_values(args, "--train-iters", 1)
+    try:
+        return int(values[0]) if values else 100
+    except ValueError:
+        return 100
 
 
 def probe_line(script: Path, args: Sequence[str], work: Path,
@@ -382,7 +399,8 @@ _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w
 
 
 def first_error(text: str) -> Optional[str]:
-    """The first exception line in a run's log (torchrun's own ChildFailedError aside)."""
+    """The first exception line in a run's log (torchrun's own ChildFailedError aside) and the
+    frame that raised it; for a rank killed by a signal, torchrun's root cause."""
     lines = text.splitlines()
     for i, line in enumerate(lines):
         match = _EXCEPTION.match(line.strip())
@@ -393,8 +411,27 @@ def first_error(text: str) -> Optional[str]:
                           if s.strip() and set(s.strip()) - set("^~ ")]
                 if source:
                     error += f" ({source[-1]})"
+            for frame in reversed(lines[max(0, i - 8):i]):  # the frame that raised it
+                where = _FRAME.search(frame)
+                if where:
+                    short = "/".join(Path(where.group(1)).parts[-2:])
+                    return f"{error}, raised in {where.group(3)} ({short}:{where.group(2)})"
             return error
+    # No Python error (a rank killed by a signal): torchrun's root cause, with its rank.
+    at = text.rfind("Root Cause")
+    root = text[at:] if at >= 0 else text
+    rank = _RANK_LINE.search(root)
+    for pattern in (_SIGNAL_LINE, _EXITCODE_LINE):
+        match = pattern.search(root)
+        if match:
+            return (f"rank {rank.group(1)}: " if rank else "") + match.group(0).strip()
     return None
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_RANK_LINE = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
+_SIGNAL_LINE = re.compile(r"Signal \d+ \(\w+\) received by PID \d+")
+_EXITCODE_LINE = re.compile(r"exitcode\s*:\s*-?\d+[^\n]*")
 
 
 def _bytes(n: Optional[int]) -> str:
@@ -573,8 +610,16 @@ def parameter_difference(stock: Run, flat: Run) -> Optional[str]:
     return None
 
 
+def stopped_verdict(run: Run) -> str:
+    """The verdict for a run the supervisor ended: the cause, where each rank was, the log."""
+    return (f"rehearsal: the {run.name} run {run.cause}: {supervise.where(run.stacks)}; "
+            f"its log: {run.log}")
+
+
 def verdict(stock: Run, flat: Run, rtol: float, substitutions: int = 0) -> Tuple[int, str]:
     for run in (stock, flat):
+        if run.cause is not None:
+            return EXIT_DIFFER, stopped_verdict(run)
         if not run.ok:
             return EXIT_DIFFER, (f"rehearsal: the {run.name} run failed (exit {run.exit}); "
                                  f"its log: {run.log}")
@@ -627,6 +672,8 @@ def crossing_verdict(straight: Dict[str, Run], resumed: Sequence[Run], at: int,
     reference = straight["stock"]
     for run in resumed:
         saver = straight[run.name.split("-to-")[0]]
+        if run.cause is not None:
+            return stopped_verdict(run)
         if not run.ok:
             return f"rehearsal: the {run.name} run failed (exit {run.exit}); its log: {run.log}"
         want = {it for it in reference.losses if it > at}
@@ -671,8 +718,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                              f"{HALF_RTOL['bf16']:.1e} / {HALF_RTOL['fp16']:.1e})")
     parser.add_argument("--host-budget-gib", type=float, default=1.0,
                         help="cap on SCO's host budget per rank for the rehearsal (default: 1)")
-    parser.add_argument("--timeout", type=float, default=1800.0,
-                        help="seconds each run may take (default: 1800)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds each run may take (default: from the line, 5 minutes "
+                             "plus a minute per iteration and rank); its ranks' Python "
+                             "stacks are reported when it runs out")
+    parser.add_argument("--stall-seconds", type=float, default=supervise.STALL_S,
+                        help="end a run whose log gains no line while its processes use "
+                             "under a tenth of a core for this long (default: "
+                             f"{supervise.STALL_S:g}): a rank waiting for a collective a "
+                             "peer never reaches, or for a process that died")
     parser.add_argument("--strict", action="store_true",
                         help="refuse a line with GPU-only settings instead of running their "
                              "CPU forms (default: substitute them and say so)")
@@ -700,6 +754,15 @@ def _check_script(script: Path) -> None:
                                  f"{script.parent} says more)")
 
 
+def _refused(prog: str, exc: Exception, out) -> int:
+    """A line refused before any run: the whole message on stderr, the verdict line (its first
+    line, and its last where it has more: what to do) last on the report."""
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    print("rehearsal: refused: " + " ... ".join(lines[:1] + lines[1:][-1:]), file=out)
+    return EXIT_USAGE
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_flat rehearse",
          out=None) -> int:
     out = out or sys.stdout
@@ -713,6 +776,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     try:
         if opts.nproc_per_node < 1:
             raise RehearsalError("--nproc-per-node must be >= 1")
+        if (opts.timeout is not None and opts.timeout <= 0) or opts.stall_seconds <= 0:
+            raise RehearsalError("--timeout and --stall-seconds must be > 0")
         if opts.iters < 0 or (opts.rtol or 0) < 0 or opts.host_budget_gib < 0:
             raise RehearsalError("--iters, --rtol and --host-budget-gib must be >= 0")
         if opts.resume_at is not None:
@@ -724,8 +789,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
         _check_script(script)
         flat_config_of(line)  # bad --flat-* flags: refused before anything runs
     except RehearsalError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refused(prog, exc, out)
 
     work = opts.work_dir or Path(tempfile.mkdtemp(prefix="megatron-flat-rehearsal-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -733,15 +797,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     try:
         resume = opts.resume_at is not None
         on_cpu, probe_notes = cpu_line_of(script, line, work=work, strict=opts.strict,
-                                          timeout=opts.timeout, resume=resume)
+                                          timeout=opts.timeout or PROBE_TIMEOUT_S,
+                                          resume=resume)
         iters = resume_iters(opts.iters, opts.resume_at) if resume else opts.iters
         lines = launch_lines(on_cpu.args, iters=iters, host_budget_gib=opts.host_budget_gib,
                              resume=resume)
     except RehearsalError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
         if opts.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-        return EXIT_USAGE
+        return _refused(prog, exc, out)
     print(f"rehearsing {script} on CPU with {opts.nproc_per_node} rank(s), gloo", file=out)
     print(f"flat: {lines.flat_config.describe()}", file=out)
     if opts.rtol is None:
@@ -764,9 +828,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
     plan = crossing.runs(lines) if crossing else [("stock", lines.stock), ("flat", lines.flat)]
     runs = []
     for name, args in plan:
+        if runs and not runs[0].ok:  # no reference: the other runs could not be compared
+            print(f"{name} run: not started (the stock run did not complete)", file=out)
+            runs.append(Run(name, EXIT_NOT_RUN, work / f"{name}.log", {}, [], 0.0))
+            continue
         print(f"{name} run ... (log: {work / (name + '.log')})", file=out, flush=True)
         run = launch(name, script, args, nproc=opts.nproc_per_node, work=work,
-                     timeout=opts.timeout)
+                     timeout=opts.timeout or supervise.derived_timeout(
+                         _train_iters(args), opts.nproc_per_node),
+                     stall_seconds=opts.stall_seconds)
         print(f"{name} run: exit {run.exit}, {len(run.losses)} iterations logged, "
               f"{run.seconds:.0f} s", file=out, flush=True)
         runs.append(run)
@@ -807,6 +877,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
             last += f"; checkpoints cross both ways at iteration {crossing.at}"
     if code != EXIT_EQUAL:
         for run in runs:
+            if run.exit == EXIT_NOT_RUN:
+                continue
+            if run.cause is not None:
+                print(f"\nthe {run.name} run {run.cause}; each rank's Python stack is in its "
+                      f"log ({run.log}); last error lines: "
+                      f"{first_error(run.log.read_text(errors='replace')) or '(none found)'}",
+                      file=out)
+                continue
             if not run.ok:
                 error = first_error(run.log.read_text(errors="replace"))
                 print(f"\nthe {run.name} run's first error: {error or '(none found)'}", file=out)

@@ -275,7 +275,27 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     out = os.environ.get(OUT_ENV)
+    if out:
+        _stack_on_signal(Path(out))
     return run(Path(argv[0]), argv[1:], Path(out) if out else None)
+
+
+_STACK_FILE = []  # kept open for faulthandler for the life of the process
+
+
+def _stack_on_signal(out: Path) -> None:
+    """The supervisor (``rehearse.supervise``) asks for this rank's Python stack with
+    ``DUMP_SIGNAL`` before it ends a run that stalled or ran out of time; a crash (SIGSEGV,
+    SIGABRT) prints its stack to the run's log."""
+    import faulthandler
+
+    from megatron_flat.rehearse.supervise import DUMP_SIGNAL
+
+    out.mkdir(parents=True, exist_ok=True)
+    sink = open(out / f"stack-rank{os.environ.get('RANK', '0')}.txt", "w")
+    _STACK_FILE.append(sink)
+    faulthandler.register(DUMP_SIGNAL, file=sink, all_threads=True)
+    faulthandler.enable()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ launch meets on CPU, so the rehearsal's workarounds are exercised:
 
 Test knobs (kept by the stock run, acting only when a technique is installed):
 ``--perturb-flat-lr F`` multiplies the learning rate by ``1 + F``; ``--fail-when-flat``
-raises after the first iteration.
+raises after the first iteration. ``--fault`` injects one after the first iteration, in both
+runs: ``kill-rank`` (rank 1 is killed), ``dead-writer`` (every rank waits for a checkpoint
+writer process that died), ``lost-collective`` (rank 1 never reaches the next collective).
 """
 
 import textwrap
@@ -107,6 +109,8 @@ def _parser():
     group.add_argument("--mock-data", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--fail-when-flat", action="store_true")
+    group.add_argument("--fault", default=None,
+                       choices=["kill-rank", "dead-writer", "lost-collective"])
     return parser
 
 
@@ -345,6 +349,10 @@ def _flat_on():
 
 TRAINING = '''\
 import datetime
+import multiprocessing
+import os
+import signal
+import threading
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -359,6 +367,24 @@ def _flat_on():
 
     flat = installed()
     return flat is not None and flat != type(flat)()
+
+
+def _writer(results):
+    # A stand-in for Megatron's async checkpoint writer dying at its first import.
+    raise RuntimeError("synthetic checkpoint writer: psutil is not installed")
+
+
+def _inject(fault):
+    """Test faults, after iteration 1's log line, in both runs."""
+    rank = torch.distributed.get_rank()
+    if fault == "kill-rank" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "dead-writer":  # every rank waits for a writer process that died
+        results = multiprocessing.get_context("fork").SimpleQueue()
+        multiprocessing.get_context("fork").Process(target=_writer, args=(results,)).start()
+        results.get()
+    if fault == "lost-collective" and rank == 1:  # rank 0 waits in the next collective
+        threading.Event().wait()
 
 
 def pretrain(*positional, **kwargs):
@@ -440,6 +466,8 @@ def _train(model_provider, forward_step_func):
             save_checkpoint(iteration, ddp, optimizer, None)
         if args.fail_when_flat and _flat_on():
             raise RuntimeError("synthetic failure in the flat run")
+        if args.fault:
+            _inject(args.fault)
 '''
 
 _COMMON = '''\

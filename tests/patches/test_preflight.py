@@ -58,7 +58,11 @@ def test_a_resume_rehearsal_without_psutil_is_refused_before_launch(tmp_path, ca
     code = rehearse.main(["--nproc-per-node", "1", "--iters", "5", "--resume-at", "2",
                           "--work-dir", str(tmp_path / "work"), "--",
                           str(script), *checkout.LINE, "--flat-dispatch", "pipelined"])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == rehearse.EXIT_USAGE and launched == []
     assert "psutil is not installed" in err and "-m pip install psutil" in err
+    # the report's verdict line says it was refused, and why
+    verdict = captured.out.splitlines()[-1]
+    assert verdict.startswith("rehearsal: refused: ") and "psutil" in verdict, verdict
     assert time.monotonic() - start < 120  # the probe's subprocess, nothing more

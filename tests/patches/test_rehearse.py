@@ -182,7 +182,8 @@ def test_first_error_skips_torchrun_noise():
     assert rehearse.first_error("all good\n") is None
     bare = ("  File \"s.py\", line 157, in __init__\n    assert warmup < decay\n"
             "           ^^^^^^^^^^^^^^\nAssertionError\n")
-    assert rehearse.first_error(bare) == "AssertionError (assert warmup < decay)"
+    assert rehearse.first_error(bare) == (
+        "AssertionError (assert warmup < decay), raised in __init__ (s.py:157)")
 
 
 # ---------------------------------------------------------------------------- --help
