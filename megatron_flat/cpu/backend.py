@@ -29,6 +29,7 @@ import copy
 import functools
 import importlib
 import logging
+import os
 import threading
 import types
 from dataclasses import dataclass
@@ -678,6 +679,18 @@ def _mla_patches() -> List[patching.Patch]:
                            why="it is set when TE's extension module imports, without TE")]
 
 
+def _te_grouped_wanted() -> bool:
+    from megatron_flat.cpu.grouped import TE_GROUPED_ENV
+
+    return os.environ.get(TE_GROUPED_ENV) == "1"
+
+
+def _te_grouped_patches() -> List[patching.Patch]:
+    from megatron_flat.cpu.grouped import te_grouped_patches
+
+    return te_grouped_patches()
+
+
 def _grouped_patches() -> List[patching.Patch]:
     from megatron_flat.cpu.grouped import reference_gmm_patches
 
@@ -809,6 +822,16 @@ WORKAROUNDS: List[Workaround] = [
         "bf16; a per-expert matmul loop (cpu.grouped.gmm) stands in, in any dtype.",
         _grouped_patches,
         needed=lambda: compat.grouped_mlp_class() is not None,
+    ),
+    Workaround(
+        "TEGroupedMLP on CPU",
+        "a transformer-engine line with --moe-grouped-gemm builds TEGroupedMLP (with biases: "
+        "GPT-OSS); run with the local spec, it would build 0.16's legacy GroupedMLP (which "
+        "refuses biases) or 0.19's SequentialMLP. With MEGATRON_FLAT_CPU_TE_GROUPED=1 (the "
+        "rehearsal of such a line) the local spec builds TEGroupedMLP over CPU grouped linears "
+        "(cpu.grouped), one weight and bias per expert as TE's.",
+        _te_grouped_patches,
+        needed=_te_grouped_wanted,
     ),
 ]
 

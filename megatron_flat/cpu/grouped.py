@@ -14,8 +14,11 @@ grouped layer runs under the CPU backend and is an exactness reference:
   ``GroupedLinear`` for ``TEGroupedMLP``'s builder protocol: one weight per local expert in
   TE's layout (``weight{i}``, exactly ``SequentialMLP``'s ``linear_fc{1,2}.weight`` of
   expert i), each expert's rows through Megatron's own linear function (so ``main_grad`` and
-  ``gradient_accumulation_fusion`` behave as Megatron's linears do). Expert tensor
-  parallelism 1 and no bias (refused otherwise).
+  ``gradient_accumulation_fusion`` behave as Megatron's linears do). With ``bias`` one
+  ``bias{i}`` per expert (zeros, as TE initialises them), added to expert i's rows, or with
+  ``skip_bias_add`` returned as TE returns them (the list of every expert's bias: fc2 of
+  ``TEGroupedMLP``, which adds ``b_i · prob`` itself). Expert tensor parallelism 1 (refused
+  otherwise).
 
 Every expert's rows go through the same ``x @ W`` a ``SequentialMLP`` expert computes, so on
 this machine's BLAS the grouped layer equals the sequential one bitwise (tests check it).
@@ -23,17 +26,19 @@ this machine's BLAS the grouped layer equals the sequential one bitwise (tests c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import types
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
 
 import torch
 
 from megatron_flat.runtime import patching
 
-__all__ = ["gmm", "reference_gmm_patches", "grouped_experts_spec",
-           "CpuColumnParallelGroupedLinear", "CpuRowParallelGroupedLinear"]
+__all__ = ["TE_GROUPED_ENV", "gmm", "reference_gmm_patches", "grouped_experts_spec",
+           "te_grouped_experts", "te_grouped_patches", "CpuColumnParallelGroupedLinear",
+           "CpuRowParallelGroupedLinear"]
 
 
 def _split_sizes(a: torch.Tensor, b: torch.Tensor, batch_sizes) -> list:
@@ -93,7 +98,8 @@ def reference_gmm_patches() -> List[patching.Patch]:
 
 class _CpuGroupedLinear(torch.nn.Module):
     """``num_gemms`` linears ``[output_size, input_size]`` applied to consecutive row groups
-    (``forward(x, m_splits) -> (out, None)``), initialised as Megatron's expert linears are.
+    (``forward(x, m_splits) -> (out, None)``, or ``(out, [bias_i])`` with ``skip_bias_add``),
+    initialised as Megatron's expert linears are, biases zero as TE's.
 
     ``sharded_state_dict`` gives each ``weight{i}`` as its global expert's shard (the
     expert axis offset by this EP rank's first expert), as TE's grouped linear does, so
@@ -109,11 +115,13 @@ class _CpuGroupedLinear(torch.nn.Module):
 
         tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
         tp_size = tp.size() if tp is not None else 1
-        if bias or tp_size != 1:
-            raise ValueError("the CPU grouped linear supports no bias and expert tensor "
-                             f"parallelism 1 (got bias={bias}, expert TP={tp_size})")
+        if tp_size != 1:
+            raise ValueError("the CPU grouped linear supports expert tensor parallelism 1 "
+                             f"(got {tp_size})")
         self.config = config
         self.num_gemms = num_gemms
+        self.use_bias = bool(bias)
+        self.skip_bias_add = bool(skip_bias_add)
         self._ep = getattr(pg_collection, "ep", None) if pg_collection is not None else None
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size,
@@ -124,18 +132,30 @@ class _CpuGroupedLinear(torch.nn.Module):
             # Expert weights are reduced over the expert-data-parallel group only.
             weight.allreduce = not (is_expert and config.expert_model_parallel_size > 1)
             self.register_parameter(f"weight{i}", weight)
+            if self.use_bias:
+                b = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
+                b.allreduce = weight.allreduce
+                self.register_parameter(f"bias{i}", b)
+
+    def biases(self) -> list:
+        """Every expert's bias, in expert order (empty without bias)."""
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias \
+            else []
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]):
         from megatron.core.tensor_parallel.layers import (
             linear_with_grad_accumulation_and_async_allreduce,
         )
 
+        added = self.use_bias and not self.skip_bias_add
         outs = [linear_with_grad_accumulation_and_async_allreduce(
-                    rows, getattr(self, f"weight{i}"), None,
+                    rows, getattr(self, f"weight{i}"),
+                    getattr(self, f"bias{i}") if added else None,
                     gradient_accumulation_fusion=self.config.gradient_accumulation_fusion,
                     allreduce_dgrad=False, sequence_parallel=False)
                 for i, rows in enumerate(torch.split(x, list(m_splits)))]
-        return torch.cat(outs), None
+        return torch.cat(outs), (self.biases() if self.use_bias and self.skip_bias_add
+                                 else None)
 
     def backward_dw(self) -> None:  # weight gradients are never deferred here
         pass
@@ -155,6 +175,12 @@ class _CpuGroupedLinear(torch.nn.Module):
                 {"weight": getattr(self, f"weight{i}")}, prefix, {"weight": self.tp_axis},
                 offsets, dp_cp_group=dp_cp)
             out[f"{prefix}weight{i}"] = sub[f"{prefix}weight"]
+            if self.use_bias:
+                # A column linear's bias is split as its rows; a row linear's is whole.
+                axis = {"bias": 0} if self.tp_axis == 0 else {}
+                sub = make_sharded_tensors_for_checkpoint(
+                    {"bias": getattr(self, f"bias{i}")}, prefix, axis, offsets, dp_cp_group=dp_cp)
+                out[f"{prefix}bias{i}"] = sub[f"{prefix}bias"]
         return out
 
 
@@ -168,6 +194,60 @@ class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
     """fc2 of ``TEGroupedMLP`` on CPU (row-parallel; expert TP 1)."""
 
     tp_axis = 1
+
+
+TE_GROUPED_ENV = "MEGATRON_FLAT_CPU_TE_GROUPED"
+"""Set to 1 (the rehearsal does, for a transformer-engine line with ``--moe-grouped-gemm``):
+the local spec's grouped experts are ``TEGroupedMLP`` over the CPU grouped linears."""
+
+
+def _te_grouped_modules(stock):
+    """``LocalSpecProvider.grouped_mlp_modules`` giving, for grouped GEMM (not the legacy
+    kind), ``TEGroupedMLP`` over the CPU grouped linears in the release's return form."""
+
+    @functools.wraps(stock)
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, *args, **kwargs):
+        legacy = bool(args[0]) if args else bool(kwargs.get("moe_use_legacy_grouped_gemm"))
+        if not moe_use_grouped_gemm or legacy:
+            return stock(self, moe_use_grouped_gemm, *args, **kwargs)
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron_flat.megatron import compat
+
+        spec = compat.te_grouped_mlp_spec(CpuColumnParallelGroupedLinear,
+                                          CpuRowParallelGroupedLinear)
+        # 0.16 returns (module, submodules); 0.17 on an experts builder (a partial).
+        return (spec.module, spec.submodules) if isinstance(spec, ModuleSpec) else spec
+
+    return grouped_mlp_modules
+
+
+def te_grouped_patches() -> List[patching.Patch]:
+    """The local spec builds a transformer-engine line's grouped experts as that line does
+    on a GPU: ``TEGroupedMLP`` (biases included: GPT-OSS), its two grouped linears the CPU
+    ones above, instead of 0.16's legacy ``GroupedMLP`` (no biases) or 0.19's
+    ``SequentialMLP``."""
+    return [patching.Patch(
+        "megatron.core.models.backends.LocalSpecProvider", "grouped_mlp_modules",
+        _te_grouped_modules, expects="a method",
+        why="a transformer-engine line's grouped experts are TEGroupedMLP; on CPU the local "
+            "spec stands in for TE's, so it builds TEGroupedMLP over CPU grouped linears")]
+
+
+@contextlib.contextmanager
+def te_grouped_experts() -> Iterator[None]:
+    """Within the block the local spec builds grouped experts as :func:`te_grouped_patches`
+    says (in-process builds of a transformer-engine line; the rehearsal sets
+    ``TE_GROUPED_ENV`` instead, for the whole run)."""
+    patches = te_grouped_patches()
+    fresh = [p for p in patches if not patching.is_applied(p)]
+    for patch in fresh:
+        patching.apply(patch)
+    try:
+        yield
+    finally:
+        for patch in fresh:
+            patching.revert(patch)
 
 
 def grouped_experts_spec(prefer_te: bool = False):

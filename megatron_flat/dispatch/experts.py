@@ -42,8 +42,8 @@ from typing import Callable, Optional, Protocol, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertBank", "GLUExperts", "GradOnlyGroupedLinear", "GradOnlyLinear",
-           "SavedOutputGroupedLinear", "SavedOutputLinear", "check_bank"]
+__all__ = ["BiasGrad", "ExpertBank", "GLUExperts", "GradOnlyGroupedLinear", "GradOnlyLinear",
+           "GroupedBiasGrad", "SavedOutputGroupedLinear", "SavedOutputLinear", "check_bank"]
 
 
 class ExpertBank(Protocol):
@@ -118,6 +118,36 @@ class SavedOutputLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad_x, grad_w = GradOnlyLinear.backward(ctx, grad)
         return grad_x, grad_w, None
+
+
+class BiasGrad(torch.autograd.Function):
+    """A linear's bias ``b`` on an output whose value needs no addition: a saved output that
+    already holds it, or a grad-only output that is never read. Forward returns ``y``;
+    backward passes ``g`` on and gives ``b`` the row sum of ``g``, the formula of
+    Megatron-Core's linear backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.contiguous().view(-1, grad.shape[-1]).sum(0)
+
+
+class GroupedBiasGrad(torch.autograd.Function):
+    """:class:`BiasGrad` for a grouped linear: group j's rows (``splits``) give ``b_j`` their
+    row sum (None for an empty group, as for its weight)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, splits: Sequence[int], *biases: torch.Tensor):
+        ctx.splits = list(splits)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sums = [g.sum(0) if g.shape[0] else None for g in torch.split(grad, ctx.splits)]
+        return (grad, None, *sums)
 
 
 def _grouped_backward(x: torch.Tensor, weights: Sequence[torch.Tensor], splits: Sequence[int],

@@ -40,8 +40,13 @@ class GroupedExpertsBank:
             raise TypeError(f"{type(experts).__name__} is not a grouped experts module")
         self.experts = experts
         self.blocks = hasattr(experts, "weight1")  # GroupedMLP: per-expert blocks of 2 weights
+        # TEGroupedMLP: (linear, kind) of each per-expert tensor, the biases (GPT-OSS's
+        # experts) after the weights; slot 0's names are what run() swaps.
+        self._fields = [] if self.blocks else [
+            (linear, kind) for kind in ("weight", "bias") for linear in ("linear_fc1", "linear_fc2")
+            if kind == "weight" or getattr(getattr(experts, linear), "bias0", None) is not None]
         self.names = (("weight1", "weight2") if self.blocks
-                      else ("linear_fc1.weight0", "linear_fc2.weight0"))
+                      else tuple(f"{linear}.{kind}0" for linear, kind in self._fields))
         self._views: list = []
         self._key: tuple = ()
         # The experts' weight gradients leave through the engine's autograd Function, so the
@@ -67,8 +72,8 @@ class GroupedExpertsBank:
 
     def local_weights(self, j: int) -> Tuple[torch.Tensor, ...]:
         if not self.blocks:
-            return (getattr(self.experts.linear_fc1, f"weight{j}"),
-                    getattr(self.experts.linear_fc2, f"weight{j}"))
+            return tuple(getattr(getattr(self.experts, linear), f"{kind}{j}")
+                         for linear, kind in self._fields)
         return self._blocks()[j]
 
     def _blocks(self) -> list:
@@ -107,12 +112,13 @@ class GroupedExpertsBank:
 
     @staticmethod
     def _output(result: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
-        """The experts' output from Megatron's ``(output, bias)``; a separate bias is refused
-        (``unsupported_settings`` refuses biased grouped experts first)."""
+        """The experts' output from Megatron's ``(output, bias)``: the experts add their
+        biases themselves (TEGroupedMLP adds fc2's ``b_i · prob`` per expert), so a separate
+        bias would be one the flat dispatch does not know how to weight."""
         out, bias = result
         if bias is not None:
-            raise RuntimeError("grouped experts returned a separate bias; the flat dispatch "
-                               "supports bias-free experts (add_bias_linear=False)")
+            raise RuntimeError("grouped experts returned a separate bias; expected the "
+                               "experts to add their biases themselves")
         return out
 
     @contextlib.contextmanager
@@ -231,6 +237,11 @@ class TEGroupedMLPBank(GroupedExpertsBank):
       ``first``, ``linear_fc1`` returns :class:`~megatron_flat.dispatch.experts.
       SavedOutputLinear` (the saved output stands in for its GEMM).
 
+    With biases (GPT-OSS's experts) a shadowed linear gives its biases as its own forward
+    does: fc1 adds ``b_i`` (:class:`~megatron_flat.dispatch.experts.BiasGrad`: the saved or
+    grad-only value needs no addition, the gradient is the row sum), fc2 returns every
+    expert's bias for ``TEGroupedMLP`` to add ``b_i · prob`` itself.
+
     Everything between the linears (activation, GLU, probabilities) stays Megatron's. When
     the module computes its experts without calling its linears (TE's fused grouped MLP),
     nothing is shadowed: ``run_saving`` then saves nothing (``None``: that expert is
@@ -257,6 +268,22 @@ class TEGroupedMLPBank(GroupedExpertsBank):
                 if forward is not None:
                     del module.forward
 
+    def _biased(self, linear, out: torch.Tensor, splits: Optional[Sequence[int]] = None):
+        """A shadowed ``linear``'s ``(output, bias)`` for the value ``out``: without biases
+        ``(out, None)``; a linear that returns its biases (``skip_bias_add``: fc2) gives the
+        list of every expert's; one that adds them gets their gradient path. ``splits``:
+        rows per local expert (a native call), else all rows are slot 0's."""
+        from megatron_flat.dispatch.experts import BiasGrad, GroupedBiasGrad
+
+        if getattr(linear, "bias0", None) is None:
+            return out, None
+        biases = [getattr(linear, f"bias{j}") for j in range(self.num_local_experts)]
+        if getattr(linear, "te_return_bias", getattr(linear, "skip_bias_add", False)):
+            return out, biases
+        if splits is None:
+            return BiasGrad.apply(out, biases[0]), None
+        return GroupedBiasGrad.apply(out, list(splits), *biases), None
+
     def _capturing_fc1(self, captured: list):
         """``linear_fc1``'s own forward, appending its output to ``captured``."""
         fc1 = self.experts.linear_fc1
@@ -282,10 +309,10 @@ class TEGroupedMLPBank(GroupedExpertsBank):
         fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
 
         def fc2_forward(input_, *args, **kwargs):
-            return GradOnlyLinear.apply(input_, fc2.weight0), None
+            return self._biased(fc2, GradOnlyLinear.apply(input_, fc2.weight0))
 
         def fc1_forward(input_, *args, **kwargs):
-            return SavedOutputLinear.apply(input_, fc1.weight0, first), None
+            return self._biased(fc1, SavedOutputLinear.apply(input_, fc1.weight0, first))
 
         with self._shadowed(fc1=fc1_forward if first is not None else None, fc2=fc2_forward):
             return self.run(weights, x, probs)
@@ -321,11 +348,12 @@ class TEGroupedMLPBank(GroupedExpertsBank):
         fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
 
         def fc2_forward(input_, *args, **kwargs):
-            return GradOnlyGroupedLinear.apply(input_, counts, *self._weights(fc2)), None
+            return self._biased(fc2, GradOnlyGroupedLinear.apply(input_, counts,
+                                                                 *self._weights(fc2)), counts)
 
         def fc1_forward(input_, *args, **kwargs):
-            return SavedOutputGroupedLinear.apply(input_, first, counts,
-                                                  *self._weights(fc1)), None
+            return self._biased(fc1, SavedOutputGroupedLinear.apply(
+                input_, first, counts, *self._weights(fc1)), counts)
 
         return self._native(x, probs, counts, fc1=fc1_forward if first is not None else None,
                             fc2=fc2_forward)

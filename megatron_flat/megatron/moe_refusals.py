@@ -101,13 +101,6 @@ def _expert_weight_shards(config: Any) -> Optional[str]:
     return None
 
 
-def _grouped_with_bias(config: Any) -> Optional[str]:
-    if getattr(config, "moe_grouped_gemm", False) and getattr(config, "add_bias_linear", False):
-        return ("--moe-grouped-gemm without --disable-bias-linear "
-                "(moe_grouped_gemm=True, add_bias_linear=True)")
-    return None
-
-
 _MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
 
 
@@ -220,11 +213,6 @@ REFUSALS: Tuple[Refusal, ...] = (
         "all experts' weights become one grouped parameter, which the flat dispatcher cannot "
         "split per expert",
         "drop it (one weight per expert, TEGroupedMLP's default, is supported)"),
-    Refusal(
-        "--moe-grouped-gemm with biases",
-        _grouped_with_bias,
-        "grouped-GEMM experts with biases are not supported by the flat dispatcher",
-        "add --disable-bias-linear, or use SequentialMLP experts"),
     Refusal(
         "--transformer-impl inference_optimized",
         _field("transformer_impl", refused=lambda v: v == "inference_optimized"),

@@ -296,8 +296,9 @@ def parse_losses(text: str) -> Dict[int, float]:
     return losses
 
 
-def _environment(out: Path) -> Dict[str, str]:
+def _environment(out: Path, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
+    env.update(extra or {})  # the CPU line's (e.g. TEGroupedMLP for TE's grouped experts)
     env["CUDA_VISIBLE_DEVICES"] = ""  # a rehearsal is a CPU run, also on a GPU machine
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -309,7 +310,8 @@ def _environment(out: Path) -> Dict[str, str]:
 
 
 def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Path,
-           timeout: float, stall_seconds: float = supervise.STALL_S) -> Run:
+           timeout: float, stall_seconds: float = supervise.STALL_S,
+           env: Optional[Dict[str, str]] = None) -> Run:
     """One run under ``rehearse.supervise``: it ends by itself, or is ended (stalled or out of
     time) with its ranks' stacks and the cause in the returned :class:`Run`."""
     out = work / name
@@ -320,7 +322,7 @@ def launch(name: str, script: Path, args: Sequence[str], *, nproc: int, work: Pa
                "--nproc-per-node", str(nproc), "-m", WORKER, str(script), *args]
     start = time.monotonic()
     log.write_text("$ " + " ".join(command) + "\n")
-    outcome = supervise.supervise(command, log=log, env=_environment(out), timeout=timeout,
+    outcome = supervise.supervise(command, log=log, env=_environment(out, env), timeout=timeout,
                                   stall_seconds=stall_seconds, stack_dir=out)
     if outcome.cause is not None:
         with log.open("a") as sink:
@@ -400,7 +402,15 @@ _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w
 
 def first_error(text: str) -> Optional[str]:
     """The first exception line in a run's log (torchrun's own ChildFailedError aside) and the
-    frame that raised it; for a rank killed by a signal, torchrun's root cause."""
+    frame that raised it; for a rank killed by a signal, torchrun's root cause.
+
+    A rank killed by a signal other than SIGTERM (SIGKILL: the OOM killer or a user; SIGSEGV)
+    is named first even when a peer's error is logged before it: the peers' errors (a closed
+    gloo connection) follow from it, and which is logged first depends on the machine's load.
+    SIGTERM is what torchrun sends the other ranks when it ends a run."""
+    killed = _killed_rank(text)
+    if killed is not None:
+        return killed
     lines = text.splitlines()
     for i, line in enumerate(lines):
         match = _EXCEPTION.match(line.strip())
@@ -425,6 +435,20 @@ def first_error(text: str) -> Optional[str]:
         match = pattern.search(root)
         if match:
             return (f"rank {rank.group(1)}: " if rank else "") + match.group(0).strip()
+    return None
+
+
+def _killed_rank(text: str) -> Optional[str]:
+    """"rank R: Signal N (NAME) received by PID P" for the first rank torchrun reports killed
+    by a signal other than SIGTERM (its Failures and Root Cause blocks), else None."""
+    at = text.find("Failures:")
+    section = text[at:] if at >= 0 else text[max(text.rfind("Root Cause"), 0):]
+    marks = list(_RANK_LINE.finditer(section))
+    for i, mark in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(section)
+        signal = _SIGNAL_LINE.search(section, mark.end(), end)
+        if signal and "(SIGTERM)" not in signal.group(0):
+            return f"rank {mark.group(1)}: {signal.group(0).strip()}"
     return None
 
 
@@ -836,7 +860,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m megatron_f
         run = launch(name, script, args, nproc=opts.nproc_per_node, work=work,
                      timeout=opts.timeout or supervise.derived_timeout(
                          _train_iters(args), opts.nproc_per_node),
-                     stall_seconds=opts.stall_seconds)
+                     stall_seconds=opts.stall_seconds, env=on_cpu.env)
         print(f"{name} run: exit {run.exit}, {len(run.losses)} iterations logged, "
               f"{run.seconds:.0f} s", file=out, flush=True)
         runs.append(run)

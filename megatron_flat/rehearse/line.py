@@ -46,6 +46,7 @@ class CpuLine:
     args: List[str]
     changes: List[Change] = field(default_factory=list)
     refused: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)  # for the runs' processes (CPU backend)
 
     @property
     def substitutions(self) -> int:
@@ -243,12 +244,23 @@ def plan(args: Sequence[str], values: Mapping[str, Any],
                               "--cross-entropy-fusion-impl te", "(unfused)",
                               "transformer-engine's fused cross-entropy runs only on a GPU; "
                               f"Megatron's vocab-parallel cross-entropy {UNFUSED}"))
+    env: Dict[str, str] = {}
     if values.get("moe_grouped_gemm") is True:
+        te_grouped = (values.get("transformer_impl") == "transformer_engine"
+                      and not values.get("moe_use_legacy_grouped_gemm"))
+        if te_grouped:  # the line's experts are TEGroupedMLP: keep them (cpu.grouped)
+            from megatron_flat.cpu.grouped import TE_GROUPED_ENV
+
+            env[TE_GROUPED_ENV] = "1"
         changes.append(Change(SUBSTITUTED, "--moe-grouped-gemm",
                               "--moe-grouped-gemm, Megatron-LM's compute-capability check "
-                              "answered on CPU",
+                              "answered on CPU" + (
+                                  "; TEGroupedMLP with CPU grouped linears for TE's"
+                                  if te_grouped else ""),
                               "the CPU backend's reference grouped GEMM runs the same "
-                              "per-expert GEMMs"))
+                              "per-expert GEMMs" + (
+                                  ", one weight and bias per expert as TE's GroupedLinear"
+                                  if te_grouped else "")))
     # GPU features with no CPU form and no effect on the math
     for setting, is_on, flags, why in DROPS:
         if setting not in values or not is_on(values[setting]):
@@ -276,7 +288,7 @@ def plan(args: Sequence[str], values: Mapping[str, Any],
         refused.append("--use-precision-aware-optimizer: transformer-engine's FusedAdam keeps "
                        "optimizer state in the dtypes --main-params-dtype / --exp-avg-dtype "
                        "name, which a CPU cannot run; rehearse without it")
-    return CpuLine(out, changes, refused)
+    return CpuLine(out, changes, refused, env)
 
 
 def strict_refusal(line: CpuLine) -> Optional[str]:

@@ -8,6 +8,8 @@ this rank's experts).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_flat.testing.tiny_gpt import TinyMoE, transformer_config
@@ -94,6 +96,20 @@ def run(layer, x: torch.Tensor, grad: torch.Tensor, expert_ids=None):
 BF16_RTOL, BF16_ATOL = 2 * 2.0**-8, 1e-3
 
 
+def _atol(want: torch.Tensor, loose: bool) -> float:
+    """The absolute tolerance for ``want``, scaled as a reordered sum's rounding scales with
+    its largest terms: fp32's ATOL is for values up to 1, and a tensor whose values reach
+    past 1 (GPT-OSS's biased, clamped experts: weight gradients up to ~13) scales it; bf16's
+    is two bf16 ulps at the tensor's largest value (a chunk's partial sums are rounded to
+    bf16 at that scale), at least BF16_ATOL."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    if not loose:
+        return ATOL * max(1.0, scale)
+    if scale == 0.0:
+        return BF16_ATOL
+    return max(BF16_ATOL, 2 * 2.0 ** (math.floor(math.log2(scale)) - 7))
+
+
 def differences(want, got, *, exact: bool, loose: bool = False) -> list:
     """Human-readable differences between two ``run`` results (empty: equal). ``loose``:
     bf16 tolerances instead of fp32's."""
@@ -108,13 +124,36 @@ def differences(want, got, *, exact: bool, loose: bool = False) -> list:
             if not torch.equal(a, b):
                 problems.append(f"{name}: not bitwise equal (max abs {(a - b).abs().max():.3g})")
         elif not torch.allclose(b.float(), a.float(), rtol=BF16_RTOL if loose else RTOL,
-                                atol=BF16_ATOL if loose else ATOL):
-            problems.append(f"{name}: max abs error {(a - b).abs().max():.3g}")
+                                atol=_atol(a, loose)):
+            problems.append(f"{name}: max abs error {(a - b).abs().max():.3g} (largest "
+                            f"value {a.abs().max():.3g})")
     return problems
 
 
 # ---------------------------------------------------------------------------- grouped experts
 GROUPED_KINDS = ("grouped-mlp", "te-grouped-mlp")  # GroupedMLP exists in 0.16 only
+# GPT-OSS's experts: TEGroupedMLP with biases on both linears (fc2's added as b_i · prob by
+# TEGroupedMLP) and the clamped, offset quick-GEGLU.
+BIASED_KIND = "te-grouped-mlp-biases"
+
+
+def grouped_overrides(kind: str) -> dict:
+    """The config fields a grouped kind sets (GPT-OSS's expert settings for BIASED_KIND)."""
+    if kind != BIASED_KIND:
+        return {}
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return dict(add_bias_linear=True, bias_dropout_fusion=False, activation_func=quick_gelu,
+                glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+
+
+def randomise_biases(layer, seed: int = 11) -> None:
+    """Non-zero expert biases (built zero, as TE's), so their values reach the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if ".bias" in name and "experts" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen).to(p.dtype))
 
 
 def grouped_experts_spec(kind: str):
@@ -199,15 +238,24 @@ def check_grouped_layer(kind: str, case: tuple, dtype: torch.dtype, ep: int, fla
     g = torch.randn(s, mb, tiny.hidden_size, generator=gen).to(dtype)
     ids = routing_profile(profile, s * mb, tiny.num_experts, topk)
     overrides = {} if dtype == torch.float32 else dict(params_dtype=dtype, bf16=True)
+    overrides.update(grouped_overrides(kind))
     problems = {}
     with megatron_layout(ep=ep):
         stock, layers = build_pair(tiny, ep, flats, experts_spec=grouped_experts_spec(kind),
                                    **overrides)
+        if kind == BIASED_KIND:
+            randomise_biases(stock, seed=seed + rank)
+            for layer in layers.values():
+                layer.load_state_dict(stock.state_dict())
         want = run(stock, x, g, ids)
+        if kind == BIASED_KIND:  # every expert bias gets a gradient somewhere
+            assert sum(n.startswith("experts.") and ".bias" in n for n in want[2]) \
+                == 2 * tiny.num_experts // ep, \
+                sorted(want[2])
         for name, layer in layers.items():
             assert type(layer.experts) is type(stock.experts)
             got = run(layer, x, g, ids)
             exact = name.startswith("llep-plain-ep")  # unchunked, unspilled: the same rows
             problems[name] = differences(want, got, exact=exact, loose=dtype != torch.float32)
             assert max(layer.flat_dispatch.last.received) <= layer.flat_dispatch.last.receive_bound
-    assert problems == {name: [] for name in flats}
+    assert problems == {name: [] for name in flats}, problems

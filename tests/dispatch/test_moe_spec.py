@@ -88,11 +88,12 @@ def test_install_refuses_unsupported_moe_settings(megatron_cpu, fresh_install):
 
     args = types.SimpleNamespace(num_experts=4, expert_model_parallel_size=2,
                                  expert_tensor_parallel_size=2, moe_grouped_gemm=True,
-                                 add_bias_linear=True)
+                                 moe_single_grouped_weight=True, add_bias_linear=True)
     with pytest.raises(fresh_install.FlatConfigError) as err:
         megatron_flat.install(PIPELINED, args)
     assert "expert_tensor_parallel_size=2" in str(err.value)
-    assert "grouped-GEMM experts with biases" in str(err.value)
+    assert "--moe-single-grouped-weight" in str(err.value)
+    assert "bias" not in str(err.value)  # grouped experts with biases are supported
     assert fresh_install.installed() is None
 
 

@@ -150,7 +150,7 @@ GROUPED_CASES = {2: ("balanced", "heavy-skew", "one-rank-receives-nothing"),
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("world, case", per_world(GROUPED_CASES))
-@pytest.mark.parametrize("kind", helpers.GROUPED_KINDS)
+@pytest.mark.parametrize("kind", helpers.GROUPED_KINDS + (helpers.BIASED_KIND,))
 def test_grouped_layer_matches_alltoall(kind, world, case, dtype, megatron_cpu):
     """FlatMoELayer with grouped-GEMM experts against the stock alltoall layer with the same
     experts: every variant of the case (chunked, spilled, kept chunks); see

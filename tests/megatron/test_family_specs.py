@@ -15,11 +15,11 @@ from megatron_flat.config import FlatConfig
 
 PIPELINED = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=5, llep_min_tokens_per_gemm=1)
 FLAT_SPEC = ["megatron_flat.megatron.spec", "flat_gpt_layer_spec"]
-# Families whose shrunk line Megatron-Core builds with its local modules on CPU (MLA with the
-# CPU backend's MLADotProductAttention). GPT-OSS's grouped experts with biases are not built by
-# Megatron-Core's local spec (GroupedMLP refuses biases): see test_gpt_oss_line_is_refused.
+# Every family's shrunk line, built by Megatron-Core's local modules on CPU: MLA with the CPU
+# backend's MLADotProductAttention; GPT-OSS's grouped experts with biases as its
+# transformer-engine line builds them, TEGroupedMLP (over the CPU grouped linears).
 BUILT = ["deepseek_v3", "kimi_k2", "deepseek_v3_gqa", "qwen3_moe", "qwen2_moe", "mixtral",
-         "llama4"]
+         "llama4", "gpt_oss"]
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +32,20 @@ def fresh_install():
 
 
 def _build(name, *, spec=None, flat=None, seed=0):
-    import megatron_flat
-    from megatron_flat.testing.distributed import megatron_layout
-    from megatron_flat.testing.families import build_like_megatron_lm, family_args, family_config
+    import contextlib
 
-    with megatron_layout():
+    import megatron_flat
+    from megatron_flat.cpu.grouped import te_grouped_experts
+    from megatron_flat.testing.distributed import megatron_layout
+    from megatron_flat.testing.families import (
+        FAMILIES,
+        build_like_megatron_lm,
+        family_args,
+        family_config,
+    )
+
+    grouped = FAMILIES[name].fields.get("moe_grouped_gemm")
+    with megatron_layout(), (te_grouped_experts() if grouped else contextlib.nullcontext()):
         config = family_config(name)
         args = family_args(config, spec=spec)
         if flat is not None:
@@ -218,21 +227,30 @@ def test_megatron_lm_spec_path_with_mtp_fails_as_megatron_lm_does(megatron_cpu):
             build_like_megatron_lm(args, config, vocab_size=128, max_sequence_length=16)
 
 
-def test_gpt_oss_line_is_refused_not_changed(megatron_cpu):
-    """GPT-OSS's grouped-GEMM experts with biases: --flat-dispatch refuses the line with one
-    message naming the setting, before any model exists (it would otherwise have to drop the
-    biases or the grouping)."""
-    import megatron_flat
-    from megatron_flat.megatron.state import FlatConfigError, installed
-    from megatron_flat.testing.distributed import megatron_layout
-    from megatron_flat.testing.families import family_args, family_config
+def test_gpt_oss_line_keeps_biased_grouped_experts_sinks_and_windows(megatron_cpu):
+    """GPT-OSS: the flat model keeps TEGroupedMLP with one weight and bias per expert in both
+    linears (PipelinedLLEP runs them), the learnable softmax offset (sinks) in every layer and
+    the sliding window on every other layer, as stock does."""
+    from megatron_flat.megatron.moe import FlatMoELayer, expert_bank
 
-    with megatron_layout():
-        config = family_config("gpt_oss")
-    args = family_args(config, spec=FLAT_SPEC)
-    with pytest.raises(FlatConfigError, match="grouped-GEMM experts with biases"):
-        megatron_flat.install(PIPELINED, config)
-    assert installed() is None and args.spec == FLAT_SPEC
+    stock, _ = _build("gpt_oss")
+    flat, _ = _build("gpt_oss", spec=FLAT_SPEC, flat=PIPELINED)
+    for model in (stock, flat):
+        experts = model.decoder.layers[0].mlp.experts
+        assert type(experts).__name__ == "TEGroupedMLP"
+        assert experts.linear_fc1.bias0 is not None and experts.linear_fc2.bias7 is not None
+        windows = []
+        for layer in model.decoder.layers:
+            core = layer.self_attention.core_attention
+            assert core.softmax_offset is not None and core.softmax_offset.requires_grad
+            windows.append(core.scale_mask_softmax.window_size)
+        assert windows == [(8, 0), None], windows  # --window-attn-skip-freq 2
+    moe = flat.decoder.layers[0].mlp
+    assert type(moe) is FlatMoELayer
+    bank = expert_bank(moe.experts, moe.config)
+    assert bank.names == ("linear_fc1.weight0", "linear_fc2.weight0", "linear_fc1.bias0",
+                          "linear_fc2.bias0")
+    assert [tuple(w.shape) for w in bank.local_weights(7)] == [(64, 64), (64, 32), (64,), (64,)]
 
 
 def test_flat_moe_layers_build_without_megatrons_unknown_mlp_warning(megatron_cpu, caplog):

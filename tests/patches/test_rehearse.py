@@ -186,6 +186,33 @@ def test_first_error_skips_torchrun_noise():
         "AssertionError (assert warmup < decay), raised in __init__ (s.py:157)")
 
 
+def _torchrun_failure(ranks):
+    """torchrun's closing report for ``ranks`` ``[(rank, exitcode, traceback line)]``, the
+    last of them its root cause."""
+    def block(i, rank, code, trace):
+        return (f"[{i}]:\n  time      : 2026-12-05_23:07:26\n  host      : localhost\n"
+                f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: 4{rank})"
+                f"\n  error_file: <N/A>\n  traceback : {trace}\n")
+    *others, root = ranks
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+            "Failures:\n" + "".join(block(i + 1, *r) for i, r in enumerate(others))
+            + "Root Cause (first observed failure):\n" + block(0, *root))
+
+
+def test_first_error_names_a_killed_rank_before_its_peers_errors():
+    """A rank killed by SIGKILL is the cause even when a peer logged its consequence (a closed
+    connection) first and torchrun calls that peer the root cause, as it does under load; a
+    rank ended by torchrun's SIGTERM is not a cause."""
+    killed = ("[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:29500\n"
+              + _torchrun_failure([(1, -9, "Signal 9 (SIGKILL) received by PID 41"),
+                                   (0, 1, "To enable traceback see: https://pytorch.org")]))
+    assert rehearse.first_error(killed) == "rank 1: Signal 9 (SIGKILL) received by PID 41"
+    raised = ("[rank0]: ValueError: bad shape\n"
+              + _torchrun_failure([(1, -15, "Signal 15 (SIGTERM) received by PID 41"),
+                                   (0, 1, "To enable traceback see: https://pytorch.org")]))
+    assert rehearse.first_error(raised) == "ValueError: bad shape"
+
+
 # ---------------------------------------------------------------------------- --help
 def test_help_requested():
     assert entry.help_requested(["p.py", "--num-layers", "2", "-h"])
@@ -306,7 +333,18 @@ def test_rehearsal_of_a_deepseek_style_line_builds_stocks_model(tmp_path):
 # line that reaches the most code (MLA, dense first layer, MTP, sigmoid group-limited router,
 # overlapped shared expert); the in-process family tests run in full on both versions.
 FAMILY_REHEARSALS = [pytest.param("deepseek_v3", marks=pytest.mark.rehearsal(smoke=True)),
-                     "kimi_k2", "qwen3_moe", "qwen2_moe", "mixtral", "llama4"]
+                     "kimi_k2", "qwen3_moe", "qwen2_moe", "mixtral", "llama4", "gpt_oss"]
+
+
+def _family_line(family: str) -> list:
+    """The family's rehearsal line: the checkout's CPU line, except GPT-OSS's as it is
+    trained, transformer-engine with grouped GEMM (its experts: TEGroupedMLP with biases)."""
+    line = list(checkout.LINE)
+    if family == "gpt_oss":
+        line[line.index("--transformer-impl") + 1] = "transformer_engine"
+        line[line.index("flat_gpt_layer_spec")] = "flat_gpt_layer_te_spec"
+        line.append("--moe-grouped-gemm")
+    return line
 
 
 @pytest.mark.rehearsal
@@ -317,11 +355,20 @@ def test_rehearsal_of_each_family_line_finds_flat_equal_to_stock(tmp_path, famil
     2 ranks, full recompute, the distributed optimizer: the same parameters, flat losses equal
     stock, every technique in the model."""
     script = checkout.write_checkout(tmp_path / "mlm", "0.19")
-    done, _ = _rehearse(tmp_path, script, checkout.LINE + checkout.FLAT + ["--family", family],
-                        nproc=2)
+    done, work = _rehearse(tmp_path, script, _family_line(family) + checkout.FLAT
+                           + ["--family", family], nproc=2)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
-    assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations"
+    if family == "gpt_oss":  # the experts the GPU line builds, with their biases
+        import json
+
+        rank = json.loads((work / "flat" / "rank0.json").read_text())
+        names = [name for _, name, _, _ in rank["parameters"]]
+        assert any(n.endswith("experts.linear_fc2.bias0") for n in names), names
+        assert any(n.endswith("core_attention.softmax_offset") for n in names), names
+    # GPT-OSS's line: transformer-engine, its spec and the grouped GEMM's check on CPU
+    subs = " (3 CPU substitutions)" if family == "gpt_oss" else ""
+    assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations" + subs
     counts = re.search(r"parameters: stock ([\d,]+), flat ([\d,]+) \(over 2 rank", out)
     assert counts and counts.group(1) == counts.group(2), out
     moe = re.search(r"FlatMoELayer in (\d+) of (\d+) MoE layers", out)
@@ -393,7 +440,7 @@ SUBSTITUTED = (
     "[substituted] the fused bias-dropout-add kernel (Megatron-LM's default) -> "
     "--no-bias-dropout-fusion",
     "[substituted] --moe-grouped-gemm -> --moe-grouped-gemm, Megatron-LM's compute-capability "
-    "check answered on CPU",
+    "check answered on CPU; TEGroupedMLP with CPU grouped linears for TE's",
     "[dropped] --cuda-graph-impl local --cuda-graph-scope attn moe -> (dropped)",
     "[dropped] --tp-comm-overlap -> (dropped)",
 )
