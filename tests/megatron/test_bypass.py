@@ -76,7 +76,6 @@ REFUSED_ARGS = {
                  "--moe-grouped-gemm with --use-transformer-engine-op-fuser"),
     "single-grouped-weight": (dict(moe_grouped_gemm=True, moe_single_grouped_weight=True),
                               "--moe-single-grouped-weight"),
-    "grouped-bias": (dict(moe_grouped_gemm=True, add_bias_linear=True), "--disable-bias-linear"),
     "inference-optimized": (dict(transformer_impl="inference_optimized"),
                             "--transformer-impl inference_optimized"),
 }
@@ -116,6 +115,8 @@ ACCEPTED_ARGS = {
     "graph-none": dict(cuda_graph_impl="none", cuda_graph_scope=["moe"]),
     "op-fuser-dense-only": dict(use_transformer_engine_op_fuser=True, moe_grouped_gemm=False),
     "grouped-bias-free": dict(moe_grouped_gemm=True, add_bias_linear=False),
+    # GPT-OSS's experts: the bank swaps each expert's biases with its weights.
+    "grouped-bias": dict(moe_grouped_gemm=True, add_bias_linear=True),
     "expert-tp-1": dict(expert_tensor_parallel_size=1, expert_tensor_parallel_num_weight_shards=1),
 }
 
