@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Write the example launch scripts: examples/paper_{120b,241b,667b}.sh (the paper presets),
-examples/deepseek_v3.sh and examples/qwen3_235b.sh (real families: MLA, a dense first layer, a
-shared expert, DeepSeek's router, MTP; q/k norms), their pretrain_gpt.py flags emitted by the
+examples/deepseek_v3.sh, examples/qwen3_235b.sh and examples/gpt_oss_120b.sh (real families:
+MLA, a dense first layer, a shared expert, DeepSeek's router, MTP; q/k norms; biases, sinks,
+sliding windows, quick-GEGLU), their pretrain_gpt.py flags emitted by the
 planner (``plan --emit-launch``), so they cannot drift from what the planner says fits
 (tests/plan/test_launch.py checks the scripts equal this).
 
@@ -88,7 +89,8 @@ exec "${{CMD[@]}}"
 
 # preset -> (GPUs, script name)
 EXAMPLES = {**{name: (gpus, name.replace("-", "_")) for name, gpus in PAPER_GPUS.items()},
-            "deepseek-v3": (256, "deepseek_v3"), "qwen3-235b-a22b": (64, "qwen3_235b")}
+            "deepseek-v3": (256, "deepseek_v3"), "qwen3-235b-a22b": (64, "qwen3_235b"),
+            "gpt-oss-120b": (16, "gpt_oss_120b")}
 
 
 def plan_argv(name: str) -> list:
@@ -99,7 +101,9 @@ def plan_argv(name: str) -> list:
 def family_tiny(model) -> list:
     """The shrinks of what a family line has beyond the paper presets' shape, so the tiny
     model keeps the family's architecture: MLA's latent ranks and head dims, one dense layer
-    then one MoE layer, a shared expert, routing groups that the 4 tiny experts divide."""
+    then one MoE layer, a shared expert, routing groups that the 4 tiny experts divide, a
+    sliding window shorter than the tiny sequence (so windowed layers differ from full
+    ones)."""
     out = []
     if model.mla is not None:
         out += ["--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
@@ -112,6 +116,8 @@ def family_tiny(model) -> list:
         groups = int(model.arch_flags[model.arch_flags.index("--moe-router-num-groups") + 1])
         if groups > 1:  # 2 groups of 2 experts, the top 2 from the best group
             out += ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
+    if model.window:
+        out += ["--window-size", "16,0"]
     return out
 
 

@@ -57,8 +57,9 @@ class ReplayStore:
 
     ``host``: the host tier the pairs wait in (shared by every store of a model, so that
     a re-run can start the previous layer's reload); None keeps them on the device.
-    ``kernel_forwards`` counts the attention kernels this store's calls ran and
-    ``replays`` the re-runs served without one.
+    ``kernel_forwards`` counts the attention kernels this store's calls ran, ``replays``
+    the re-runs served without one and ``stock_reruns`` the re-runs that found nothing kept
+    and ran the kernel as stock.
     """
 
     def __init__(self, host: Optional[ReplayHost] = None) -> None:
@@ -66,6 +67,7 @@ class ReplayStore:
         self._kept: Dict[Hashable, Deque[Any]] = {}
         self.kernel_forwards = 0
         self.replays = 0
+        self.stock_reruns = 0  # re-runs that found nothing kept and ran the kernel as stock
 
     def keep(self, key: Hashable, *tensors: torch.Tensor, meta: Any = None) -> bool:
         """Keep ``tensors`` (the call's (O, LSE), or one pair per context-parallel slot) for
@@ -249,6 +251,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     entry = store.take_with_meta(key)
     if entry is None:
         store.kernel_forwards += 1
+        store.stock_reruns += 1
         return kernel.stock(q, k, v, scale, dropout_p)
     (out, lse), meta = entry
     if out.shape != q.shape[:-1] + v.shape[-1:]:

@@ -258,6 +258,7 @@ class ContextParallelCoreAttention(FlashCoreAttention):
         kept = store.take(self.layer_number)
         if kept is None:  # not kept (no room in the host pool): the kernels run
             store.kernel_forwards += 1
+            store.stock_reruns += 1
             return [_PrefixCausalAttention.apply(*slot, scale) for slot in slots]
         if len(kept) != 2 * len(slots) or any(
                 kept[2 * i].shape != slot[0].shape[:-1] + slot[2].shape[-1:]

@@ -15,7 +15,7 @@ import functools
 import inspect
 import re
 import warnings
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 OLDEST = (0, 16)  # older releases lack the process-group collections and MoE layouts used here
 NEWEST_TESTED = (0, 20)  # Megatron-LM main as of docs/versions.md
@@ -275,6 +275,16 @@ def mtp_loss_function():
     from megatron.core.models.gpt import gpt_model
 
     return (gpt_model, "process_mtp_loss") if hasattr(gpt_model, "process_mtp_loss") else None
+
+
+def mtp_layer_field(submodules) -> Optional[str]:
+    """The field of an MTP layer's submodules that holds its inner layer spec: 0.16's
+    ``transformer_layer``, 0.19's ``mtp_model_layer`` (a transformer layer or a Mamba
+    block); None for another shape."""
+    for name in ("transformer_layer", "mtp_model_layer"):
+        if hasattr(submodules, name):
+            return name
+    return None
 
 
 def mtp_acceptance_function():

@@ -74,7 +74,8 @@ def attn_tiles_problems(megatron: Any) -> List[str]:
     """Why ``--flat-attn-tiles`` cannot run with ``megatron`` (only settings present are
     checked): the tiles split the attention block's sequence-parallel gather and
     reduce-scatter, so they need sequence parallelism over TP > 1, self-attention with a
-    fused QKV projection, and (Megatron-LM) the flat layer spec that builds them."""
+    fused QKV projection or multi-latent attention (not its fused down projection), and
+    (Megatron-LM) the flat layer spec that builds them."""
     problems = []
     tp = _get(megatron, "tensor_model_parallel_size", default=None)
     sp = _get(megatron, "sequence_parallel", default=None)
@@ -82,9 +83,11 @@ def attn_tiles_problems(megatron: Any) -> List[str]:
         problems.append("--flat-attn-tiles tiles the attention block's sequence-parallel "
                         "all-gather and reduce-scatter: it needs --sequence-parallel with "
                         "--tensor-model-parallel-size > 1 (without them nothing is gathered)")
-    if _get(megatron, "multi_latent_attention", default=False):
-        problems.append("--flat-attn-tiles: multi-latent attention is not tiled yet (its "
-                        "projections are not one QKV linear)")
+    if _get(megatron, "multi_latent_attention", default=False) and \
+            _get(megatron, "mla_down_proj_fusion", default=False):
+        problems.append("--flat-attn-tiles: --mla-down-proj-fusion builds FusedMLASelfAttention, "
+                        "whose fused down projection is not tiled; drop --mla-down-proj-fusion "
+                        "(MLASelfAttention's projections are tiled)")
     if hasattr(megatron, "spec"):  # Megatron-LM's args: the layer spec comes from --spec
         spec = getattr(megatron, "spec", None)
         if not spec or spec[0] != FLAT_SPEC_MODULE:

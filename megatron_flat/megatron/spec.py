@@ -535,8 +535,45 @@ BLOCK_SUBMODULES = patching.Patch(
         "into each layer")
 
 
+def _flat_mtp_layer(layer_spec: Any, flat: FlatConfig) -> Any:
+    """An MTP layer spec whose inner transformer layer has :data:`LAYER_TRANSFORMS` applied
+    (a Mamba block or another shape is left as it is)."""
+    submodules = getattr(layer_spec, "submodules", None)
+    field = compat.mtp_layer_field(submodules)
+    inner = getattr(submodules, field, None) if field else None
+    if not hasattr(getattr(inner, "submodules", None), "self_attention"):
+        return layer_spec
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        submodules, **{field: flat_layer_spec(inner, flat)}))
+
+
+def _mtp_block_submodules(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``multi_token_prediction._get_mtp_block_submodules`` wrapped: once ``install()`` took a
+    flat ``--spec`` off the line, each MTP layer's transformer layer gets
+    :data:`LAYER_TRANSFORMS` as the decoder's layers do (Megatron-LM builds the MTP block
+    from its own layer spec, not the decoder block's submodules)."""
+
+    @functools.wraps(stock)
+    def get_mtp_block_submodules(config: Any, spec: Any) -> Any:
+        submodules = stock(config, spec)
+        if not _FLAT_BLOCKS:
+            return submodules
+        flat = current_flat()
+        return dataclasses.replace(
+            submodules, layer_specs=[_flat_mtp_layer(s, flat) for s in submodules.layer_specs])
+
+    return get_mtp_block_submodules
+
+
+MTP_BLOCK_SUBMODULES = patching.Patch(
+    "megatron.core.transformer.multi_token_prediction", "_get_mtp_block_submodules",
+    _mtp_block_submodules, expects="the MTP block's layer-spec resolver",
+    why="the MTP layers' transformer layers get the flat modules as the decoder's do")
+
+
 def _patch_block_submodules() -> None:
     patching.apply(BLOCK_SUBMODULES)
+    patching.apply(MTP_BLOCK_SUBMODULES)
 
 
 def _unredirect_for_tests() -> None:

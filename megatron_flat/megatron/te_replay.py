@@ -233,10 +233,18 @@ def _fused_attn_fwd(original, signature, *args, **kwargs):
         if len(aux) == 2 and all(isinstance(t, torch.Tensor) for t in (out, *aux, *extra)):
             store.keep(index, out, *aux, *extra,
                        meta=(len(extra), _rng_drawn(q.device, mark)))
+        else:
+            _patched["warn"]("te-aux",
+                             "megatron-flat: --flat-attn-replay: transformer-engine's attention "
+                             f"returned {len(aux)} auxiliary tensors, not the statistics and "
+                             "the RNG state (a softmax offset: attention sinks, --softmax-type; "
+                             "or an attention bias), which are inputs its backward needs; "
+                             "those layers recompute attention as stock does")
         return result
     entry = store.take_with_meta(index)
     if entry is None:  # not kept (no room in the host pool, or aux with inputs): stock
         store.kernel_forwards += 1
+        store.stock_reruns += 1
         return original(*args, **kwargs)
     tensors, (n_extra, drawn) = entry
     out = tensors[0]

@@ -497,10 +497,15 @@ def plan(args: argparse.Namespace) -> PlanResult:
     # --all-on runs no speed knob, so its layout is ranked by the step it runs.
     without = set(args.without) | ({"attn_replay"} if args.all_on else set())
     if model.mla is not None:
-        # Multi-latent attention: install() refuses the attention tiles (its projections are
-        # not one QKV linear) and attention replay has no equivalence test with it yet, so
-        # the plan neither counts on them nor puts them in a launch line.
+        # Multi-latent attention: its projections are tiled (install() takes the knob), but
+        # the attention-block peak term is written for one QKV projection of the hidden
+        # states, not MLA's latents, and attention replay has no equivalence test with MLA
+        # yet: the plan neither counts on them nor puts them in a launch line.
         without |= {"attn_tiles", "attn_replay"}
+    if model.sinks or model.window:
+        # Attention replay keeps the flash kernel's output and log-sum-exp; with sinks or a
+        # window it has no equivalence test yet (the CPU flash attention refuses both).
+        without |= {"attn_replay"}
     kw = dict(margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew,
               allow=tuple(t for t in KNOBS if t not in without))
     dev = device_model(args.device).name

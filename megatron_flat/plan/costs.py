@@ -147,8 +147,10 @@ def attention_projection_flops(model: ModelSpec, layout: Layout, n: int) -> floa
 def attention_core_flops(model: ModelSpec, layout: Layout, seq_len: int, n: int) -> float:
     """Forward FLOPs of one layer's core attention on one GPU, causal scores + weighted
     values (QK^T and PV): 2·2·N·(S/2)·h·d/TP (each of the N local queries sees on average
-    half of the S·mbs keys). What attention replay skips in the recompute."""
-    keys = seq_len * layout.micro_batch_size / 2
+    half of the S·mbs keys), averaged over the layers: sliding-window layers see at most
+    their window (``ModelSpec.attended_fraction``). What attention replay skips in the
+    recompute."""
+    keys = seq_len * layout.micro_batch_size / 2 * model.attended_fraction(seq_len)
     return 2 * 2 * n * keys * model.heads * max(model.head_dim, model.dv) / layout.tp
 
 

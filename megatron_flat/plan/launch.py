@@ -2,10 +2,11 @@
 
 Pure: from the model, the chosen layout, the sequence length, the global batch and the
 FlatConfig ``fit`` chose, the ``pretrain_gpt.py`` arguments that run exactly what was planned —
-the model's shape and architecture (multi-latent attention, q/k norms, the router's
-settings: ``ModelSpec.mla`` and ``arch_flags``), Megatron's parallel layout, the precision and kernels the step-time model
-assumes (bf16, grouped-GEMM experts, full recompute of every layer, the distributed optimizer
-with fp32 gradient reduction), the flat layer spec and the ``--flat-*`` flags — grouped with a
+the model's shape and architecture (multi-latent attention, biases, attention sinks, sliding
+windows, the GLU; q/k norms and the router's settings: ``ModelSpec.mla`` and ``arch_flags``),
+Megatron's parallel layout, the precision and kernels the step-time model assumes (bf16,
+grouped-GEMM experts, full recompute of every layer, the distributed optimizer with fp32
+gradient reduction), the flat layer spec and the ``--flat-*`` flags — grouped with a
 comment each. What a plan does not know (data, tokenizer, learning-rate schedule, save paths)
 is emitted as mock data and a placeholder schedule, marked to be replaced.
 """
@@ -38,10 +39,19 @@ def _model_args(model: ModelSpec, seq_len: int) -> List[str]:
         if model.head_dim * model.heads != model.hidden:
             out += ["--kv-channels", str(model.head_dim)]
     out += ["--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
-            "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-            "--disable-bias-linear"]
+            "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+    if not model.linear_bias:  # Megatron-LM's linears have biases unless told otherwise
+        out.append("--disable-bias-linear")
+        if model.qkv_bias:
+            out.append("--add-qkv-bias")
+    if model.sinks:
+        out += ["--softmax-type", "learnable"]
+    if model.window:
+        out += ["--window-size", f"{model.window},0"]
+        if model.window_skip_freq:
+            out += ["--window-attn-skip-freq", str(model.window_skip_freq)]
     if model.gated:
-        out.append("--swiglu")
+        out.append(f"--{model.glu}")
     if not model.tied_embeddings:
         out.append("--untie-embeddings-and-output-weights")
     if model.experts:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+GLUS = ("swiglu", "quick-geglu")  # a gated FFN's activation, as Megatron-LM's flag names it
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
@@ -94,10 +95,22 @@ class ModelSpec:
     ``mla``: multi-latent attention's shape (:class:`MLA`); it sets ``attention_params`` when
     that is not given, and needs ``kv_heads == heads``, ``head_dim`` = its q/k width and
     ``v_head_dim`` = its v width.
+    ``glu``: the gated FFN's activation, ``"swiglu"`` or ``"quick-geglu"`` (GPT-OSS's
+    quick-GELU GLU; its offset and clamp are ``arch_flags``).
+    ``linear_bias``: every linear layer has a bias (Megatron's default; GPT-OSS): attention
+    QKV and output, each FFN's fc1 and fc2, every routed expert's, and the router's.
+    ``qkv_bias``: only the QKV projection has one (Qwen2's ``--add-qkv-bias``).
+    ``sinks``: a learnable softmax offset per head and layer (GPT-OSS's attention sinks,
+    ``--softmax-type learnable``).
+    ``window``: sliding-window attention over that many earlier tokens (0: none) in every
+    layer but each ``window_skip_freq``-th (Megatron's ``--window-attn-skip-freq N``: one
+    full-attention layer after N − 1 windowed ones; 0: every layer windowed); a windowed
+    layer's core attention sees at most ``window`` keys a query (the step-time model's
+    attention FLOPs).
     ``arch_flags``: Megatron-LM flags of the architecture that no peak formula reads (q/k
-    norms, qkv bias, the router's score function, expert bias, group-limited routing and
-    scaling factor, the shared expert's gate): the launch line carries them as written, so
-    the line builds the family's model and not a plainer one.
+    norms, the router's score function, expert bias, group-limited routing and scaling
+    factor, the shared expert's gate, GLU offset and clamp): the launch line carries them as
+    written, so the line builds the family's model and not a plainer one.
     """
 
     name: str
@@ -124,6 +137,12 @@ class ModelSpec:
     moe_layer_step: int = 1
     mla: Optional[MLA] = None
     arch_flags: Tuple[str, ...] = ()
+    glu: str = "swiglu"
+    linear_bias: bool = False
+    qkv_bias: bool = False
+    sinks: bool = False
+    window: int = 0
+    window_skip_freq: int = 0
 
     def __post_init__(self) -> None:
         if self.mla is not None:
@@ -144,10 +163,14 @@ class ModelSpec:
                 raise PlanError(f"model {self.name!r}: {name} must be a positive integer, "
                                 f"got {getattr(self, name)!r}")
         for name in ("experts", "topk", "expert_ffn", "shared_experts", "shared_expert_ffn",
-                     "dense_ffn", "dense_layers", "mtp_layers", "moe_layer_step"):
+                     "dense_ffn", "dense_layers", "mtp_layers", "moe_layer_step", "window",
+                     "window_skip_freq"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"model {self.name!r}: {name} must be an integer >= 0, "
                                 f"got {getattr(self, name)!r}")
+        if self.glu not in GLUS:
+            raise PlanError(f"model {self.name!r}: glu {self.glu!r} is not one of "
+                            f"{', '.join(GLUS)}")
         if self.dtype not in DTYPE_BYTES:
             raise PlanError(f"model {self.name!r}: dtype {self.dtype!r} is not one of "
                             f"{', '.join(sorted(DTYPE_BYTES))}")
@@ -201,16 +224,46 @@ class ModelSpec:
         return 3 if self.gated else 2
 
     def attention_params_per_layer(self) -> int:
-        """Q, K, V and output projections: H·h·d + H·g·d + H·g·d_v + h·d_v·H (no biases)."""
-        if self.attention_params is not None:
-            return self.attention_params
+        """Q, K, V and output projections: H·h·d + H·g·d + H·g·d_v + h·d_v·H, their biases
+        (``linear_bias``: QKV's and the output's; ``qkv_bias``: QKV's) and the sinks (h)."""
         H = self.hidden
-        return H * self.heads * self.head_dim + H * self.kv_heads * (self.head_dim + self.dv) \
-            + self.heads * self.dv * H
+        qkv_width = self.heads * self.head_dim + self.kv_heads * (self.head_dim + self.dv)
+        if self.attention_params is not None:
+            weights = self.attention_params
+        else:
+            weights = H * qkv_width + self.heads * self.dv * H
+        biases = (qkv_width if self.linear_bias or self.qkv_bias else 0) + \
+            (H if self.linear_bias else 0)
+        return weights + biases + (self.heads if self.sinks else 0)
+
+    def ffn_params(self, width: int) -> int:
+        """One FFN of width F: 3·H·F gated (2·H·F plain), with ``linear_bias`` fc1's bias
+        (2F gated, F plain) and fc2's (H)."""
+        fc1 = (self.ffn_matrices - 1) * width
+        biases = fc1 + self.hidden if self.linear_bias else 0
+        return self.ffn_matrices * self.hidden * width + biases
 
     def expert_params(self) -> int:
-        """One routed expert: 3·H·F gated (2·H·F plain)."""
-        return self.ffn_matrices * self.hidden * self.expert_ffn
+        """One routed expert (:meth:`ffn_params` of the expert width)."""
+        return self.ffn_params(self.expert_ffn)
+
+    def is_window_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) attends over a sliding window."""
+        if not self.window:
+            return False
+        return not self.window_skip_freq or (index + 1) % self.window_skip_freq != 0
+
+    def attended_fraction(self, seq_len: int) -> float:
+        """Keys a query sees on average over the layers, as a fraction of full causal
+        attention's (S + 1)/2: 1 without windows; a windowed layer's query i sees
+        min(i + 1, window + 1) keys."""
+        windowed = sum(self.is_window_layer(i) for i in range(self.layers))
+        if not windowed or seq_len < 1:
+            return 1.0
+        w = min(self.window + 1, seq_len)
+        keys = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        full = (seq_len + 1) / 2
+        return ((self.layers - windowed) * full + windowed * keys) / (self.layers * full)
 
     def total_params(self) -> int:
         """All parameters (embeddings counted once when tied); norms included."""
@@ -219,9 +272,10 @@ class ModelSpec:
         moe = self.moe_layers
         dense = L - moe
         total = L * per_layer_common + H
-        total += dense * self.ffn_matrices * H * self.dense_ffn
-        total += moe * (self.experts * self.expert_params() + H * self.experts
-                        + self.shared_experts * self.ffn_matrices * H * self.shared_expert_ffn)
+        total += dense * self.ffn_params(self.dense_ffn)
+        router = H * self.experts + (self.experts if self.linear_bias else 0)
+        total += moe * (self.experts * self.expert_params() + router
+                        + self.shared_experts * self.ffn_params(self.shared_expert_ffn))
         total += self.vocab * H * (1 if self.tied_embeddings else 2)
         return total
 
@@ -280,6 +334,11 @@ def _deepseek_flags(groups: int, group_topk: int, scaling: float) -> Tuple[str, 
 _QWEN3 = ("--qk-layernorm", "--moe-router-load-balancing-type", "aux_loss",
           "--moe-aux-loss-coeff", "0.001")
 
+# GPT-OSS beyond its shapes: biases everywhere, sinks, a 128-token window on every other
+# layer, quick-GEGLU; its offset and clamp as Megatron-LM spells them.
+_GPT_OSS = dict(linear_bias=True, sinks=True, window=128, window_skip_freq=2, glu="quick-geglu",
+                arch_flags=("--glu-linear-offset", "1", "--activation-func-clamp-value", "7"))
+
 PRESETS: Dict[str, ModelSpec] = {
     "paper-120b": _paper("paper-120b", 7),
     "paper-241b": _paper("paper-241b", 14),
@@ -287,15 +346,28 @@ PRESETS: Dict[str, ModelSpec] = {
     # openai/gpt-oss-20b config.json: hidden_size 2880, num_hidden_layers 24,
     # num_attention_heads 64, num_key_value_heads 8, head_dim 64, num_local_experts 32,
     # num_experts_per_tok 4, intermediate_size 2880 (per expert), vocab_size 201088,
-    # tie_word_embeddings false. (Expert biases and attention sinks are ignored.)
+    # tie_word_embeddings false; attention_bias true and biased experts and router (every
+    # linear has a bias), attention sinks, sliding_window 128 on every other layer
+    # (layer_types: sliding, full, ...), swiglu_limit 7.0 (Megatron: quick-GEGLU with
+    # offset 1 and clamp 7). Published: 20.9B.
     "gpt-oss-20b": ModelSpec(name="gpt-oss-20b", hidden=2880, layers=24, heads=64, kv_heads=8,
                              head_dim=64, experts=32, topk=4, expert_ffn=2880, vocab=201_088,
-                             source="openai/gpt-oss-20b config.json"),
+                             **_GPT_OSS, source="openai/gpt-oss-20b config.json"),
     # openai/gpt-oss-120b config.json: as gpt-oss-20b but num_hidden_layers 36 and
-    # num_local_experts 128.
+    # num_local_experts 128. Published: 116.8B.
     "gpt-oss-120b": ModelSpec(name="gpt-oss-120b", hidden=2880, layers=36, heads=64,
                               kv_heads=8, head_dim=64, experts=128, topk=4, expert_ffn=2880,
-                              vocab=201_088, source="openai/gpt-oss-120b config.json"),
+                              vocab=201_088, **_GPT_OSS,
+                              source="openai/gpt-oss-120b config.json"),
+    # Qwen/Qwen2-57B-A14B config.json: hidden_size 3584, num_hidden_layers 28,
+    # num_attention_heads 28, num_key_value_heads 4 (head dim 128), num_experts 64,
+    # num_experts_per_tok 8, moe_intermediate_size 2560, shared_expert_intermediate_size
+    # 20480 (one gated shared expert), vocab_size 151936, untied, qkv bias. Published: 57.4B.
+    "qwen2-57b-a14b": ModelSpec(name="qwen2-57b-a14b", hidden=3584, layers=28, heads=28,
+                                kv_heads=4, head_dim=128, experts=64, topk=8, expert_ffn=2560,
+                                shared_experts=1, shared_expert_ffn=20480, vocab=151_936,
+                                qkv_bias=True, arch_flags=("--moe-shared-expert-gate",),
+                                source="Qwen/Qwen2-57B-A14B config.json"),
     # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, num_hidden_layers 61,
     # num_attention_heads 128 (MLA; after up-projection every head has its own K and V, so
     # kv heads = 128; q/k head dim = qk_nope 128 + qk_rope 64 = 192, v_head_dim 128),
@@ -358,6 +430,7 @@ PRESETS: Dict[str, ModelSpec] = {
 PAPER_GPUS = {"paper-120b": 16, "paper-241b": 32, "paper-667b": 64}
 
 _ALIASES = {"deepseekv3": "deepseek-v3", "qwen3-30b": "qwen3-30b-a3b",
+            "qwen2-57b": "qwen2-57b-a14b",
             "qwen3-235b": "qwen3-235b-a22b", "kimi-k2-instruct": "kimi-k2",
             "maverick": "llama-4-maverick", "llama4-maverick": "llama-4-maverick"}
 
@@ -462,6 +535,9 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     if dtype not in DTYPE_BYTES:
         dtype = "bf16"
+    kind = str(cfg.get("model_type") or "")
+    gpt_oss = kind.startswith("gpt_oss")
+    qkv_bias = bool(cfg.get("qkv_bias") or cfg.get("attention_bias") or kind.startswith("qwen2"))
     return ModelSpec(
         name=name or str(cfg.get("model_type") or "config"),
         hidden=H, layers=int(cfg["num_hidden_layers"]), heads=heads, kv_heads=kv_heads,
@@ -475,20 +551,41 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
         dtype=dtype, source=source,
         mtp_layers=int(_first(cfg, "num_nextn_predict_layers", "mtp_num_layers", default=0)
                        or 0),
+        linear_bias=gpt_oss, qkv_bias=qkv_bias and not gpt_oss, sinks=gpt_oss,
+        glu="quick-geglu" if gpt_oss else "swiglu", **_hf_window(cfg),
     )
+
+
+def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, int]:
+    """``window`` and ``window_skip_freq`` from ``sliding_window`` and ``layer_types``
+    (GPT-OSS: sliding, full, ...): a window on layers whose type is sliding; the pattern must
+    be Megatron's (every N-th layer full). Without ``layer_types`` (Mistral, Qwen: the key
+    is set but ``use_sliding_window`` false or absent) no window is modelled."""
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if not window or not isinstance(types, list) or "sliding_attention" not in types:
+        return {}
+    full = [i for i, t in enumerate(types) if t != "sliding_attention"]
+    freq = full[0] + 1 if full else 0
+    if freq and full != list(range(freq - 1, len(types), freq)):
+        raise PlanError(f"layer_types {types}: Megatron's --window-attn-skip-freq sets every "
+                        f"N-th layer full; this pattern is not one")
+    return dict(window=int(window), window_skip_freq=freq)
 
 
 def _hf_arch_flags(cfg: Mapping[str, Any], mla: bool, moe: bool, shared: bool
                   ) -> Tuple[str, ...]:
-    """The Megatron-LM flags of what a ``config.json`` says beyond the shapes: q/k norms
-    (Qwen3, and MLA's latent norms), qkv bias (Qwen2), the shared expert's gate (Qwen2-MoE),
-    and the router (DeepSeek's sigmoid scores, expert bias, group-limited routing, scaling)."""
+    """The Megatron-LM flags of what a ``config.json`` says beyond the shapes and what
+    ``ModelSpec`` models: q/k norms (Qwen3, and MLA's latent norms), the shared expert's gate
+    (Qwen2-MoE), GPT-OSS's GLU offset and clamp, and the router (DeepSeek's sigmoid
+    scores, expert bias, group-limited routing, scaling)."""
     kind = str(cfg.get("model_type") or "")
     out: List[str] = []
     if mla or kind.startswith("qwen3"):
         out.append("--qk-layernorm")
-    if cfg.get("qkv_bias") or cfg.get("attention_bias") or kind.startswith("qwen2"):
-        out.append("--add-qkv-bias")
+    if kind.startswith("gpt_oss"):  # Megatron's GPT-OSS GLU: quick-GELU, offset 1, clamp
+        limit = cfg.get("swiglu_limit") or 7.0
+        out += ["--glu-linear-offset", "1", "--activation-func-clamp-value",
+                _number(float(limit))]
     if moe and shared and kind.startswith("qwen2"):
         out.append("--moe-shared-expert-gate")
     if moe and cfg.get("scoring_func") == "sigmoid":
@@ -511,8 +608,10 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
     ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``), ``ffn_hidden_size``,
     ``moe_shared_expert_intermediate_size`` (one shared expert of that width),
     ``moe_layer_freq`` (an int N: every N-th layer is MoE; or a list of 0/1), ``padded_vocab_size``
-    or ``vocab_size``, ``swiglu``, ``untie_embeddings_and_output_weights``, ``bf16``/``fp16``,
-    ``mtp_num_layers``; with ``multi_latent_attention``, MLA's ``q_lora_rank``,
+    or ``vocab_size``, ``swiglu`` / ``quick_geglu``, ``untie_embeddings_and_output_weights``,
+    ``bf16``/``fp16``, ``mtp_num_layers``, ``add_bias_linear``, ``add_qkv_bias``,
+    ``softmax_type``, ``window_size`` and ``window_attn_skip_freq``; with
+    ``multi_latent_attention``, MLA's ``q_lora_rank``,
     ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim`` and YaRN's
     ``rotary_scaling_factor``, ``mscale``, ``mscale_all_dim``. A ``moe_layer_freq`` pattern is
     modelled as its count of dense layers placed first.
@@ -551,7 +650,8 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
                   qk_pos_emb_head_dim=int(get("qk_pos_emb_head_dim", 64)),
                   v_head_dim=int(get("v_head_dim", 128)),
                   rotary_scaling_factor=float(get("rotary_scaling_factor", 1.0)),
-                  mscale=float(get("mscale", 1.0)), mscale_all_dim=float(get("mscale_all_dim", 0.0)))
+                  mscale=float(get("mscale", 1.0)),
+                  mscale_all_dim=float(get("mscale_all_dim", 0.0)))
         kv, head_dim, v_head_dim = heads, mla.qk_head_dim + mla.qk_pos_emb_head_dim, mla.v_head_dim
     return ModelSpec(
         name=name, hidden=H, layers=L, heads=heads, kv_heads=kv, mla=mla, v_head_dim=v_head_dim,
@@ -560,11 +660,32 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
         expert_ffn=int(get("moe_ffn_hidden_size", ffn)) if experts else 0,
         shared_experts=1 if shared_ffn else 0, shared_expert_ffn=shared_ffn,
         dense_ffn=ffn if (dense_layers or not experts) else 0, dense_layers=dense_layers,
-        gated=bool(get("swiglu", False)),
+        gated=bool(get("swiglu", False) or get("quick_geglu", False)),
+        glu="quick-geglu" if get("quick_geglu", False) else "swiglu",
         tied_embeddings=not get("untie_embeddings_and_output_weights", False),
         dtype=dtype, source="Megatron-LM args",
         mtp_layers=int(get("mtp_num_layers", 0) or 0),
+        linear_bias=bool(get("add_bias_linear", False)),
+        qkv_bias=bool(get("add_qkv_bias", False)),
+        sinks=get("softmax_type", "vanilla") == "learnable", **_megatron_window(get),
     )
+
+
+def _megatron_window(get) -> Dict[str, int]:
+    """``window`` / ``window_skip_freq`` from ``window_size`` (left, right) and
+    ``window_attn_skip_freq`` (an int; a list pattern must be every N-th layer full)."""
+    size = get("window_size")
+    if not size:
+        return {}
+    freq = get("window_attn_skip_freq", 0) or 0
+    if not isinstance(freq, int):
+        pattern = list(freq)  # 1: windowed, 0: full
+        full = [i for i, w in enumerate(pattern) if not w]
+        freq = full[0] + 1 if full else 0
+        if freq and full != list(range(freq - 1, len(pattern), freq)):
+            raise PlanError(f"Megatron args: window_attn_skip_freq {pattern} is not every N-th "
+                            f"layer full; the planner models only that pattern")
+    return dict(window=int(size[0]), window_skip_freq=int(freq))
 
 
 # --------------------------------------------------------------------------------- layout

@@ -708,12 +708,12 @@ def stage_params(model: ModelSpec, layout: Layout, first: int, count: int,
     for layer in range(first, first + count):
         dense += model.attention_params_per_layer() // layout.tp + 2 * H
         if model.is_moe_layer(layer):
-            dense += H * model.experts
-            dense += model.shared_experts * model.ffn_matrices * H * model.shared_expert_ffn \
+            dense += H * model.experts + (model.experts if model.linear_bias else 0)
+            dense += model.shared_experts * model.ffn_params(model.shared_expert_ffn) \
                 // layout.tp
             expert += (model.experts // layout.ep) * model.expert_params()
         else:
-            dense += model.ffn_matrices * H * model.dense_ffn // layout.tp
+            dense += model.ffn_params(model.dense_ffn) // layout.tp
     emb = math.ceil(model.vocab / layout.tp) * H
     if first_stage:
         dense += emb

@@ -560,7 +560,10 @@ def what_ran(flat: Run) -> List[str]:
     if config.get("attn_replay"):
         replays = modules.get("attention_replays", 0)
         capable = modules.get("replay_capable_attentions", 0)
-        lines.append(f"attention replay: {replays} re-run(s) served without the kernel"
+        stock = modules.get("attention_stock_reruns", 0)
+        note = (f", {stock} recomputed as stock (nothing kept for them: see the run's "
+                f"warnings)" if stock else "")
+        lines.append(f"attention replay: {replays} re-run(s) served without the kernel{note}"
                      if replays else
                      f"attention replay: fell back to the stock recompute ({capable} core "
                      "attention(s) can replay; Megatron's local DotProductAttention and "

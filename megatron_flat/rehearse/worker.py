@@ -133,16 +133,19 @@ def _flat_modules(models) -> Dict[str, int]:
     counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0,
               "ContextParallelCoreAttention": 0, "TiledColumnParallelLinear": 0,
               "attention_tiles_used": 0, "layers": 0, "attention_replays": 0,
-              "replay_capable_attentions": 0}
+              "attention_stock_reruns": 0, "replay_capable_attentions": 0}
     for model in models:
         for module in model.modules():
             counts["FlatMoELayer"] += isinstance(module, FlatMoELayer)
             counts["MoELayer"] += isinstance(module, MoELayer)
-            counts["layers"] += type(module).__name__ == "TransformerLayer"
-            # The attention tiles' QKV projection: one per tiled layer; the most tiles any
-            # call used (1 at a shape whose sequence fits one tile).
+            if type(module).__name__ == "TransformerLayer":
+                counts["layers"] += 1
+                # Layers whose attention has tiled projections (MLA: several a layer).
+                counts["TiledColumnParallelLinear"] += any(
+                    isinstance(m, TiledColumnParallelLinear) for m in module.modules())
+            # The most tiles any tiled projection's call used (1 at a shape whose sequence
+            # fits one tile).
             if isinstance(module, TiledColumnParallelLinear):
-                counts["TiledColumnParallelLinear"] += 1
                 counts["attention_tiles_used"] = max(counts["attention_tiles_used"],
                                                      module.most_tiles)
             # Attention replay: core attentions that can replay, and the re-runs served.
@@ -150,6 +153,8 @@ def _flat_modules(models) -> Dict[str, int]:
                 counts["replay_capable_attentions"] += 1
                 store = module.replay
                 counts["attention_replays"] += store.replays if store is not None else 0
+                counts["attention_stock_reruns"] += \
+                    store.stock_reruns if store is not None else 0
             # The CPU backend's stand-in for transformer-engine's CP attention (both runs).
             counts["ContextParallelCoreAttention"] += isinstance(
                 module, ContextParallelCoreAttention) and module.cp_size > 1

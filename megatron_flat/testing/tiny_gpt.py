@@ -225,6 +225,20 @@ def reset_mtp_tracker() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
+def reset_moe_loss_tracker() -> None:
+    """Empty Megatron's process-wide MoE loss tracker: its per-layer tensors are sized by the
+    first model that records a loss, so a later model with more layers (an MTP layer) would
+    index past them. 0.19 keeps it in ``moe_logging``, 0.16 in ``moe_utils``."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
 @dataclass
 class MicroBatch:
     tokens: torch.Tensor  # [b, s]

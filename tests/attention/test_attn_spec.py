@@ -35,7 +35,7 @@ def test_the_local_spec_gets_both_tiled_projections(megatron_cpu):
     assert flat_layer_spec(stock, FlatConfig()) is stock  # off: unchanged
 
 
-def test_unknown_projections_and_multi_latent_attention_are_refused(megatron_cpu):
+def test_unknown_projections_and_attentions_are_refused(megatron_cpu):
     from megatron_flat.megatron.attention_tiles import with_attn_tiles
 
     flat = FlatConfig(attn_tiles=64)
@@ -47,8 +47,59 @@ def test_unknown_projections_and_multi_latent_attention_are_refused(megatron_cpu
                                                       linear_qkv=dict))))
     with pytest.raises(ValueError, match="this layer spec has 'dict'"):
         with_attn_tiles(odd, flat)
-    with pytest.raises(ValueError, match="multi-latent attention is not tiled yet"):
-        with_attn_tiles(_local_spec(multi_latent_attention=True), flat)
+    # 0.19's FusedMLASelfAttention (--mla-down-proj-fusion): MLA's projections, one fused
+    # down projection, which MLA accepts only as Megatron's own classes
+    mla = _local_spec(multi_latent_attention=True)
+    other = dataclasses.replace(mla, submodules=dataclasses.replace(
+        mla.submodules, self_attention=dataclasses.replace(
+            mla.submodules.self_attention, module=type("FusedMLASelfAttention", (), {}))))
+    with pytest.raises(ValueError, match="this layer has 'FusedMLASelfAttention'"):
+        with_attn_tiles(other, flat)
+
+
+def test_multi_latent_attention_gets_its_gathering_projections_tiled(megatron_cpu, monkeypatch):
+    """MLA's spec: the output projection and the up projections tiled in the spec, the
+    attention TiledMLASelfAttention (it tiles the local spec's down projections once built);
+    a transformer-engine up projection with a fused norm becomes MLA's own norm and a tiled
+    projection, with the checkpoint keys mapped back to the fused layer's."""
+    import sys
+    import types
+
+    from megatron_flat.megatron.attention_tiles import (
+        TiledColumnParallelLinear,
+        TiledMLASelfAttention,
+        TiledRowParallelLinear,
+        with_attn_tiles,
+    )
+
+    stock = _local_spec(multi_latent_attention=True)
+    tiled = with_attn_tiles(stock, FlatConfig(attn_tiles=64))
+    attention = tiled.submodules.self_attention
+    assert attention.module is TiledMLASelfAttention and attention.params["tile_tokens"] == 64
+    inner = attention.submodules
+    for name in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"):
+        assert getattr(inner, name).module is TiledColumnParallelLinear, name
+    assert inner.linear_proj.module is TiledRowParallelLinear
+    stock_inner = stock.submodules.self_attention.submodules
+    # MLA checks its down projections by identity: they stay Megatron's in the spec
+    assert inner.linear_q_down_proj is stock_inner.linear_q_down_proj
+    assert inner.q_layernorm is stock_inner.q_layernorm
+    te_up = type("TELayerNormColumnParallelLinear", (), {})
+    te_norm = type("TENorm", (), {})
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine",
+                        types.SimpleNamespace(TENorm=te_norm))
+    te_like = dataclasses.replace(stock, submodules=dataclasses.replace(
+        stock.submodules, self_attention=dataclasses.replace(
+            stock.submodules.self_attention, submodules=dataclasses.replace(
+                stock_inner, linear_q_up_proj=te_up, linear_kv_up_proj=te_up))))
+    tiled = with_attn_tiles(te_like, FlatConfig(attn_tiles=64))
+    inner = tiled.submodules.self_attention.submodules
+    assert inner.q_layernorm is te_norm and inner.kv_layernorm is te_norm
+    assert inner.linear_q_up_proj.module is TiledColumnParallelLinear
+    keys = tiled.submodules.sharded_state_dict_keys_map
+    assert keys["self_attention.q_layernorm."] == "self_attention.linear_q_up_proj.layer_norm_"
+    assert keys["self_attention.kv_layernorm."] == \
+        "self_attention.linear_kv_up_proj.layer_norm_"
 
 
 def test_the_tile_size_must_not_be_negative(megatron_cpu):

@@ -37,3 +37,32 @@ LAYOUTS = {
 def test_attention_tiles_equal_stock(megatron_cpu, world, name):
     settings, all_five, model, pp = LAYOUTS[world][name]
     tiles.assert_tiles_equal_stock(settings, all_five, model=model, pp=pp)
+
+
+# Family lines (testing.families) at TP 2 + SP, tiled alone -> (overrides, tiled modules per
+# class in the 2-layer model): Qwen3's q/k RMSNorms and Llama-4's L2 norms act on the tiled
+# QKV projection's output; Qwen2's and GPT-OSS's QKV biases are added per tile (GPT-OSS: also
+# the output projection's bias, sinks and windows); DeepSeek-V3's MLA (and Kimi K2's) tiles
+# its output projection, q and kv up projections and (local spec) its down projections;
+# without a q LoRA, its q projection. DeepSeek-V3's MTP layer is tiled as well.
+GQA = {"TiledColumnParallelLinear": 2, "TiledRowParallelLinear": 2}
+FAMILY_TILES = {
+    "qwen3_moe": ({}, GQA), "qwen2_moe": ({}, GQA), "mixtral": ({}, GQA), "llama4": ({}, GQA),
+    "gpt_oss": ({}, GQA),
+    "kimi_k2": ({}, {"TiledMLASelfAttention": 2, "TiledColumnParallelLinear": 8,
+                     "TiledRowParallelLinear": 2}),
+    "deepseek_v3": ({}, {"TiledMLASelfAttention": 3, "TiledColumnParallelLinear": 12,
+                         "TiledRowParallelLinear": 3}),
+    # (0.19's MLA refuses a q norm without a q LoRA unless the q projection fuses it)
+    "deepseek_v3-no-q-lora": ({"q_lora_rank": None, "qk_layernorm": False}, {"TiledMLASelfAttention": 3,
+                                                       "TiledColumnParallelLinear": 9,
+                                                       "TiledRowParallelLinear": 3}),
+}
+
+
+@pytest.mark.parametrize("world, name", per_world({2: FAMILY_TILES}))
+def test_family_attention_tiles_equal_stock(megatron_cpu, world, name):
+    overrides, counts = FAMILY_TILES[name]
+    tiled = tiles.assert_family_tiles_equal_stock(name.split("-")[0], **overrides)
+    tiled.pop("FlatMoELayer", None)
+    assert tiled == counts

@@ -158,7 +158,9 @@ def test_host_budgets_that_cannot_fit_the_node_are_refused_at_install(megatron_c
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, spec=None),
      ["flat layer specs"]),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, multi_latent_attention=True),
-     ["multi-latent"]),
+     []),  # MLASelfAttention's projections are tiled
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, multi_latent_attention=True,
+          mla_down_proj_fusion=True), ["--mla-down-proj-fusion"]),
 ])
 def test_attention_tiles_need_sequence_parallelism_and_the_flat_spec(settings, found):
     problems = inst.check_against_megatron(FlatConfig(attn_tiles=4096),

@@ -268,6 +268,43 @@ def test_te_flash_backend_runs_stock_and_says_so_once(megatron_cpu, monkeypatch)
     assert len([w for w in caught if "no fused attention kernel" in str(w.message)]) == 1
 
 
+def test_te_calls_with_a_softmax_offset_run_stock_say_so_once_and_are_counted(megatron_cpu, te,
+                                                                               monkeypatch):
+    """Attention sinks: TE returns the softmax offset among its auxiliary tensors (an input
+    its backward needs, not a result). Those calls are not kept: the re-run runs the kernel
+    as stock, counted in ``stock_reruns`` (what a rehearsal's report prints), and the run
+    says so once; losses and gradients stay stock's."""
+    import functools
+
+    fwd, bwd = te.fused_attn_fwd, te.fused_attn_bwd
+
+    @functools.wraps(fwd)  # TE's signature: replay binds the call's arguments by name
+    def with_offset(*args, **kwargs):
+        out, aux = fwd(*args, **kwargs)
+        return out, [*aux, torch.zeros(1)]
+
+    def without_offset(*args, **kwargs):
+        args = list(args)
+        args[11] = list(args[11])[:2]  # aux_ctx_tensors: the stand-in's backward takes two
+        return bwd(*args, **kwargs)
+
+    monkeypatch.setattr(te, "fused_attn_fwd", with_offset)
+    monkeypatch.setattr(te, "fused_attn_bwd", without_offset)
+    tiny = _tiny()
+    stock, stock_calls = _kernels(lambda: _train_attached(tiny, replay=False))
+    stores = []
+    with pytest.warns(UserWarning, match="softmax offset") as caught:
+        replay, replay_calls = _kernels(lambda: _train_attached(tiny, replay=True,
+                                                               perturb=stores.append))
+    _assert_bitwise(replay, stock)
+    assert replay_calls == stock_calls  # every re-run ran its kernel
+    assert len([w for w in caught if "softmax offset" in str(w.message)]) == 1
+    microbatches = tiny.global_batch_size // tiny.micro_batch_size
+    reruns = tiny.num_layers * microbatches * STEPS
+    assert sum(s.stock_reruns for s in stores) == reruns
+    assert sum(s.replays for s in stores) == 0 and all(len(s) == 0 for s in stores)
+
+
 def test_fp8_calls_are_not_replayed(megatron_cpu):
     from megatron_flat.megatron import te_replay
 

@@ -70,16 +70,35 @@ def test_a_model_without_experts_or_with_mla_and_dense_layers():
                              flat=FlatConfig(), flat_flags="")
 
 
+def _window_size(text):
+    return tuple(int(v) for v in text.split(","))  # Megatron-LM's tuple_type
+
+
+def _skip_freq(text):
+    return int(text) if text.isdigit() else eval(text)  # Megatron-LM's moe_freq_type
+
+
 def _megatron_parser():
     """The flags of the family lines as Megatron-LM 0.16 and main both define them (names,
     kinds and values: int, float, str choices, store_true)."""
     p = argparse.ArgumentParser()
+    p.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"])
+    p.add_argument("--window-size", type=_window_size)
+    p.add_argument("--window-attn-skip-freq", type=_skip_freq)
+    p.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    for flag in ("--glu-linear-offset", "--activation-func-clamp-value"):
+        p.add_argument(flag, type=float)
+    p.add_argument("--quick-geglu", action="store_true")
+    p.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "mrope",
+                                                          "relative", "none", "yarn"])
+    p.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     for flag in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
                  "--v-head-dim", "--moe-router-num-groups", "--moe-router-group-topk",
                  "--num-layers", "--hidden-size", "--num-attention-heads", "--num-experts",
                  "--moe-router-topk", "--moe-ffn-hidden-size", "--ffn-hidden-size",
                  "--moe-shared-expert-intermediate-size", "--mtp-num-layers",
-                 "--num-query-groups", "--kv-channels"):
+                 "--num-query-groups", "--kv-channels", "--seq-length",
+                 "--max-position-embeddings"):
         p.add_argument(flag, type=int)
     for flag in ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
                  "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff"):
@@ -96,10 +115,15 @@ def _megatron_parser():
     return p
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "qwen3-235b-a22b"])
+FAMILY_LINES = ["deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen2-57b-a14b", "gpt-oss-120b",
+                "mixtral-8x22b", "llama-4-maverick"]
+
+
+@pytest.mark.parametrize("name", FAMILY_LINES)
 def test_a_family_line_carries_its_architecture(name):
-    """MLA's shape, the q/k norms and the router's settings reach the line, so it builds the
-    family's model; read back, the line's shape is the preset's (parameters and MoE layers)."""
+    """MLA's shape, the q/k norms, the router's settings, biases, sinks, windows, the GLU and
+    the layer pattern reach the line, so it builds the family's model; read back, the line's
+    shape is the preset's (parameters and MoE layers)."""
     from megatron_flat.plan.model import model_from_megatron_args
 
     model = preset(name)
@@ -107,7 +131,25 @@ def test_a_family_line_carries_its_architecture(name):
         model, Layout(tp=1, ep=8, dp=8), seq_len=4096, global_batch=8, flat=FlatConfig(),
         flat_flags=""))
     parsed, _ = _megatron_parser().parse_known_args(args)
-    assert parsed.qk_layernorm
+    # every flag of the model group is one Megatron-LM defines, with a value of its kind
+    _megatron_parser().parse_args(launch.launch_groups(
+        model, Layout(tp=1, ep=8, dp=8), seq_len=4096, global_batch=8, flat=FlatConfig(),
+        flat_flags="")[0][1])
+    assert parsed.qk_layernorm == (model.mla is not None or name.startswith("qwen3"))
+    assert parsed.add_bias_linear == (name == "gpt-oss-120b")
+    assert parsed.add_qkv_bias == (name == "qwen2-57b-a14b")
+    assert parsed.moe_shared_expert_gate == (name == "qwen2-57b-a14b")
+    assert (parsed.swiglu, parsed.quick_geglu) == ((False, True) if name == "gpt-oss-120b"
+                                                   else (True, False))
+    if name == "gpt-oss-120b":
+        assert parsed.softmax_type == "learnable"
+        assert (parsed.window_size, parsed.window_attn_skip_freq) == ((128, 0), 2)
+        assert (parsed.glu_linear_offset, parsed.activation_func_clamp_value) == (1.0, 7.0)
+    else:
+        assert parsed.softmax_type is None and parsed.window_size is None
+    if name == "llama-4-maverick":  # dense first, then every other layer MoE
+        assert parsed.moe_layer_freq == [0, 1] * 24
+        assert parsed.moe_shared_expert_intermediate_size == 8192
     assert parsed.moe_layer_freq is None or len(parsed.moe_layer_freq) == model.layers
     if model.mla is not None:
         assert parsed.multi_latent_attention and not parsed.group_query_attention
@@ -124,15 +166,29 @@ def test_a_family_line_carries_its_architecture(name):
                 parsed.moe_router_topk_scaling_factor) == groups
     else:
         assert parsed.group_query_attention and parsed.num_query_groups == model.kv_heads
-        assert parsed.moe_router_load_balancing_type == "aux_loss"
+        if name.startswith("qwen3"):
+            assert parsed.moe_router_load_balancing_type == "aux_loss"
     back = model_from_megatron_args(argparse.Namespace(**vars(parsed), vocab_size=model.vocab,
                                                        bf16=True))
     assert back.moe_layers == model.moe_layers and back.experts == model.experts
     assert back.mla == model.mla and back.total_params() == model.total_params()
+    assert (back.linear_bias, back.qkv_bias, back.sinks, back.window, back.glu) == (
+        model.linear_bias, model.qkv_bias, model.sinks, model.window, model.glu)
+
+
+def test_a_gpt_oss_plan_leaves_out_replay_on_sinks_and_windows():
+    """Attention replay is unproven with sinks and windows: a GPT-OSS plan does not turn it
+    on, even with every technique asked for; the other techniques stay."""
+    res = _plan("--model", "gpt-oss-120b", "--gpus", "16", "--all-on")
+    assert res.error is None
+    args = launch.launch_args(cli.launch_groups_of(res))
+    assert not res.flat.attn_replay and "--flat-attn-replay" not in args
+    assert "--softmax-type" in args and "--disable-bias-linear" not in args
 
 
 def test_a_family_plan_leaves_out_what_mla_cannot_run():
-    """Attention tiles are refused with MLA and replay is unproven there: a DeepSeek-V3 plan
+    """The attention-block peak term is not written for MLA's latents and replay is unproven
+    there: a DeepSeek-V3 plan
     turns neither on, even with every technique asked for."""
     res = _plan("--model", "deepseek-v3", "--gpus", "256", "--all-on")
     args = launch.launch_args(cli.launch_groups_of(res))
@@ -172,7 +228,7 @@ def test_the_example_scripts_are_what_the_planner_emits():
 
 EXAMPLES = {"paper-120b": ("paper_120b", 16), "paper-241b": ("paper_241b", 32),
             "paper-667b": ("paper_667b", 64), "deepseek-v3": ("deepseek_v3", 256),
-            "qwen3-235b-a22b": ("qwen3_235b", 64)}
+            "qwen3-235b-a22b": ("qwen3_235b", 64), "gpt-oss-120b": ("gpt_oss_120b", 16)}
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

@@ -1,6 +1,7 @@
 """Model descriptions (presets, Hugging Face config.json, Megatron args) and layouts."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -22,14 +23,17 @@ from megatron_flat.plan.model import check_layout, stage_layers
 # Published total parameter counts (billions), from each model's card / paper.
 PUBLISHED_PARAMS_B = {
     "paper-120b": 120, "paper-241b": 241, "paper-667b": 667,
-    "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8, "deepseek-v3": 671, "qwen3-30b-a3b": 30.5,
+    # OpenAI's model card: 20.91B and 116.83B (biases and sinks included).
+    "gpt-oss-20b": 20.91, "gpt-oss-120b": 116.83, "deepseek-v3": 671, "qwen3-30b-a3b": 30.5,
+    "qwen2-57b-a14b": 57.4,
     "qwen3-235b-a22b": 235, "mixtral-8x22b": 141, "llama-4-maverick": 400,
     # Moonshot publishes "1T total parameters"; the config's shapes give 1.026T.
     "kimi-k2": 1000,
 }
 # Within 1 % of the published count, except the paper family (its attention shape is
 # assumed) and Kimi K2 (published rounded to 1T).
-TOLERANCE = {"paper-120b": 0.02, "paper-241b": 0.02, "paper-667b": 0.02, "kimi-k2": 0.03}
+TOLERANCE = {"paper-120b": 0.02, "paper-241b": 0.02, "paper-667b": 0.02, "kimi-k2": 0.03,
+             "gpt-oss-20b": 0.001, "gpt-oss-120b": 0.001}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -135,6 +139,61 @@ def test_hf_config_gpt_oss_style_and_defaults():
     assert (m.kv_heads, m.head_dim, m.experts, m.topk, m.expert_ffn) == (4, 16, 8, 2, 96)
 
 
+# openai/gpt-oss-120b's config.json, the keys the planner reads.
+GPT_OSS_120B = {
+    "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 128, "experts_per_token": 4, "intermediate_size": 2880,
+    "vocab_size": 201088, "tie_word_embeddings": False, "attention_bias": True,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "swiglu_limit": 7.0, "torch_dtype": "bfloat16"}
+
+
+def test_hf_config_gpt_oss_models_biases_sinks_windows_and_its_glu():
+    m = model_from_hf_config(GPT_OSS_120B, name="gpt-oss-120b")
+    ref = preset("gpt-oss-120b")
+    assert (m.linear_bias, m.qkv_bias, m.sinks, m.glu) == (True, False, True, "quick-geglu")
+    assert (m.window, m.window_skip_freq) == (128, 2)
+    assert [m.is_window_layer(i) for i in range(4)] == [True, False, True, False]
+    assert m.arch_flags == ref.arch_flags == ("--glu-linear-offset", "1",
+                                              "--activation-func-clamp-value", "7")
+    assert m.total_params() == ref.total_params()
+    # biases: QKV's and the output's, every expert's fc1 (2F) and fc2 (H), the router's (E);
+    # sinks: one per head
+    plain = dataclasses.replace(ref, linear_bias=False, sinks=False)
+    qkv = 64 * 64 + 2 * 8 * 64
+    per_layer = qkv + 2880 + 128 * (2 * 2880 + 2880) + 128 + 64
+    assert ref.total_params() - plain.total_params() == 36 * per_layer
+    # a layer pattern that is not every N-th layer full has no Megatron flag
+    odd = dict(GPT_OSS_120B, layer_types=["sliding_attention", "full_attention",
+                                          "full_attention"] * 12)
+    with pytest.raises(PlanError, match="every N-th layer full"):
+        model_from_hf_config(odd)
+    # Qwen2-style configs set sliding_window without layer_types: no window
+    assert model_from_hf_config(dict(GPT_OSS_120B, model_type="qwen2_moe",
+                                     layer_types=None)).window == 0
+
+
+def test_windows_scale_the_attention_flops():
+    from megatron_flat.plan.costs import attention_core_flops
+
+    gpt_oss = preset("gpt-oss-120b")
+    full = dataclasses.replace(gpt_oss, window=0, window_skip_freq=0)
+    seq = 1 << 20
+    assert full.attended_fraction(seq) == 1.0
+    # half the layers see 128 keys a query instead of ~S/2
+    assert gpt_oss.attended_fraction(seq) == pytest.approx(0.5 + 0.5 * 129 / ((seq + 1) / 2),
+                                                           rel=1e-3)
+    assert gpt_oss.attended_fraction(100) == 1.0  # the window covers the whole sequence
+    assert gpt_oss.attended_fraction(1000) < 1.0
+    layout = Layout(tp=1, ep=8, dp=8)
+    ratio = attention_core_flops(gpt_oss, layout, seq, seq) / \
+        attention_core_flops(full, layout, seq, seq)
+    assert ratio == pytest.approx(gpt_oss.attended_fraction(seq))
+    with pytest.raises(PlanError, match="glu"):
+        dataclasses.replace(gpt_oss, glu="geglu")
+
+
 def test_hf_config_errors(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
@@ -174,6 +233,30 @@ def test_megatron_args():
         model_from_megatron_args(argparse.Namespace(num_layers=2))
     with pytest.raises(PlanError, match="does not divide"):
         layout_from_megatron_args(_megatron_args(world_size=36))
+
+
+def test_megatron_args_of_a_gpt_oss_line():
+    """GPT-OSS's flags read back as the preset: biases (Megatron's default), sinks, the
+    window on every other layer (an int or the equivalent pattern) and quick-GEGLU."""
+    gpt_oss = dict(hidden_size=2880, num_layers=36, num_attention_heads=64, num_query_groups=8,
+                   kv_channels=64, num_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
+                   ffn_hidden_size=2880, padded_vocab_size=201_088, swiglu=False,
+                   quick_geglu=True, add_bias_linear=True, softmax_type="learnable",
+                   window_size=(128, 0), window_attn_skip_freq=2)
+    m = model_from_megatron_args(_megatron_args(**gpt_oss))
+    ref = preset("gpt-oss-120b")
+    assert (m.gated, m.glu, m.linear_bias, m.sinks, m.window, m.window_skip_freq) == \
+        (True, "quick-geglu", True, True, 128, 2)
+    assert m.total_params() == ref.total_params()
+    listed = model_from_megatron_args(_megatron_args(**dict(
+        gpt_oss, window_attn_skip_freq=[1, 0] * 18)))
+    assert listed.window_skip_freq == 2
+    with pytest.raises(PlanError, match="every N-th"):
+        model_from_megatron_args(_megatron_args(**dict(
+            gpt_oss, window_attn_skip_freq=[1, 0, 0] * 12)))
+    # a line without biases or sinks (--disable-bias-linear, vanilla softmax)
+    plain = model_from_megatron_args(_megatron_args(add_bias_linear=False))
+    assert not (plain.linear_bias or plain.sinks or plain.window)
 
 
 def test_layout_errors_are_clear():
