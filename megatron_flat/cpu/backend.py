@@ -679,6 +679,46 @@ def _mla_patches() -> List[patching.Patch]:
                            why="it is set when TE's extension module imports, without TE")]
 
 
+def _inference_linears_placeholders() -> bool:
+    """Megatron-LM main's ``inference_layers`` subclasses TE's linears, which without
+    transformer-engine are placeholders: its ``is_inference_column_parallel_linear`` (called
+    when an MTP layer is built) then passes ``isinstance`` a non-class."""
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+    except ImportError:
+        return False
+    probe = getattr(inference_layers, "is_inference_column_parallel_linear", None)
+    classes = [getattr(inference_layers, name, None) for name in
+               ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")]
+    return probe is not None and not all(isinstance(c, type) for c in classes)
+
+
+def _not_inference_linear(_stock):
+    def is_inference_column_parallel_linear(module) -> bool:
+        return False  # inference-optimized linears need transformer-engine, which is absent
+
+    return is_inference_column_parallel_linear
+
+
+def _inference_linear_patches() -> List[patching.Patch]:
+    from megatron.core.tensor_parallel import inference_layers
+
+    name = "is_inference_column_parallel_linear"
+    owners = ["megatron.core.tensor_parallel.inference_layers"]
+    # modules that bound the function by name when imported
+    for module in ("megatron.core.transformer.multi_token_prediction",
+                   "megatron.core.transformer.attention"):
+        try:
+            imported = importlib.import_module(module)
+        except ImportError:
+            continue
+        if getattr(imported, name, None) is getattr(inference_layers, name):
+            owners.append(module)
+    return [patching.Patch(owner, name, _not_inference_linear, expects="a function",
+                           why="its isinstance() gets TE placeholders without transformer-engine")
+            for owner in owners]
+
+
 def _te_grouped_wanted() -> bool:
     from megatron_flat.cpu.grouped import TE_GROUPED_ENV
 
@@ -815,6 +855,15 @@ WORKAROUNDS: List[Workaround] = [
         "set to what is true.",
         _mla_patches,
         needed=_mla_te_half_imported,
+    ),
+    Workaround(
+        "inference linears without transformer-engine",
+        "Megatron-LM main asks is_inference_column_parallel_linear of every MTP layer's "
+        "projection; its inference linears subclass TE's, placeholders without "
+        "transformer-engine, so isinstance raises. No linear is an inference-optimized one "
+        "without transformer-engine: the question is answered False.",
+        _inference_linear_patches,
+        needed=_inference_linears_placeholders,
     ),
     Workaround(
         "grouped_gemm reference",

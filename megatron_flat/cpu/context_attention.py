@@ -24,8 +24,9 @@ output and log-sum-exp, which gives each block's exact share of the gradient (th
 attention identity). No ``N×N`` score, softmax or mask tensor is ever built.
 
 Results agree with single-rank causal attention to fp32 rounding (blocks sum in another
-order), forward and backward. Refused, as for ``FlashCoreAttention``: attention dropout in
-training, padding masks, packed sequences and attention bias.
+order), forward and backward. Attention sinks and sliding windows take a masked path
+(:class:`ContextParallelCoreAttention`). Refused, as for ``FlashCoreAttention``: attention
+dropout in training, padding masks, packed sequences and attention bias.
 """
 
 from __future__ import annotations
@@ -190,7 +191,19 @@ class ContextParallelCoreAttention(FlashCoreAttention):
     With CP 1 it is ``FlashCoreAttention``. Inputs are Megatron's: query ``[sq, b, np, hn]``,
     key and value ``[sk, b, ng, hn]`` for this rank's two chunks (``sq = sk = 2·c``); output
     ``[sq, b, np·hn]``.
+
+    Attention sinks (``softmax_type`` ``learnable`` or ``off-by-one``: Megatron's
+    ``softmax_offset``, one logit per head beside every row's scores) and a sliding window
+    (this layer's ``window_size`` ``(left, 0)``: a query sees the keys at most ``left``
+    positions back) run a masked path instead of the flash blocks: each query chunk's scores
+    against its keys, masked as Megatron's ``get_sliding_window_causal_mask`` (filled with
+    -10000, as Megatron's mask function does), softmax with the offset's column appended and
+    dropped, as Megatron's ``SoftmaxOne``, in fp32, then the values. It builds a chunk's
+    ``c × (g+1)·c`` scores (a rehearsal's sizes); such layers keep nothing for attention
+    replay (a store's re-runs count as stock).
     """
+
+    takes_sinks_and_windows = True
 
     def __init__(self, config, *args, **kwargs):
         cp_size = config.context_parallel_size
@@ -217,6 +230,10 @@ class ContextParallelCoreAttention(FlashCoreAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
         if self.cp_size == 1:
+            if self._masked():  # the flash kernel has no sinks or windows
+                raise ValueError("ContextParallelCoreAttention computes sinks and sliding "
+                                 "windows under context parallelism only; with CP 1 use "
+                                 "Megatron's DotProductAttention")
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params, **kwargs)
         self._check(attn_mask_type, attention_bias, packed_seq_params)
@@ -240,8 +257,47 @@ class ContextParallelCoreAttention(FlashCoreAttention):
                   k[:, :, :(chunk + 1) * c].contiguous(), v[:, :, :(chunk + 1) * c].contiguous())
                  for slot, chunk in enumerate(load_balanced_chunks(dist.get_rank(group),
                                                                    self.cp_size))]
-        out = torch.cat(self._attend(slots, self.softmax_scale), dim=2)
+        if self._masked():
+            out = torch.cat(self._attend_masked(slots, c), dim=2)
+        else:
+            out = torch.cat(self._attend(slots, self.softmax_scale), dim=2)
         return out.permute(2, 0, 1, 3).reshape(local, b, self.hidden_size_per_partition)
+
+    def _window(self):
+        return getattr(self.scale_mask_softmax, "window_size", None)
+
+    def _masked(self) -> bool:
+        """Sinks or a window on this layer: the masked path (the class doc)."""
+        return getattr(self, "softmax_offset", None) is not None or self._window() is not None
+
+    def _attend_masked(self, slots, c: int) -> List[torch.Tensor]:
+        window = self._window()
+        if window is not None and window[1] != 0:
+            raise ValueError(f"ContextParallelCoreAttention: a window reaching {window[1]} "
+                             "keys past the query (window_size right side) is not causal")
+        store = self._replay_store()
+        if store is not None and torch.is_grad_enabled():
+            store.kernel_forwards += 1
+            store.stock_reruns += 1  # nothing kept for a masked layer: its re-run is stock
+        offset = getattr(self, "softmax_offset", None)
+        rank = dist.get_rank(self.cp_group)
+        outs = []
+        for (q, k, v), chunk in zip(slots, load_balanced_chunks(rank, self.cp_size)):
+            scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
+            rows = torch.arange(chunk * c, (chunk + 1) * c).unsqueeze(1)
+            cols = torch.arange(k.shape[2]).unsqueeze(0)
+            hidden = cols > rows
+            if window is not None:
+                hidden = hidden | (cols < rows - window[0])
+            scores = scores.masked_fill(hidden, -10000.0)
+            if offset is not None:
+                sink = offset.float().reshape(1, -1, 1, 1).expand(
+                    scores.shape[0], -1, scores.shape[2], 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            outs.append(torch.matmul(probs.to(v.dtype), v))
+        return outs
 
     def _attend(self, slots, scale):
         """Each slot's output; with attention replay (``attention.replay``) the first pass

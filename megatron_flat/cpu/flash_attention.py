@@ -42,8 +42,14 @@ class FlashCoreAttention(DotProductAttention):
     # backward from them (attention.replay.flash_attention).
     replay_capable = True
 
+    # Whether this class computes attention sinks and sliding windows itself (the CP
+    # attention's masked path); else they are refused when the module is built.
+    takes_sinks_and_windows = False
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
+        if self.takes_sinks_and_windows:
+            return
         problems = []
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             problems.append(f"attention sinks (softmax_type={config.softmax_type!r}, "

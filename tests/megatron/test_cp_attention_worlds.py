@@ -126,6 +126,64 @@ def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
             torch.testing.assert_close(_to_global(parts, cp), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("softmax_type, window", [("learnable", None), ("vanilla", (5, 0)),
+                                                   ("learnable", (5, 0)), ("off-by-one", (3, 0))])
+@world2
+def test_sinks_and_windows_under_cp_equal_megatrons_local_attention(megatron_cpu, softmax_type,
+                                                                   window):
+    """GPT-OSS's attention under CP: ``DotProductAttention`` with a softmax offset (learnable,
+    non-zero; or off-by-one) and/or a sliding window, built with CP = the world, is the
+    backend's ContextParallelCoreAttention on its masked path, and equals Megatron's own
+    single-rank DotProductAttention: output, every input gradient and the offset's
+    gradient (summed over the ranks' queries)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cp, seq, b, heads, dim = dist.get_world_size(), 24, 2, 4, 16
+
+    def build(size):
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads,
+                                   context_parallel_size=size, use_cpu_initialization=True,
+                                   attention_dropout=0.0, softmax_type=softmax_type,
+                                   window_size=window, masked_softmax_fusion=False)
+        attention = DotProductAttention(config, layer_number=1,
+                                        attn_mask_type=AttnMaskType.causal,
+                                        attention_type="self")
+        if softmax_type == "learnable":
+            with torch.no_grad():
+                attention.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+        return attention
+
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(seq, b, heads, dim, generator=gen) for _ in range(3))
+    grad = torch.randn(seq, b, heads * dim, generator=gen)
+    with megatron_layout(1, 1, 1):
+        single = build(1)
+        assert type(single) is DotProductAttention
+        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = single(*ref_inputs, None)
+        ref.backward(grad)
+    with megatron_layout(1, 1, 1, cp=cp):
+        attn = build(cp)
+        assert type(attn) is ContextParallelCoreAttention and attn._masked()
+        rank = dist.get_rank()
+        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
+        out = attn(*inputs, None)
+        out.backward(_local(grad, rank, cp))
+        got = [out.detach()] + [t.grad for t in inputs]
+        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
+            parts = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(parts, mine.contiguous())
+            torch.testing.assert_close(_to_global(parts, cp), want, rtol=1e-5, atol=1e-6)
+        if softmax_type == "learnable":
+            offset_grad = attn.softmax_offset.grad.clone()
+            dist.all_reduce(offset_grad)
+            torch.testing.assert_close(offset_grad, single.softmax_offset.grad, rtol=1e-5,
+                                       atol=1e-6)
+            assert single.softmax_offset.grad.abs().max() > 0
+
+
 @world2
 def test_refuses_uneven_chunks(megatron_cpu):
     cp = dist.get_world_size()

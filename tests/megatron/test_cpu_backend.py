@@ -109,3 +109,43 @@ def test_tied_embedding_copy_is_confined_to_its_call(megatron_cpu):
     assert patching.is_applied(patch) and patching.resolve(patch.owner) is LanguageModule
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1).cuda()
+
+
+def test_inference_linears_are_answered_without_transformer_engine(megatron_cpu, monkeypatch):
+    """Megatron-LM main's inference linears subclass TE's placeholders without
+    transformer-engine (mock objects, not classes): the workaround is needed exactly then,
+    and its patch answers False where Megatron's own function raises."""
+    import sys
+    import types
+    from unittest import mock
+
+    from megatron_flat.runtime import patching
+
+    name = "megatron.core.tensor_parallel.inference_layers"
+    fake = types.ModuleType(name)
+
+    def is_inference_column_parallel_linear(module):
+        return isinstance(module, (fake.InferenceColumnParallelLinear,
+                                   fake.InferenceLayerNormColumnParallelLinear))
+
+    fake.is_inference_column_parallel_linear = is_inference_column_parallel_linear
+    fake.InferenceColumnParallelLinear = type("InferenceColumnParallelLinear", (), {})
+    fake.InferenceLayerNormColumnParallelLinear = type("InferenceLayerNorm", (), {})
+    monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.setattr("megatron.core.tensor_parallel.inference_layers", fake, raising=False)
+    workaround = next(w for w in cpu.WORKAROUNDS
+                      if w.name == "inference linears without transformer-engine")
+    assert not workaround.needed()  # real classes: Megatron's own answer stands
+    fake.InferenceColumnParallelLinear = mock.MagicMock(spec=str)  # TE absent in main
+    assert workaround.needed()
+    with pytest.raises(TypeError):
+        is_inference_column_parallel_linear(torch.nn.Linear(2, 2))
+    patches = workaround.patches()
+    for patch in patches:
+        patching.apply(patch)
+    try:
+        assert fake.is_inference_column_parallel_linear(torch.nn.Linear(2, 2)) is False
+    finally:
+        for patch in reversed(patches):
+            patching.revert(patch)
+    assert fake.is_inference_column_parallel_linear is is_inference_column_parallel_linear
