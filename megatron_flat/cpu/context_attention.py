@@ -276,9 +276,16 @@ class ContextParallelCoreAttention(FlashCoreAttention):
             raise ValueError(f"ContextParallelCoreAttention: a window reaching {window[1]} "
                              "keys past the query (window_size right side) is not causal")
         store = self._replay_store()
-        if store is not None and torch.is_grad_enabled():
-            store.kernel_forwards += 1
-            store.stock_reruns += 1  # nothing kept for a masked layer: its re-run is stock
+        if store is not None:
+            from megatron_flat.megatron.replay_wiring import warn_once
+
+            warn_once("cpu-cp-masked", "megatron-flat: --flat-attn-replay: the CPU backend's "
+                      "context-parallel attention keeps nothing on layers with attention sinks "
+                      "or a sliding window (its masked path has no log-sum-exp to replay "
+                      "from); those layers recompute attention as stock does")
+            if torch.is_grad_enabled():
+                store.kernel_forwards += 1
+                store.stock_reruns += 1  # nothing kept for a masked layer: its re-run is stock
         offset = getattr(self, "softmax_offset", None)
         rank = dist.get_rank(self.cp_group)
         outs = []

@@ -339,6 +339,10 @@ _QWEN3 = ("--qk-layernorm", "--moe-router-load-balancing-type", "aux_loss",
 _GPT_OSS = dict(linear_bias=True, sinks=True, window=128, window_skip_freq=2, glu="quick-geglu",
                 arch_flags=("--glu-linear-offset", "1", "--activation-func-clamp-value", "7"))
 
+# Llama-4: weightless L2 norms of q and k (config.json use_qk_norm) and a sigmoid top-1
+# router (its architecture; the config has no key for it).
+_LLAMA4 = ("--qk-l2-norm", "--moe-router-score-function", "sigmoid")
+
 PRESETS: Dict[str, ModelSpec] = {
     "paper-120b": _paper("paper-120b", 7),
     "paper-241b": _paper("paper-241b", 14),
@@ -415,6 +419,7 @@ PRESETS: Dict[str, ModelSpec] = {
                                   kv_heads=8, head_dim=128, experts=128, topk=1,
                                   expert_ffn=8192, shared_experts=1, shared_expert_ffn=8192,
                                   dense_ffn=16384, moe_layer_step=2, vocab=202_048,
+                                  arch_flags=_LLAMA4,
                                   source="meta-llama/Llama-4-Maverick-17B-128E config.json"),
     # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48,
     # num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
@@ -582,6 +587,9 @@ def _hf_arch_flags(cfg: Mapping[str, Any], mla: bool, moe: bool, shared: bool
     out: List[str] = []
     if mla or kind.startswith("qwen3"):
         out.append("--qk-layernorm")
+    if kind.startswith("llama4"):
+        out += (["--qk-l2-norm"] if cfg.get("use_qk_norm") else []) + \
+            ["--moe-router-score-function", "sigmoid"]
     if kind.startswith("gpt_oss"):  # Megatron's GPT-OSS GLU: quick-GELU, offset 1, clamp
         limit = cfg.get("swiglu_limit") or 7.0
         out += ["--glu-linear-offset", "1", "--activation-func-clamp-value",

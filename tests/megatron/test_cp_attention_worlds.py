@@ -185,6 +185,41 @@ def test_sinks_and_windows_under_cp_equal_megatrons_local_attention(megatron_cpu
 
 
 @world2
+def test_sinks_under_cp_keep_nothing_for_replay_say_so_once_and_count_reruns(megatron_cpu,
+                                                                             monkeypatch):
+    """With attention replay on, a masked (sinks / window) CP layer keeps nothing: its first
+    pass warns once, its re-run computes as stock and is counted in ``stock_reruns``."""
+    import warnings
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_flat.attention.replay import ReplayStore
+    from megatron_flat.megatron import replay_wiring
+
+    cp = dist.get_world_size()
+    monkeypatch.setattr(replay_wiring, "current_store", lambda attention: attention.replay)
+    monkeypatch.setattr(replay_wiring, "_warned", set())
+    with megatron_layout(1, 1, 1, cp=cp):
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                   context_parallel_size=cp, use_cpu_initialization=True,
+                                   attention_dropout=0.0, softmax_type="learnable")
+        attn = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                   attention_type="self")
+        attn.replay = ReplayStore()
+        q = torch.randn(24 // cp, 2, 4, 16)
+        with pytest.warns(UserWarning, match="keeps nothing on layers with attention sinks"):
+            with torch.no_grad():
+                first = attn(q, q, q, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # said once
+            again = attn(q, q, q, None)
+        assert torch.equal(first, again.detach())
+        assert (attn.replay.stock_reruns, attn.replay.replays, len(attn.replay)) == (1, 0, 0)
+
+
+@world2
 def test_refuses_uneven_chunks(megatron_cpu):
     cp = dist.get_world_size()
     with megatron_layout(1, 1, 1, cp=cp):

@@ -110,7 +110,7 @@ def _megatron_parser():
     p.add_argument("--moe-layer-freq", type=eval)  # Megatron-LM evaluates the pattern
     for flag in ("--multi-latent-attention", "--qk-layernorm", "--moe-router-enable-expert-bias",
                  "--group-query-attention", "--add-qkv-bias", "--moe-shared-expert-gate",
-                 "--swiglu", "--untie-embeddings-and-output-weights"):
+                 "--swiglu", "--untie-embeddings-and-output-weights", "--qk-l2-norm"):
         p.add_argument(flag, action="store_true")
     return p
 
@@ -147,8 +147,10 @@ def test_a_family_line_carries_its_architecture(name):
         assert (parsed.glu_linear_offset, parsed.activation_func_clamp_value) == (1.0, 7.0)
     else:
         assert parsed.softmax_type is None and parsed.window_size is None
-    if name == "llama-4-maverick":  # dense first, then every other layer MoE
+    assert parsed.qk_l2_norm == (name == "llama-4-maverick")
+    if name == "llama-4-maverick":  # dense first, then every other layer MoE; top-1 sigmoid
         assert parsed.moe_layer_freq == [0, 1] * 24
+        assert parsed.moe_router_score_function == "sigmoid"
         assert parsed.moe_shared_expert_intermediate_size == 8192
     assert parsed.moe_layer_freq is None or len(parsed.moe_layer_freq) == model.layers
     if model.mla is not None:

@@ -60,12 +60,15 @@ def test_hf_config_llama4_text_config():
         "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
         "num_local_experts": 128, "num_experts_per_tok": 1, "intermediate_size": 8192,
         "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 2, "vocab_size": 202048,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}}
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_qk_norm": True}}
     m = model_from_hf_config(cfg, name="maverick")
     ref = preset("llama-4-maverick")
     assert (m.moe_layers, m.dense_ffn, m.expert_ffn, m.shared_experts, m.shared_expert_ffn) == \
         (24, 16384, 8192, 1, 8192)
     assert m.total_params() == ref.total_params()
+    # the L2 q/k norms and the sigmoid top-1 router reach the launch line
+    assert m.arch_flags == ref.arch_flags == ("--qk-l2-norm", "--moe-router-score-function",
+                                              "sigmoid")
 
 
 def test_interleaved_launch_line_names_the_pattern():
