@@ -54,9 +54,9 @@ FAMILY_TILES = {
     "deepseek_v3": ({}, {"TiledMLASelfAttention": 3, "TiledColumnParallelLinear": 12,
                          "TiledRowParallelLinear": 3}),
     # (0.19's MLA refuses a q norm without a q LoRA unless the q projection fuses it)
-    "deepseek_v3-no-q-lora": ({"q_lora_rank": None, "qk_layernorm": False}, {"TiledMLASelfAttention": 3,
-                                                       "TiledColumnParallelLinear": 9,
-                                                       "TiledRowParallelLinear": 3}),
+    "deepseek_v3-no-q-lora": ({"q_lora_rank": None, "qk_layernorm": False},
+                              {"TiledMLASelfAttention": 3, "TiledColumnParallelLinear": 9,
+                               "TiledRowParallelLinear": 3}),
 }
 
 

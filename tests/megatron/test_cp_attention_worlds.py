@@ -44,6 +44,33 @@ def _to_global(parts, cp: int) -> torch.Tensor:
     return torch.cat(chunks)
 
 
+def _single_and_cp(build, q, k, v, grad):
+    """``build(cp_size)`` at CP 1 on the whole sequence and at CP = the world on each rank's
+    chunks: the CP output and input gradients, gathered into global order, equal the single
+    rank's (fp32 rounding) and are not all zero. Returns both modules."""
+    cp = dist.get_world_size()
+    with megatron_layout(1, 1, 1):
+        single = build(1)
+        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = single(*ref_inputs, None)
+        ref.backward(grad)
+    with megatron_layout(1, 1, 1, cp=cp):
+        attn = build(cp)
+        rank = dist.get_rank()
+        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
+        out = attn(*inputs, None)
+        assert out.shape == (q.shape[0] // cp,) + tuple(ref.shape[1:])
+        out.backward(_local(grad, rank, cp))
+        got = [out.detach()] + [t.grad for t in inputs]
+        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
+            parts = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(parts, mine.contiguous())
+            full = _to_global(parts, cp)
+            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6)
+            assert full.abs().max() > 0
+    return single, attn
+
+
 @pytest.mark.parametrize("groups", [4, 2])
 @pytest.mark.parametrize("world", WORLDS)
 def test_cp_equals_single_rank(world, groups, megatron_cpu):
@@ -56,24 +83,8 @@ def test_cp_equals_single_rank(world, groups, megatron_cpu):
     k = torch.randn(seq, b, groups, dim, generator=gen)
     v = torch.randn(seq, b, groups, dim, generator=gen)
     grad = torch.randn(seq, b, heads * dim, generator=gen)
-    with megatron_layout(1, 1, 1):
-        single = _attention(1, heads, groups)
-        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = single(*ref_inputs, None)
-        ref.backward(grad)
-    with megatron_layout(1, 1, 1, cp=cp):
-        attn = _attention(cp, heads, groups)
-        rank = dist.get_rank()
-        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
-        out = attn(*inputs, None)
-        out.backward(_local(grad, rank, cp))
-        got = [out.detach()] + [t.grad for t in inputs]
-        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
-            parts = [torch.empty_like(mine) for _ in range(cp)]
-            dist.all_gather(parts, mine.contiguous())
-            full = _to_global(parts, cp)
-            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6)
-            assert full.abs().max() > 0
+    single, attn = _single_and_cp(lambda size: _attention(size, heads, groups), q, k, v, grad)
+    assert type(single) is type(attn) is ContextParallelCoreAttention
 
 
 @world2
@@ -91,7 +102,7 @@ def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
         MLADotProductAttention,
     )
 
-    cp, seq, b, heads, dk, dv = dist.get_world_size(), 24, 2, 4, 24, 16
+    seq, b, heads, dk, dv = 24, 2, 4, 24, 16
 
     def build(size):
         config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads,
@@ -105,25 +116,9 @@ def test_mla_head_dims_under_cp_equal_single_rank_mla_attention(megatron_cpu):
     q, k = (torch.randn(seq, b, heads, dk, generator=gen) for _ in range(2))
     v = torch.randn(seq, b, heads, dv, generator=gen)
     grad = torch.randn(seq, b, heads * dv, generator=gen)
-    with megatron_layout(1, 1, 1):
-        single = build(1)
-        assert type(single) is MLADotProductAttention
-        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = single(*ref_inputs, None)
-        ref.backward(grad)
-    with megatron_layout(1, 1, 1, cp=cp):
-        attn = build(cp)
-        assert type(attn) is MLAContextParallelCoreAttention
-        rank = dist.get_rank()
-        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
-        out = attn(*inputs, None)
-        assert out.shape == (seq // cp, b, heads * dv)
-        out.backward(_local(grad, rank, cp))
-        got = [out.detach()] + [t.grad for t in inputs]
-        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
-            parts = [torch.empty_like(mine) for _ in range(cp)]
-            dist.all_gather(parts, mine.contiguous())
-            torch.testing.assert_close(_to_global(parts, cp), want, rtol=1e-5, atol=1e-6)
+    single, attn = _single_and_cp(build, q, k, v, grad)
+    assert type(single) is MLADotProductAttention
+    assert type(attn) is MLAContextParallelCoreAttention
 
 
 @pytest.mark.parametrize("softmax_type, window", [("learnable", None), ("vanilla", (5, 0)),
@@ -140,7 +135,7 @@ def test_sinks_and_windows_under_cp_equal_megatrons_local_attention(megatron_cpu
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    cp, seq, b, heads, dim = dist.get_world_size(), 24, 2, 4, 16
+    seq, b, heads, dim = 24, 2, 4, 16
 
     def build(size):
         config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads,
@@ -158,30 +153,15 @@ def test_sinks_and_windows_under_cp_equal_megatrons_local_attention(megatron_cpu
     gen = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(seq, b, heads, dim, generator=gen) for _ in range(3))
     grad = torch.randn(seq, b, heads * dim, generator=gen)
-    with megatron_layout(1, 1, 1):
-        single = build(1)
-        assert type(single) is DotProductAttention
-        ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = single(*ref_inputs, None)
-        ref.backward(grad)
-    with megatron_layout(1, 1, 1, cp=cp):
-        attn = build(cp)
-        assert type(attn) is ContextParallelCoreAttention and attn._masked()
-        rank = dist.get_rank()
-        inputs = [_local(t, rank, cp).requires_grad_() for t in (q, k, v)]
-        out = attn(*inputs, None)
-        out.backward(_local(grad, rank, cp))
-        got = [out.detach()] + [t.grad for t in inputs]
-        for want, mine in zip([ref.detach()] + [t.grad for t in ref_inputs], got):
-            parts = [torch.empty_like(mine) for _ in range(cp)]
-            dist.all_gather(parts, mine.contiguous())
-            torch.testing.assert_close(_to_global(parts, cp), want, rtol=1e-5, atol=1e-6)
-        if softmax_type == "learnable":
-            offset_grad = attn.softmax_offset.grad.clone()
-            dist.all_reduce(offset_grad)
-            torch.testing.assert_close(offset_grad, single.softmax_offset.grad, rtol=1e-5,
-                                       atol=1e-6)
-            assert single.softmax_offset.grad.abs().max() > 0
+    single, attn = _single_and_cp(build, q, k, v, grad)
+    assert type(single) is DotProductAttention
+    assert type(attn) is ContextParallelCoreAttention and attn._masked()
+    if softmax_type == "learnable":
+        offset_grad = attn.softmax_offset.grad.clone()
+        dist.all_reduce(offset_grad)
+        torch.testing.assert_close(offset_grad, single.softmax_offset.grad, rtol=1e-5,
+                                   atol=1e-6)
+        assert single.softmax_offset.grad.abs().max() > 0
 
 
 @world2
