@@ -24,7 +24,7 @@ MEGATRON_LM=${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}
 
 ARGS=(
     # model: gpt-oss-120b
-    --num-layers 36 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 --kv-channels 64 --seq-length 1048576 --max-position-embeddings 1048576 --position-embedding-type rope --normalization RMSNorm --softmax-type learnable --window-size 128,0 --window-attn-skip-freq 2 --quick-geglu --untie-embeddings-and-output-weights --num-experts 128 --moe-router-topk 4 --moe-ffn-hidden-size 2880 --glu-linear-offset 1 --activation-func-clamp-value 7
+    --num-layers 36 --hidden-size 2880 --num-attention-heads 64 --group-query-attention --num-query-groups 8 --kv-channels 64 --seq-length 1048576 --max-position-embeddings 1048576 --position-embedding-type rope --normalization RMSNorm --rotary-base 150000 --softmax-type learnable --window-size 128,0 --window-attn-skip-freq 2 --quick-geglu --untie-embeddings-and-output-weights --num-experts 128 --moe-router-topk 4 --moe-ffn-hidden-size 2880 --glu-linear-offset 1 --activation-func-clamp-value 7
     # parallel layout: TP 1 x CP 16 x PP 1 x DP 1, EP 8
     --tensor-model-parallel-size 1 --context-parallel-size 16 --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
     # batch

@@ -24,7 +24,7 @@ MEGATRON_LM=${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}
 
 ARGS=(
     # model: qwen3-235b-a22b
-    --num-layers 94 --hidden-size 4096 --num-attention-heads 64 --group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 1048576 --max-position-embeddings 1048576 --position-embedding-type rope --normalization RMSNorm --disable-bias-linear --swiglu --untie-embeddings-and-output-weights --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --qk-layernorm --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001
+    --num-layers 94 --hidden-size 4096 --num-attention-heads 64 --group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 1048576 --max-position-embeddings 1048576 --position-embedding-type rope --normalization RMSNorm --rotary-base 1000000 --disable-bias-linear --swiglu --untie-embeddings-and-output-weights --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 1536 --qk-layernorm --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001
     # parallel layout: TP 8 x CP 8 x PP 1 x DP 1, EP 64
     --tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 8 --pipeline-model-parallel-size 1 --expert-model-parallel-size 64 --expert-tensor-parallel-size 1
     # batch

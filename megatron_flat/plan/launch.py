@@ -40,6 +40,8 @@ def _model_args(model: ModelSpec, seq_len: int) -> List[str]:
             out += ["--kv-channels", str(model.head_dim)]
     out += ["--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
             "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
+    if model.rotary_base != 10000:  # Megatron-LM's default
+        out += ["--rotary-base", str(model.rotary_base)]
     if not model.linear_bias:  # Megatron-LM's linears have biases unless told otherwise
         out.append("--disable-bias-linear")
         if model.qkv_bias:

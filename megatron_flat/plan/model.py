@@ -107,6 +107,8 @@ class ModelSpec:
     full-attention layer after N − 1 windowed ones; 0: every layer windowed); a windowed
     layer's core attention sees at most ``window`` keys a query (the step-time model's
     attention FLOPs).
+    ``rotary_base``: the rotary embedding's base (config.json ``rope_theta``; Megatron-LM's
+    ``--rotary-base``, default 10000), emitted when it is not the default.
     ``arch_flags``: Megatron-LM flags of the architecture that no peak formula reads (q/k
     norms, the router's score function, expert bias, group-limited routing and scaling
     factor, the shared expert's gate, GLU offset and clamp): the launch line carries them as
@@ -143,6 +145,7 @@ class ModelSpec:
     sinks: bool = False
     window: int = 0
     window_skip_freq: int = 0
+    rotary_base: int = 10000
 
     def __post_init__(self) -> None:
         if self.mla is not None:
@@ -164,7 +167,7 @@ class ModelSpec:
                                 f"got {getattr(self, name)!r}")
         for name in ("experts", "topk", "expert_ffn", "shared_experts", "shared_expert_ffn",
                      "dense_ffn", "dense_layers", "mtp_layers", "moe_layer_step", "window",
-                     "window_skip_freq"):
+                     "window_skip_freq", "rotary_base"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"model {self.name!r}: {name} must be an integer >= 0, "
                                 f"got {getattr(self, name)!r}")
@@ -356,12 +359,14 @@ PRESETS: Dict[str, ModelSpec] = {
     # offset 1 and clamp 7). Published: 20.9B.
     "gpt-oss-20b": ModelSpec(name="gpt-oss-20b", hidden=2880, layers=24, heads=64, kv_heads=8,
                              head_dim=64, experts=32, topk=4, expert_ffn=2880, vocab=201_088,
-                             **_GPT_OSS, source="openai/gpt-oss-20b config.json"),
+                             **_GPT_OSS, rotary_base=150_000,
+                             source="openai/gpt-oss-20b config.json"),
     # openai/gpt-oss-120b config.json: as gpt-oss-20b but num_hidden_layers 36 and
     # num_local_experts 128. Published: 116.8B.
     "gpt-oss-120b": ModelSpec(name="gpt-oss-120b", hidden=2880, layers=36, heads=64,
                               kv_heads=8, head_dim=64, experts=128, topk=4, expert_ffn=2880,
                               vocab=201_088, **_GPT_OSS,
+                              rotary_base=150_000,
                               source="openai/gpt-oss-120b config.json"),
     # Qwen/Qwen2-57B-A14B config.json: hidden_size 3584, num_hidden_layers 28,
     # num_attention_heads 28, num_key_value_heads 4 (head dim 128), num_experts 64,
@@ -371,6 +376,7 @@ PRESETS: Dict[str, ModelSpec] = {
                                 kv_heads=4, head_dim=128, experts=64, topk=8, expert_ffn=2560,
                                 shared_experts=1, shared_expert_ffn=20480, vocab=151_936,
                                 qkv_bias=True, arch_flags=("--moe-shared-expert-gate",),
+                                rotary_base=1_000_000,
                                 source="Qwen/Qwen2-57B-A14B config.json"),
     # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, num_hidden_layers 61,
     # num_attention_heads 128 (MLA; after up-projection every head has its own K and V, so
@@ -394,7 +400,8 @@ PRESETS: Dict[str, ModelSpec] = {
                          arch_flags=_deepseek_flags(1, 1, 2.827),
                          experts=384, topk=8, expert_ffn=2048, shared_experts=1,
                          shared_expert_ffn=2048, dense_ffn=18432, dense_layers=1,
-                         vocab=163_840, source="moonshotai/Kimi-K2-Instruct config.json"),
+                         vocab=163_840, rotary_base=50_000,
+                         source="moonshotai/Kimi-K2-Instruct config.json"),
     # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, num_hidden_layers 94,
     # num_attention_heads 64, num_key_value_heads 4, head_dim 128, num_experts 128,
     # num_experts_per_tok 8, moe_intermediate_size 1536, vocab_size 151936, untied, every
@@ -402,6 +409,7 @@ PRESETS: Dict[str, ModelSpec] = {
     "qwen3-235b-a22b": ModelSpec(name="qwen3-235b-a22b", hidden=4096, layers=94, heads=64,
                                  kv_heads=4, head_dim=128, experts=128, topk=8,
                                  expert_ffn=1536, vocab=151_936, arch_flags=_QWEN3,
+                                 rotary_base=1_000_000,
                                  source="Qwen/Qwen3-235B-A22B config.json"),
     # mistralai/Mixtral-8x22B-v0.1 config.json: hidden_size 6144, num_hidden_layers 56,
     # num_attention_heads 48, num_key_value_heads 8, num_local_experts 8,
@@ -409,7 +417,8 @@ PRESETS: Dict[str, ModelSpec] = {
     # 32768), untied. Published: 141B.
     "mixtral-8x22b": ModelSpec(name="mixtral-8x22b", hidden=6144, layers=56, heads=48,
                                kv_heads=8, head_dim=128, experts=8, topk=2, expert_ffn=16384,
-                               vocab=32_000, source="mistralai/Mixtral-8x22B-v0.1 config.json"),
+                               vocab=32_000, rotary_base=1_000_000,
+                               source="mistralai/Mixtral-8x22B-v0.1 config.json"),
     # meta-llama/Llama-4-Maverick-17B-128E config.json (text_config): hidden_size 5120,
     # num_hidden_layers 48, num_attention_heads 40, num_key_value_heads 8, head_dim 128,
     # num_local_experts 128, num_experts_per_tok 1, intermediate_size 8192 (per expert and
@@ -420,6 +429,7 @@ PRESETS: Dict[str, ModelSpec] = {
                                   expert_ffn=8192, shared_experts=1, shared_expert_ffn=8192,
                                   dense_ffn=16384, moe_layer_step=2, vocab=202_048,
                                   arch_flags=_LLAMA4,
+                                  rotary_base=500_000,
                                   source="meta-llama/Llama-4-Maverick-17B-128E config.json"),
     # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48,
     # num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
@@ -428,6 +438,7 @@ PRESETS: Dict[str, ModelSpec] = {
     "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", hidden=2048, layers=48, heads=32,
                                kv_heads=4, head_dim=128, experts=128, topk=8, expert_ffn=768,
                                vocab=151_936, arch_flags=_QWEN3,
+                               rotary_base=1_000_000,
                                source="Qwen/Qwen3-30B-A3B config.json"),
 }
 
@@ -557,6 +568,7 @@ def model_from_hf_config(config, name: Optional[str] = None) -> ModelSpec:
         mtp_layers=int(_first(cfg, "num_nextn_predict_layers", "mtp_num_layers", default=0)
                        or 0),
         linear_bias=gpt_oss, qkv_bias=qkv_bias and not gpt_oss, sinks=gpt_oss,
+        rotary_base=int(cfg.get("rope_theta") or 10000),
         glu="quick-geglu" if gpt_oss else "swiglu", **_hf_window(cfg),
     )
 
@@ -618,7 +630,7 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
     ``moe_layer_freq`` (an int N: every N-th layer is MoE; or a list of 0/1), ``padded_vocab_size``
     or ``vocab_size``, ``swiglu`` / ``quick_geglu``, ``untie_embeddings_and_output_weights``,
     ``bf16``/``fp16``, ``mtp_num_layers``, ``add_bias_linear``, ``add_qkv_bias``,
-    ``softmax_type``, ``window_size`` and ``window_attn_skip_freq``; with
+    ``softmax_type``, ``window_size``, ``window_attn_skip_freq`` and ``rotary_base``; with
     ``multi_latent_attention``, MLA's ``q_lora_rank``,
     ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim`` and YaRN's
     ``rotary_scaling_factor``, ``mscale``, ``mscale_all_dim``. A ``moe_layer_freq`` pattern is
@@ -676,6 +688,7 @@ def model_from_megatron_args(args, name: str = "megatron-args") -> ModelSpec:
         linear_bias=bool(get("add_bias_linear", False)),
         qkv_bias=bool(get("add_qkv_bias", False)),
         sinks=get("softmax_type", "vanilla") == "learnable", **_megatron_window(get),
+        rotary_base=int(get("rotary_base", 10000)),
     )
 
 

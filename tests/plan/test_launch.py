@@ -98,7 +98,7 @@ def _megatron_parser():
                  "--moe-router-topk", "--moe-ffn-hidden-size", "--ffn-hidden-size",
                  "--moe-shared-expert-intermediate-size", "--mtp-num-layers",
                  "--num-query-groups", "--kv-channels", "--seq-length",
-                 "--max-position-embeddings"):
+                 "--max-position-embeddings", "--rotary-base"):
         p.add_argument(flag, type=int)
     for flag in ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
                  "--moe-router-topk-scaling-factor", "--moe-aux-loss-coeff"):
@@ -148,6 +148,9 @@ def test_a_family_line_carries_its_architecture(name):
     else:
         assert parsed.softmax_type is None and parsed.window_size is None
     assert parsed.qk_l2_norm == (name == "llama-4-maverick")
+    # the rotary base (config.json rope_theta) when it is not Megatron's default 10000
+    assert parsed.rotary_base == (None if model.rotary_base == 10000 else model.rotary_base)
+    assert name == "deepseek-v3" or model.rotary_base != 10000
     if name == "llama-4-maverick":  # dense first, then every other layer MoE; top-1 sigmoid
         assert parsed.moe_layer_freq == [0, 1] * 24
         assert parsed.moe_router_score_function == "sigmoid"
@@ -174,8 +177,9 @@ def test_a_family_line_carries_its_architecture(name):
                                                        bf16=True))
     assert back.moe_layers == model.moe_layers and back.experts == model.experts
     assert back.mla == model.mla and back.total_params() == model.total_params()
-    assert (back.linear_bias, back.qkv_bias, back.sinks, back.window, back.glu) == (
-        model.linear_bias, model.qkv_bias, model.sinks, model.window, model.glu)
+    assert (back.linear_bias, back.qkv_bias, back.sinks, back.window, back.glu,
+            back.rotary_base) == (model.linear_bias, model.qkv_bias, model.sinks, model.window,
+                                  model.glu, model.rotary_base)
 
 
 def test_a_gpt_oss_plan_leaves_out_replay_on_sinks_and_windows():

@@ -149,14 +149,14 @@ GPT_OSS_120B = {
     "num_local_experts": 128, "experts_per_token": 4, "intermediate_size": 2880,
     "vocab_size": 201088, "tie_word_embeddings": False, "attention_bias": True,
     "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18,
-    "swiglu_limit": 7.0, "torch_dtype": "bfloat16"}
+    "swiglu_limit": 7.0, "torch_dtype": "bfloat16", "rope_theta": 150000}
 
 
 def test_hf_config_gpt_oss_models_biases_sinks_windows_and_its_glu():
     m = model_from_hf_config(GPT_OSS_120B, name="gpt-oss-120b")
     ref = preset("gpt-oss-120b")
     assert (m.linear_bias, m.qkv_bias, m.sinks, m.glu) == (True, False, True, "quick-geglu")
-    assert (m.window, m.window_skip_freq) == (128, 2)
+    assert (m.window, m.window_skip_freq, m.rotary_base) == (128, 2, 150000)
     assert [m.is_window_layer(i) for i in range(4)] == [True, False, True, False]
     assert m.arch_flags == ref.arch_flags == ("--glu-linear-offset", "1",
                                               "--activation-func-clamp-value", "7")
