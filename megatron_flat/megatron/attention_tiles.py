@@ -152,7 +152,9 @@ def with_attn_tiles(layer_spec: Any, flat: Any) -> Any:
     the fused layer would). The layer's ``sharded_state_dict_keys_map`` maps the separate
     norm's checkpoint keys to the fused layer's, so checkpoints cross between stock and flat.
     Raises ``ValueError`` for another attention (0.19's FusedMLASelfAttention among them) or
-    projection classes it does not know."""
+    projection classes it does not know. (0.19's MLA with q/k norms and no q LoRA replaces a
+    q projection that does not fuse the norm with transformer-engine's fused one: that
+    projection stays Megatron's, untiled; the model is the same.)"""
     if not getattr(flat, "attn_tiles", 0):
         return layer_spec
     submodules = getattr(layer_spec, "submodules", None)

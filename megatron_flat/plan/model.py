@@ -338,7 +338,8 @@ _QWEN3 = ("--qk-layernorm", "--moe-router-load-balancing-type", "aux_loss",
           "--moe-aux-loss-coeff", "0.001")
 
 # GPT-OSS beyond its shapes: biases everywhere, sinks, a 128-token window on every other
-# layer, quick-GEGLU; its offset and clamp as Megatron-LM spells them.
+# layer, quick-GEGLU; its offset and clamp as Megatron-LM spells them. Rotary bases below
+# are each config.json's rope_theta (DeepSeek-V3's is Megatron's default, 10000).
 _GPT_OSS = dict(linear_bias=True, sinks=True, window=128, window_skip_freq=2, glu="quick-geglu",
                 arch_flags=("--glu-linear-offset", "1", "--activation-func-clamp-value", "7"))
 
