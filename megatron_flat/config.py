@@ -111,7 +111,9 @@ class FlatConfig:
                           "sequence parallelism: tokens of one gathered tile, so the gathered "
                           "N x H before QKV and the N x H partial output before the "
                           "reduce-scatter never exist (0: off; the planner picks 32768 when the "
-                          "four peaks' techniques are not enough)."}
+                          "four peaks' techniques are not enough). Multi-latent attention: "
+                          "its output, q (or q up), kv up and gathering down projections are "
+                          "tiled; 0.19's `--mla-down-proj-fusion` is refused."}
     )
 
     # Attention replay: one core-attention forward per layer under full recompute.
