@@ -16,14 +16,15 @@ Megatron builds from the same line without megatron-flat" with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["FAMILIES", "Family", "build_like_megatron_lm", "family_args", "family_config",
-           "model_inventory"]
+           "model_inventory", "moe_loss_scale_kept"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,3 +187,17 @@ def model_inventory(model: torch.nn.Module):
     parameters = [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
     modules = {name: type(m) for name, m in model.named_modules()}
     return parameters, modules
+
+
+@contextlib.contextmanager
+def moe_loss_scale_kept() -> Iterator[None]:
+    """Put Megatron's process-wide MoE aux-loss scale back after the block: a forward and
+    backward outside a training schedule (an equivalence check of a family's model) makes
+    one, and a later schedule in the same process must set its own."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale

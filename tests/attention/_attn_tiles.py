@@ -72,6 +72,7 @@ def assert_family_tiles_equal_stock(family: str, tp: int = 2, **overrides) -> di
     from megatron_flat.testing.distributed import megatron_layout
     from megatron_flat.testing.families import build_like_megatron_lm, family_args
     from megatron_flat.testing.families import FAMILIES, family_config, model_inventory
+    from megatron_flat.testing.families import moe_loss_scale_kept
     from megatron_flat.testing.tiny_gpt import reset_mtp_tracker, reset_moe_loss_tracker
 
     # GPT-OSS's grouped experts with biases as its transformer-engine line builds them
@@ -81,7 +82,7 @@ def assert_family_tiles_equal_stock(family: str, tp: int = 2, **overrides) -> di
         inst._reset_for_tests()
         reset_moe_loss_tracker()
         reset_mtp_tracker()
-        with megatron_layout(tp=tp, etp=1), \
+        with megatron_layout(tp=tp, etp=1), moe_loss_scale_kept(), \
                 (te_grouped_experts() if grouped else contextlib.nullcontext()):
             config = family_config(family, tp=tp, expert_tensor_parallel_size=1, **overrides)
             args = family_args(config, spec=spec)

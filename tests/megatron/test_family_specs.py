@@ -92,15 +92,10 @@ def test_flat_equals_stock_loss_and_every_gradient(megatron_cpu, family):
     """One forward and backward of each family's line, flat (PipelinedLLEP in every MoE layer)
     against stock: per-token losses and every parameter's gradient within fp32 reordering (the
     flat dispatch sums expert outputs in another order)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron_flat.testing.families import moe_loss_scale_kept
 
-    # The aux-loss backward makes a process-wide loss scale when no schedule set one: put it
-    # back, so a later training schedule in this process can set its own.
-    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    try:
+    with moe_loss_scale_kept():
         results = _forward_backward_pair(family)
-    finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
     (stock_loss, stock_grads), (flat_loss, flat_grads) = results
     torch.testing.assert_close(flat_loss, stock_loss, rtol=1e-5, atol=1e-6)
     assert stock_grads.keys() == flat_grads.keys()
