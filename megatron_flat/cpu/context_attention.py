@@ -253,12 +253,12 @@ class ContextParallelCoreAttention(FlashCoreAttention):
         c, b = local // 2, query.shape[1]
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        chunks = load_balanced_chunks(dist.get_rank(group), self.cp_size)
         slots = [(q[:, :, slot * c:(slot + 1) * c].contiguous(),
                   k[:, :, :(chunk + 1) * c].contiguous(), v[:, :, :(chunk + 1) * c].contiguous())
-                 for slot, chunk in enumerate(load_balanced_chunks(dist.get_rank(group),
-                                                                   self.cp_size))]
+                 for slot, chunk in enumerate(chunks)]
         if self._masked():
-            out = torch.cat(self._attend_masked(slots, c), dim=2)
+            out = torch.cat(self._attend_masked(slots, chunks, c), dim=2)
         else:
             out = torch.cat(self._attend(slots, self.softmax_scale), dim=2)
         return out.permute(2, 0, 1, 3).reshape(local, b, self.hidden_size_per_partition)
@@ -270,7 +270,9 @@ class ContextParallelCoreAttention(FlashCoreAttention):
         """Sinks or a window on this layer: the masked path (the class doc)."""
         return getattr(self, "softmax_offset", None) is not None or self._window() is not None
 
-    def _attend_masked(self, slots, c: int) -> List[torch.Tensor]:
+    def _attend_masked(self, slots, chunks, c: int) -> List[torch.Tensor]:
+        """Each slot's output on the masked path (the class doc); ``chunks``: the global
+        chunk index of each slot's queries, ``c`` tokens a chunk."""
         window = self._window()
         if window is not None and window[1] != 0:
             raise ValueError(f"ContextParallelCoreAttention: a window reaching {window[1]} "
@@ -287,9 +289,8 @@ class ContextParallelCoreAttention(FlashCoreAttention):
                 store.kernel_forwards += 1
                 store.stock_reruns += 1  # nothing kept for a masked layer: its re-run is stock
         offset = getattr(self, "softmax_offset", None)
-        rank = dist.get_rank(self.cp_group)
         outs = []
-        for (q, k, v), chunk in zip(slots, load_balanced_chunks(rank, self.cp_size)):
+        for (q, k, v), chunk in zip(slots, chunks):
             scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
             rows = torch.arange(chunk * c, (chunk + 1) * c).unsqueeze(1)
             cols = torch.arange(k.shape[2]).unsqueeze(0)

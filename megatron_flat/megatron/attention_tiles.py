@@ -122,8 +122,8 @@ _FUSED_NORM = "TELayerNormColumnParallelLinear"
 # projections gather the hidden states and are tiled by TiledMLASelfAttention.
 _MLA_COLUMNS = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
 _MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj")
-# A fused up projection's norm, kept as the attention's own norm module: (projection, norm).
-_MLA_NORMS = (("linear_q_up_proj", "q_layernorm"), ("linear_kv_up_proj", "kv_layernorm"))
+# A fused up projection's norm, kept as the attention's own norm module: projection -> norm.
+_MLA_NORMS = {"linear_q_up_proj": "q_layernorm", "linear_kv_up_proj": "kv_layernorm"}
 
 
 def _class_name(module: Any) -> str:
@@ -189,7 +189,7 @@ def _with_mla_tiles(layer_spec: Any, tokens: int) -> Any:
         if linear is None:
             continue
         if _class_name(linear) == _FUSED_NORM:
-            norm = dict(_MLA_NORMS)[name]
+            norm = _MLA_NORMS[name]
             changes[norm] = _te_norm()
             keys[f"self_attention.{norm}."] = f"self_attention.{name}.layer_norm_"
         changes[name] = _tiled(linear, TiledColumnParallelLinear, tokens, _QKV)

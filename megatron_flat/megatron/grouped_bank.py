@@ -277,7 +277,7 @@ class TEGroupedMLPBank(GroupedExpertsBank):
 
         if getattr(linear, "bias0", None) is None:
             return out, None
-        biases = [getattr(linear, f"bias{j}") for j in range(self.num_local_experts)]
+        biases = self._weights(linear, "bias")
         if getattr(linear, "te_return_bias", getattr(linear, "skip_bias_add", False)):
             return out, biases
         if splits is None:
@@ -328,8 +328,9 @@ class TEGroupedMLPBank(GroupedExpertsBank):
         with self._shadowed(fc1=fc1, fc2=fc2):
             return self._output(self.experts(x, tokens_per_expert, probs))
 
-    def _weights(self, linear) -> list:
-        return [getattr(linear, f"weight{j}") for j in range(self.num_local_experts)]
+    def _weights(self, linear, kind: str = "weight") -> list:
+        """Every local expert's ``weight{j}`` (or ``bias{j}``) of a grouped ``linear``."""
+        return [getattr(linear, f"{kind}{j}") for j in range(self.num_local_experts)]
 
     def run_native(self, x: torch.Tensor, probs: torch.Tensor,
                    counts: Sequence[int]) -> torch.Tensor:

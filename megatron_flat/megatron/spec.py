@@ -505,6 +505,14 @@ def redirect_flat_spec(args: Any) -> Optional[str]:
     return spec._name
 
 
+def _each_layer(submodules: Any, transform: Callable[[Any, FlatConfig], Any]) -> Any:
+    """A block's submodules (decoder or MTP) with ``transform(layer_spec, current_flat())``
+    applied to each of its ``layer_specs``."""
+    flat = current_flat()
+    return dataclasses.replace(
+        submodules, layer_specs=[transform(s, flat) for s in submodules.layer_specs])
+
+
 def _block_submodules(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``transformer_block._get_block_submodules`` wrapped: a flat spec object becomes
     Megatron's own decoder spec for the config; the block's layer specs then get
@@ -521,9 +529,7 @@ def _block_submodules(stock: Callable[..., Any]) -> Callable[..., Any]:
         submodules = stock(config, spec, vp_stage, pp_rank)
         if not (flat_spec or _FLAT_BLOCKS):
             return submodules
-        flat = current_flat()
-        return dataclasses.replace(
-            submodules, layer_specs=[flat_layer_spec(s, flat) for s in submodules.layer_specs])
+        return _each_layer(submodules, flat_layer_spec)
 
     return get_block_submodules
 
@@ -556,11 +562,7 @@ def _mtp_block_submodules(stock: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def get_mtp_block_submodules(config: Any, spec: Any) -> Any:
         submodules = stock(config, spec)
-        if not _FLAT_BLOCKS:
-            return submodules
-        flat = current_flat()
-        return dataclasses.replace(
-            submodules, layer_specs=[_flat_mtp_layer(s, flat) for s in submodules.layer_specs])
+        return _each_layer(submodules, _flat_mtp_layer) if _FLAT_BLOCKS else submodules
 
     return get_mtp_block_submodules
 

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 GLUS = ("swiglu", "quick-geglu")  # a gated FFN's activation, as Megatron-LM's flag names it
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -582,12 +582,20 @@ def _hf_window(cfg: Mapping[str, Any]) -> Dict[str, int]:
     window, types = cfg.get("sliding_window"), cfg.get("layer_types")
     if not window or not isinstance(types, list) or "sliding_attention" not in types:
         return {}
-    full = [i for i, t in enumerate(types) if t != "sliding_attention"]
-    freq = full[0] + 1 if full else 0
-    if freq and full != list(range(freq - 1, len(types), freq)):
-        raise PlanError(f"layer_types {types}: Megatron's --window-attn-skip-freq sets every "
-                        f"N-th layer full; this pattern is not one")
+    freq = _skip_freq([t == "sliding_attention" for t in types], f"layer_types {types}")
     return dict(window=int(window), window_skip_freq=freq)
+
+
+def _skip_freq(windowed: Sequence[bool], what: str) -> int:
+    """Megatron's ``--window-attn-skip-freq`` N of a per-layer pattern (True: windowed) whose
+    every N-th layer is full and the others windowed (0: every layer windowed);
+    ``PlanError`` naming ``what`` for any other pattern."""
+    full = [i for i, w in enumerate(windowed) if not w]
+    freq = full[0] + 1 if full else 0
+    if freq and full != list(range(freq - 1, len(windowed), freq)):
+        raise PlanError(f"{what}: not every N-th layer full with the others windowed (Megatron's "
+                        "--window-attn-skip-freq N); the planner models only that pattern")
+    return freq
 
 
 def _hf_arch_flags(cfg: Mapping[str, Any], mla: bool, moe: bool, shared: bool
@@ -700,13 +708,9 @@ def _megatron_window(get) -> Dict[str, int]:
     if not size:
         return {}
     freq = get("window_attn_skip_freq", 0) or 0
-    if not isinstance(freq, int):
-        pattern = list(freq)  # 1: windowed, 0: full
-        full = [i for i, w in enumerate(pattern) if not w]
-        freq = full[0] + 1 if full else 0
-        if freq and full != list(range(freq - 1, len(pattern), freq)):
-            raise PlanError(f"Megatron args: window_attn_skip_freq {pattern} is not every N-th "
-                            f"layer full; the planner models only that pattern")
+    if not isinstance(freq, int):  # a list: 1 windowed, 0 full
+        freq = _skip_freq([bool(w) for w in freq],
+                          f"Megatron args: window_attn_skip_freq {list(freq)}")
     return dict(window=int(size[0]), window_skip_freq=int(freq))
 
 

@@ -554,7 +554,7 @@ def what_ran(flat: Run) -> List[str]:
         used = modules.get("attention_tiles_used", 0)
         note = " (the tile holds the whole rehearsal sequence)" if used == 1 else ""
         lines.append(f"attention tiles: tiled QKV and output projections in "
-                     f"{modules.get('TiledColumnParallelLinear', 0)} of "
+                     f"{modules.get('tiled_layers', 0)} of "
                      f"{modules.get('layers', 0)} layers, up to {used} tile(s) per "
                      f"projection{note}")
     if config.get("attn_replay"):
@@ -594,7 +594,7 @@ def missing_techniques(flat: Run) -> List[str]:
         missing.append(f"--flat-dispatch {config['dispatch']} is on but no MoE layer is a "
                        "FlatMoELayer (a --spec that builds its own MoE layer?)")
     if (config.get("attn_tiles") and modules.get("layers", 0)
-            and not modules.get("TiledColumnParallelLinear", 0)):
+            and not modules.get("tiled_layers", 0)):
         missing.append(f"--flat-attn-tiles {config['attn_tiles']} is on but no layer has the "
                        "tiled projections (a --spec that builds its own attention?)")
     return missing

@@ -131,7 +131,7 @@ def _flat_modules(models) -> Dict[str, int]:
     from megatron_flat.megatron.vocab import ring_dtp_output
 
     counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0,
-              "ContextParallelCoreAttention": 0, "TiledColumnParallelLinear": 0,
+              "ContextParallelCoreAttention": 0, "tiled_layers": 0,
               "attention_tiles_used": 0, "layers": 0, "attention_replays": 0,
               "attention_stock_reruns": 0, "replay_capable_attentions": 0}
     for model in models:
@@ -141,7 +141,7 @@ def _flat_modules(models) -> Dict[str, int]:
             if type(module).__name__ == "TransformerLayer":
                 counts["layers"] += 1
                 # Layers whose attention has tiled projections (MLA: several a layer).
-                counts["TiledColumnParallelLinear"] += any(
+                counts["tiled_layers"] += any(
                     isinstance(m, TiledColumnParallelLinear) for m in module.modules())
             # The most tiles any tiled projection's call used (1 at a shape whose sequence
             # fits one tile).

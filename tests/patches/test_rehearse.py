@@ -147,7 +147,7 @@ def test_verdict_when_dispatch_was_asked_for_but_not_built():
 
 
 def test_attention_tiles_are_reported_and_missing_ones_fail():
-    modules = {"FlatMoELayer": 0, "MoELayer": 2, "layers": 2, "TiledColumnParallelLinear": 2,
+    modules = {"FlatMoELayer": 0, "MoELayer": 2, "layers": 2, "tiled_layers": 2,
                "attention_tiles_used": 3}
     flat = _run("flat", {1: 5.0}, modules=modules)
     flat.ranks[0]["flat"] = {"attn_tiles": 6}
@@ -157,7 +157,7 @@ def test_attention_tiles_are_reported_and_missing_ones_fail():
     modules["attention_tiles_used"] = 1
     assert rehearse.what_ran(flat)[0].endswith("(the tile holds the whole rehearsal sequence)")
     assert rehearse.verdict(_run("stock", {1: 5.0}), flat, 1e-5)[0] == 0
-    modules["TiledColumnParallelLinear"] = 0
+    modules["tiled_layers"] = 0
     code, last = rehearse.verdict(_run("stock", {1: 5.0}), flat, 1e-5)
     assert code == 1 and "--flat-attn-tiles 6 is on but no layer has the tiled" in last
 
