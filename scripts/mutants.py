@@ -315,6 +315,35 @@ MUTANTS += [
            ("tests/attention/test_tiled_linear_world2.py",), world=2, delayed=False),
 ]
 
+PARAMS = "megatron_flat/params/offload.py"
+PARAMS_EXACT = ("tests/params/test_offload.py::test_offloaded_training_is_bitwise_the_resident_one",)
+PARAMS_CUDA = ("tests/params/test_cuda.py",)
+_INLINE_COMPUTE = ("the compute stream is inline on CPU: the slot's previous user has finished "
+                   "before the copy is even issued")
+MUTANTS += [
+    drop("params.fetch-ignores-slot-user", PARAMS,
+         "            self._h2d.wait_event(self._free[slot])  # compute is done with the old layer",
+         PARAMS_EXACT, gpu_only=_INLINE_COMPUTE, gpu_tests=PARAMS_CUDA),
+    drop("params.weights-used-before-fetch-landed", PARAMS,
+         "        current_stream(self.device).wait_event(self._fetched[slot])", PARAMS_EXACT),
+    drop("params.grad-slot-reused-before-drain", PARAMS,
+         "            compute.wait_event(self._grad_free[gslot])  # its last drain has read it",
+         PARAMS_EXACT),
+    drop("params.grad-upload-ignores-compute", PARAMS,
+         "            self._h2d.wait_stream(compute)", PARAMS_EXACT, gpu_only=_INLINE_COMPUTE,
+         gpu_tests=PARAMS_CUDA),
+    drop("params.grad-used-before-upload-landed", PARAMS,
+         "            compute.wait_event(self._h2d.record_event())", PARAMS_EXACT),
+    drop("params.drain-before-grad-written", PARAMS,
+         "        self._d2h.wait_stream(current_stream(self.device))  # the gradient is written",
+         PARAMS_EXACT, gpu_only=_INLINE_COMPUTE, gpu_tests=PARAMS_CUDA),
+    drop("params.host-grads-read-before-drains-landed", PARAMS,
+         "        self._d2h.synchronize()", PARAMS_EXACT),
+    Mutant("params.host-grads-read-without-synchronize", PARAMS,
+           "        self.synchronize()\n        if not self._accumulated[layer]:\n",
+           "        if not self._accumulated[layer]:  # mutant: no synchronize\n", PARAMS_EXACT),
+]
+
 # Waits, synchronisations and exchanges in the covered packages that have no mutant, and why
 # ("path" for a whole file, "path: Function" for one function's calls).
 NO_MUTANT: Dict[str, str] = {
@@ -327,6 +356,12 @@ NO_MUTANT: Dict[str, str] = {
                                             "(state_dict, load, new param groups) all go through "
                                             "Pipeline.synchronize; step() already ends with the "
                                             "caller waiting for the write-back (mutated above)",
+    "megatron_flat/params/offload.py: ParamOffload.zero_grad": (
+        "a new accumulation after the step: its synchronize is ParamOffload.synchronize, "
+        "already waited by host_grads in every step (params.host-grads-read-*)"),
+    "megatron_flat/params/offload.py: ParamOffload.weights_updated": (
+        "after the optimizer, whose host_grads reads already synchronized; the slots are made "
+        "stale whatever is in flight (a late fetch is fetched again behind it)"),
     "megatron_flat/checkpoint/offload.py: SelectiveCheckpointOffload.synchronize": (
         "forwards to SpanMover.synchronize (transfer.synchronize-skips-side-streams)"),
     "megatron_flat/vocab/ring.py: Ring._post": "posts a hop's exchanges; their waits are "
@@ -356,7 +391,7 @@ NO_MUTANT: Dict[str, str] = {
 
 
 # --------------------------------------------------------------------------- coverage
-PACKAGES = ("runtime", "checkpoint", "optim", "vocab", "dispatch", "attention")
+PACKAGES = ("runtime", "checkpoint", "optim", "vocab", "dispatch", "attention", "params")
 # Calls that order work (a missing one is a race) and collectives (where ranks must agree).
 SYNC_CALLS = {"wait", "wait_stream", "wait_event", "record_stream", "synchronize"}
 COLLECTIVES = {"all_gather_into_tensor", "all_gather", "_all_gather", "all_to_all_single",

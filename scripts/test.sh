@@ -53,10 +53,10 @@ done
 # The copy-race check: SCO's and OffloadStreamAdamW's tests again with delayed copies (a
 # side-stream copy lands only when a wait makes it due; its destination is poison until
 # then), so a missing wait fails bitwise instead of passing because CPU copies are instant.
-stage "delayed-copies tests (SCO, OffloadStreamAdamW, attention replay's host tier)"
+stage "delayed-copies tests (SCO, OffloadStreamAdamW, param offload, attention replay's host tier)"
 scope=""; [ "$SCOPE" = megatron ] && scope=involved
 FLAT_DELAYED_COPIES=1 FLAT_JUNIT_TAG=delayed-copies FLAT_MEGATRON=$scope \
-  "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${XDIST[@]}" "$@" tests/checkpoint tests/optim \
+  "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${XDIST[@]}" "$@" tests/checkpoint tests/optim tests/params \
   tests/attention/test_replay.py
 rc=$?
 # Only a selection given on the command line (-k ...) may leave them nothing to run.

@@ -110,7 +110,8 @@ def test_the_circle_finder_finds_circles():
 # package is the public face (``megatron_flat.install``) and sits with the glue it exports.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("techniques", ("megatron_flat.dispatch", "megatron_flat.vocab", "megatron_flat.checkpoint",
-                    "megatron_flat.optim", "megatron_flat.attention", "megatron_flat.runtime",
+                    "megatron_flat.optim", "megatron_flat.attention", "megatron_flat.params",
+                    "megatron_flat.runtime",
                     "megatron_flat.plan", "megatron_flat.config", "megatron_flat.patch")),
     ("megatron glue", ("megatron_flat.megatron", "megatron_flat")),
     ("CPU backend", ("megatron_flat.cpu",)),
