@@ -119,11 +119,17 @@ class ParamOffload:
         self._h2d = Stream(self.device)
         self._d2h = Stream(self.device)
         self.stats = ParamOffloadStats()
+        self.prefetch(0)  # the first forward's weights start up at once
 
     # -- introspection -------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
         return len(self.plan.layers)
+
+    def in_use(self, layer: int) -> bool:
+        """Whether ``layer`` holds its weight slot (between :meth:`acquire` and
+        :meth:`release`)."""
+        return self._user[self.plan.slot_of(self._check(layer))[0]] == layer
 
     def weights(self, layer: int) -> List[torch.Tensor]:
         """Layer ``layer``'s device weights (views of its slot; valid between :meth:`acquire`
@@ -269,8 +275,10 @@ class ParamOffload:
 
     def weights_updated(self) -> None:
         """The host weights were rewritten (an optimizer step, a checkpoint load): every slot
-        is stale. Call after :meth:`synchronize`, with no layer in use."""
+        is stale. Call after :meth:`synchronize`, with no layer in use. The first layer's
+        new weights start up at once, for the next forward."""
         if any(user is not None for user in self._user):
             raise ParamOffloadError("param offload: weights updated while a layer is in use")
         self.synchronize()
         self._version += 1
+        self.prefetch(0)
