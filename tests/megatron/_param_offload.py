@@ -55,6 +55,15 @@ def resident_main_grads(stack: _Stack) -> None:
             p.register_post_accumulate_grad_hook(fold_into_main_grad)
 
 
+def skew_router(stack: _Stack, direction: torch.Tensor, experts=(0, 1)) -> None:
+    """Point the routers' rows of ``experts`` along ``direction``, so inputs shifted along it
+    send most routes there (one rank's native experts: PipelinedLLEP spills them)."""
+    with torch.no_grad():
+        for layer in stack.layers:
+            for e in experts:
+                layer.router.weight[e] += 3.0 * direction.to(layer.router.weight.dtype)
+
+
 def _forward(stack: _Stack, x: torch.Tensor, recompute: str) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
@@ -77,6 +86,7 @@ def train(stack: _Stack, batches, recompute: str, offload=None, lr: float = 0.05
     followed by ``w -= lr · main_grad`` on every expert weight and ``p -= lr · grad`` on the
     router; every loss, input gradient, router and expert gradient, and the final weights."""
     out = {"losses": [], "input_grads": [], "router_grads": [], "expert_grads": []}
+    transfers = 0  # spilled experts' weights sent to helpers (PipelinedLLEP's plan)
     experts = [list(layer.experts.parameters()) for layer in stack.layers]
     routers = [layer.router.weight for layer in stack.layers]
     with moe_loss_scale_kept():
@@ -84,6 +94,8 @@ def train(stack: _Stack, batches, recompute: str, offload=None, lr: float = 0.05
             for x in microbatches:
                 x = x.clone().requires_grad_()
                 loss = _forward(stack, x, recompute).float().square().mean()
+                transfers += sum(len(layer.flat_dispatch.last.plan.weight_transfers)
+                                 for layer in stack.layers)
                 loss.backward()
                 out["losses"].append(loss.detach())
                 out["input_grads"].append(x.grad)
@@ -109,7 +121,7 @@ def train(stack: _Stack, batches, recompute: str, offload=None, lr: float = 0.05
                         p.main_grad.zero_()
                         p.grad_added_to_main_grad = False
     out["weights"] = [[p.data.clone() for p in layer] for layer in experts]
-    return out
+    return out, transfers
 
 
 def differences(want: dict, got: dict) -> list:
