@@ -23,9 +23,10 @@ from typing import List, Sequence
 import torch
 
 from megatron_flat.params import ParamOffload, ParamOffloadError, offloaded_layer
+from megatron_flat.runtime import patching
 
-__all__ = ["ModuleParamOffload", "attach_param_offload", "fold_into_main_grad",
-           "offloadable_layers"]
+__all__ = ["DDP_PATCHES", "ModuleParamOffload", "OffloadedGrads", "attach_param_offload",
+           "fold_into_main_grad", "offloadable_layers", "unwire_ddp", "wire_ddp"]
 
 
 def fold_into_main_grad(param: torch.nn.Parameter) -> None:
@@ -114,3 +115,159 @@ def attach_param_offload(model: torch.nn.Module, **kwargs) -> ModuleParamOffload
         _route_through(layer, offload, index)
         layer.param_offload = offload
     return offload
+
+
+# ------------------------------------------------------------------------------ DDP
+# The offloaded Parameters stay out of Megatron's DDP buffers (no device param_data or
+# grad_data for them: the point of the offload); their host gradients get what DDP gives a
+# buffer's, in the same order: the scaling factor, the reduction over the same group with
+# the same op, and the later scaling by 1/num_tokens.
+_DDP = "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel"
+
+
+class OffloadedGrads:
+    """What DDP does to a buffer's gradients, done to the offloaded layers' host gradients:
+    ``finish`` (after DDP's own ``finish_grad_sync``) scales each by the factor DDP gives
+    its kind of parameter and reduces it over that kind's data-parallel group; ``scale``
+    follows ``scale_gradients``; ``zero`` follows ``zero_grad_buffer``."""
+
+    def __init__(self, ddp, offload: ModuleParamOffload) -> None:
+        cfg = ddp.ddp_config
+        if getattr(cfg, "num_distributed_optimizer_instances", 1) > 1:
+            raise ParamOffloadError("param offload: --num-distributed-optimizer-instances > 1 "
+                                    "is not supported (the host gradients would need the "
+                                    "instances' all-reduce too)")
+        self.offload = offload
+        self.average = bool(cfg.average_in_collective)
+        dp_cp = ddp.dp_cp_group.size()
+        self.kinds = []  # per layer: (factor, group)
+        for layer in offload.params:
+            expert = not getattr(layer[0], "allreduce", True)
+            if any((not getattr(p, "allreduce", True)) != expert for p in layer):
+                raise ParamOffloadError("param offload: a layer mixes expert-parallel and "
+                                        "data-parallel parameters")
+            if self.average:
+                factor = ddp.expt_dp_group.size() / dp_cp if expert else 1.0
+            else:
+                factor = 1.0 / dp_cp
+            self.kinds.append((factor, ddp.intra_expt_dp_group if expert
+                               else ddp.intra_dp_cp_group))
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        op = dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
+        for index, (factor, group) in enumerate(self.kinds):
+            flat = self.offload.host_grad_range(index)
+            if factor != 1.0:
+                flat.mul_(factor)  # as DDP scales a bucket before its collective
+            if group.size() > 1:
+                _all_reduce(flat, op, group, self.offload.device)
+
+    def scale(self, factor) -> None:
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()  # a host read of a device scalar (0.19's per-token scale)
+        for index in range(len(self.kinds)):
+            self.offload.host_grad_range(index).mul_(factor)
+
+    def zero(self) -> None:
+        self.offload.zero_grad()
+
+
+def _all_reduce(host: torch.Tensor, op, group, device: torch.device) -> None:
+    """All-reduce a host tensor over ``group``: in place on a CPU backend (gloo), through a
+    device copy on one that reduces device memory (NCCL)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo" or device.type == "cpu":
+        dist.all_reduce(host, op=op, group=group)
+        return
+    staged = host.to(device, non_blocking=True)
+    dist.all_reduce(staged, op=op, group=group)
+    host.copy_(staged)
+
+
+def _outside_buffers(params):
+    """Hide ``params`` from DDP's constructor (it takes only parameters that require grad)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def hidden():
+        flags = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p, flag in zip(params, flags):
+                p.requires_grad_(flag)
+
+    return hidden()
+
+
+def _ddp_init(original):
+    def __init__(self, config, ddp_config, module, *args, **kwargs):
+        if not offloadable_layers(module) or any(
+                getattr(m, "param_offload", None) is not None for m in module.modules()):
+            return original(self, config, ddp_config, module, *args, **kwargs)
+        offload = attach_param_offload(module)
+        if kwargs.get("full_param_layout") is not None:
+            kwargs["full_param_layout"] = None  # laid out with the offloaded Parameters in it
+        with _outside_buffers([p for layer in offload.params for p in layer]):
+            original(self, config, ddp_config, module, *args, **kwargs)
+        self.flat_param_offload = OffloadedGrads(self, offload)
+    return __init__
+
+
+def _scale_after(original):
+    def scale_gradients(self, scaling_factor, *args, **kwargs):
+        out = original(self, scaling_factor, *args, **kwargs)
+        grads = getattr(self, "flat_param_offload", None)
+        if grads is not None:
+            grads.scale(scaling_factor)
+        return out
+    return scale_gradients
+
+
+def _finish_after(original):
+    def finish_grad_sync(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        grads = getattr(self, "flat_param_offload", None)
+        if grads is not None:
+            grads.finish()
+        return out
+    return finish_grad_sync
+
+
+def _zero_after(original):
+    def zero_grad_buffer(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        grads = getattr(self, "flat_param_offload", None)
+        if grads is not None:
+            grads.zero()
+        return out
+    return zero_grad_buffer
+
+
+DDP_PATCHES = (
+    patching.Patch(_DDP, "__init__", _ddp_init, expects="DistributedDataParallel.__init__",
+                   why="param offload: the flat MoE layers' routed experts go to the host tier "
+                       "and stay out of DDP's device buffers"),
+    patching.Patch(_DDP, "finish_grad_sync", _finish_after, expects="a method",
+                   why="param offload: the host gradients are scaled and reduced as a buffer's"),
+    patching.Patch(_DDP, "scale_gradients", _scale_after, expects="a method",
+                   why="param offload: the host gradients follow DDP's 1/num_tokens scaling"),
+    patching.Patch(_DDP, "zero_grad_buffer", _zero_after, expects="a method",
+                   why="param offload: a new accumulation for the host gradients too"),
+)
+
+
+def wire_ddp() -> None:
+    """Every DDP built from now on offloads its module's flat MoE layers' experts."""
+    for patch in DDP_PATCHES:
+        patching.apply(patch)
+
+
+def unwire_ddp() -> None:
+    for patch in DDP_PATCHES:
+        patching.revert(patch)

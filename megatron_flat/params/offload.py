@@ -152,6 +152,13 @@ class ParamOffload:
             self._host_grads[layer].zero_()
         return [p.view(self._host_grads[layer]) for p in layout.grads]
 
+    def host_grad_range(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s whole host gradient range as one fp32 tensor (its gradients and
+        the zero padding between them), complete as :meth:`host_grads`'s: for scaling and
+        reducing the layer in one call."""
+        self.host_grads(layer)
+        return self._host_grads[layer].view(torch.float32)
+
     def _check(self, layer: int) -> int:
         if not 0 <= layer < self.num_layers:
             raise ParamOffloadError(f"param offload: no layer {layer} (it holds "

@@ -1,0 +1,71 @@
+"""Param offload under Megatron's DDP and schedule, on the tiny GPT with the flat MoE layer
+and full recompute: DDP builds no buffer for the offloaded experts, and after a step's
+forward and backward over 2 microbatches (Megatron's schedule, finalize_model_grads) every
+rank's loss and every gradient — DDP's main_grad of the dense parameters, the host main_grad
+of the experts (scaled and reduced as DDP's buffers are) — are bitwise those of the same run
+with the experts in DDP's buffers. EP 2 (experts split, expert-DP 1: scaled by 1/DP) and
+EP 1 at world 2 (experts data-parallel: all-reduced over the DP group)."""
+
+import pytest
+import torch
+
+from megatron_flat.config import FlatConfig
+from megatron_flat.testing.distributed import megatron_layout
+from megatron_flat.testing.tiny_gpt import TinyMoE
+from megatron_flat.testing.training import Layout, Trainer
+from tests._worlds import per_world
+
+CASES = per_world({2: ["ep2", "ep1-dp2"], 4: ["ep2-dp2"]})
+FLAT = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=8)
+
+
+def _grads(trainer: Trainer) -> tuple:
+    """(loss, {dense name: main_grad}, [expert gradients in offload order])."""
+    loss = trainer.forward_backward(0)
+    model = trainer.model
+    offload = getattr(trainer.ddp, "flat_param_offload", None)
+    experts, dense = [], {}
+    offloaded = set()
+    if offload is not None:
+        for index, layer in enumerate(offload.offload.params):
+            experts += [g.clone() for g in offload.offload.host_grads(index)]
+            offloaded |= {id(p) for p in layer}
+    else:
+        from megatron_flat.megatron.param_offload import offloadable_layers
+
+        experts = [p.main_grad.clone() for layer in offloadable_layers(model)
+                   for p in layer.experts.parameters()]
+        offloaded = {id(p) for layer in offloadable_layers(model)
+                     for p in layer.experts.parameters()}
+    for name, p in model.named_parameters():
+        if id(p) not in offloaded:
+            dense[name] = p.main_grad.clone()
+    return loss, dense, experts
+
+
+@pytest.mark.parametrize("world, case", CASES)
+def test_ddp_step_gradients_are_bitwise_the_buffered_ones(megatron_cpu, world, case):
+    from megatron_flat.megatron import param_offload
+
+    ep = {"ep2": 2, "ep1-dp2": 1, "ep2-dp2": 2}[case]
+    tiny = TinyMoE(num_experts=4, topk=2, num_layers=3, global_batch_size=2 * world)
+    layout = Layout(ep=ep, recompute="full")
+    with megatron_layout(ep=ep):  # each run seeded alike by its own layout
+        want = _grads(Trainer(tiny, layout, flat=FLAT))
+    with megatron_layout(ep=ep):
+        param_offload.wire_ddp()
+        try:
+            trainer = Trainer(tiny, layout, flat=FLAT)
+            got = _grads(trainer)
+        finally:
+            param_offload.unwire_ddp()
+        # no device buffer holds an offloaded expert
+        offload = trainer.ddp.flat_param_offload.offload
+        buffered = {id(p) for buffer in trainer.ddp.buffers + trainer.ddp.expert_parallel_buffers
+                    for p in buffer.params}
+        assert not buffered & {id(p) for layer in offload.params for p in layer}
+    assert want[0] == got[0]
+    assert sorted(want[1]) == sorted(got[1])
+    assert [n for n in want[1] if not torch.equal(want[1][n], got[1][n])] == []
+    assert len(want[2]) == len(got[2]) > 0
+    assert [i for i, (a, b) in enumerate(zip(want[2], got[2])) if not torch.equal(a, b)] == []
