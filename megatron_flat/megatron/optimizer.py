@@ -46,11 +46,14 @@ from megatron_flat.runtime import patching
 __all__ = [
     "MegatronMasterOffloadAdamW",
     "MegatronOffloadStreamAdamW",
+    "claim_sub_optimizers",
+    "found_non_finite_grads",
     "get_megatron_offload_optimizer",
     "inner_optimizers",
     "master_stays_on_device",
     "offload_inner_optimizer",
     "optimizer_offload",
+    "release_sub_optimizers",
     "unsupported_optimizer_settings",
     "unwire_optimizer_offload",
     "wire_optimizer_offload",
@@ -328,7 +331,7 @@ def _init_state_fn(opt: torch.optim.Optimizer, config: Any = None) -> None:
     opt.init_state()
 
 
-def _found_non_finite(wrapper: Any) -> bool:
+def found_non_finite_grads(wrapper: Any) -> bool:
     """Whether any main grad of ``wrapper`` is inf/nan, agreed over its grad-stats group.
 
     Collective (every rank of the group calls it, stub optimizers too, as Megatron's own
@@ -339,11 +342,12 @@ def _found_non_finite(wrapper: Any) -> bool:
     grads = [] if inner is None else [
         getattr(p, attr) for g in inner.param_groups for p in g["params"]
         if getattr(p, attr, None) is not None]
-    if grads:
-        device = grads[0].device
+    # The flag lives where the group's collective reduces (param offload's gradients are
+    # host tensors while the grad-stats group is NCCL's).
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        device = grads[0].device if grads else torch.device("cpu")
     found = torch.zeros(1, dtype=torch.float32, device=device)
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
     for g in grads:
@@ -370,7 +374,7 @@ def _with_non_finite_check(wrapper: Any) -> None:
     @functools.wraps(stock)
     def prepare_grads(self) -> bool:
         found = stock()
-        return _found_non_finite(self) or bool(found)
+        return found_non_finite_grads(self) or bool(found)
 
     wrapper.prepare_grads = types.MethodType(prepare_grads, wrapper)
 
@@ -612,6 +616,23 @@ _ACTIVE: List[FlatConfig] = []
 _BUILDER: List[patching.Patch] = []  # the builder's patch once declared (its seam is compat's)
 
 
+# Sub-optimizer calls other glue takes over (param offload's experts): each claim is called
+# with the builder's (args, kwargs, flat) and returns the sub-optimizer it built, or None.
+_CLAIMS: List[Callable[..., Any]] = []
+
+
+def claim_sub_optimizers(claim: Callable[..., Any]) -> None:
+    """Let ``claim`` build the sub-optimizers it recognises (before OffloadStreamAdamW
+    replaces a stock one's inner optimizer); :func:`release_sub_optimizers` undoes it."""
+    if claim not in _CLAIMS:
+        _CLAIMS.append(claim)
+
+
+def release_sub_optimizers(claim: Callable[..., Any]) -> None:
+    if claim in _CLAIMS:
+        _CLAIMS.remove(claim)
+
+
 def _active_flat() -> Optional[FlatConfig]:
     flat = _ACTIVE[-1] if _ACTIVE else _WIRED
     return flat if flat is not None and flat.optimizer_offload else None
@@ -636,6 +657,10 @@ def _offloading_builder(stock: Callable[..., Any]) -> Callable[..., Any]:
         else:
             warnings.warn(f"--flat-optimizer-offload: the fp32 master stays on the device "
                           f"({reason}); the Adam moments go to host memory", stacklevel=2)
+        for claim in _CLAIMS:  # with the config every sub-optimizer of the chain gets
+            claimed = claim(args, kwargs, flat)
+            if claimed is not None:
+                return claimed
         return offload_inner_optimizer(stock(*args, **kwargs), flat)
 
     return build

@@ -56,6 +56,7 @@ class ModuleParamOffload(ParamOffload):
                 p.data = host  # the device copy Megatron allocated is freed with its last ref
                 p.main_grad = device.main_grad
                 p.grad_added_to_main_grad = False
+                p.flat_param_offload = self  # its optimizer finds it (param_offload_optimizer)
                 self._hooks.append(p.register_post_accumulate_grad_hook(fold_into_main_grad))
 
     def acquire(self, layer: int) -> List[torch.Tensor]:

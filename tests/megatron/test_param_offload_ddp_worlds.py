@@ -69,3 +69,61 @@ def test_ddp_step_gradients_are_bitwise_the_buffered_ones(megatron_cpu, world, c
     assert [n for n in want[1] if not torch.equal(want[1][n], got[1][n])] == []
     assert len(want[2]) == len(got[2]) > 0
     assert [i for i, (a, b) in enumerate(zip(want[2], got[2])) if not torch.equal(a, b)] == []
+
+
+STEP_CASES = per_world({2: ["ep2-fp32", "ep2-bf16-distopt"],
+                        4: ["ep2-dp2-fp32", "ep2-dp2-distopt"]})
+FLAT_OPT = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=8, optimizer_offload=True,
+                      optimizer_bucket_numel=4096)
+
+
+def _train(tiny, layout, overrides, steps=2) -> tuple:
+    trainer = Trainer(tiny, layout, flat=FLAT_OPT, config_overrides=overrides)
+    losses = []
+    for step in range(steps):
+        losses.append(trainer.forward_backward(step))
+        trainer.optimizer_step()
+    params = {n: p.data.clone() for n, p in trainer.model.named_parameters()}
+    return trainer, losses, params
+
+
+@pytest.mark.parametrize("world, case", STEP_CASES)
+def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case):
+    """Two steps through Megatron's schedule and optimizer (OffloadStreamAdamW inner
+    optimizers; the experts' own ParamOffloadOptimizer with param offload): every loss and
+    every parameter after the updates bitwise equal (to fp32 rounding where the distributed
+    optimizer's norm is summed over expert-DP shards)."""
+    from megatron_flat.megatron import param_offload
+    from megatron_flat.megatron.param_offload_optimizer import (
+        ParamOffloadOptimizer,
+        unwire_optimizer,
+        wire_optimizer,
+    )
+
+    overrides = dict(bf16=True, params_dtype=torch.bfloat16) if "bf16" in case else {}
+    tiny = TinyMoE(num_experts=4, topk=2, num_layers=3, global_batch_size=2 * world)
+    layout = Layout(ep=2, recompute="full", distributed_optimizer="distopt" in case)
+    with megatron_layout(ep=2):
+        _, want_losses, want = _train(tiny, layout, overrides)
+    with megatron_layout(ep=2):
+        param_offload.wire_ddp()
+        wire_optimizer()
+        try:
+            trainer, losses, got = _train(tiny, layout, overrides)
+        finally:
+            unwire_optimizer()
+            param_offload.unwire_ddp()
+    experts = [o for o in trainer.optimizer.chained_optimizers
+               if isinstance(o, ParamOffloadOptimizer)]
+    assert len(experts) == 1
+    assert sorted(got) == sorted(want)
+    assert losses[0] != losses[1]
+    if case == "ep2-dp2-distopt":
+        # Expert-DP 2: the distributed optimizer's norm sums per-shard norms, param offload's
+        # per-parameter ones: the clip coefficient is the same to fp32 rounding.
+        assert losses == pytest.approx(want_losses, rel=1e-6)
+        assert [n for n in want if not torch.allclose(want[n], got[n], rtol=1e-5,
+                                                      atol=1e-7)] == []
+        return
+    assert losses == want_losses
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
