@@ -150,6 +150,18 @@ class FlatConfig:
         default=2, metadata={"help": "Device staging slots for the optimizer pipeline."}
     )
 
+    # Param offload: the model-state peak (the routed experts' weights and fp32 gradients).
+    param_offload: bool = field(
+        default=False,
+        metadata={"help": "Keep the routed experts' weights and fp32 gradients in pinned host "
+                          "memory: each MoE layer's weights are fetched into a device slot one "
+                          "layer ahead (forward, recompute, backward) and its gradient is "
+                          "drained to the host as its backward ends, so the device holds two "
+                          "layers' expert state whatever the depth. Needs --flat-dispatch, "
+                          "--flat-optimizer-offload (the experts' AdamW runs on the host state) "
+                          "and --expert-model-parallel-size > 1."},
+    )
+
     # The host tier: every technique's host memory (megatron_flat.runtime.host_tier).
     host_mem_per_node_gib: float = field(
         default=0.0,
@@ -211,6 +223,12 @@ class FlatConfig:
             self._bad("sco_prefetch", self.sco_prefetch, "must be >= 0")
         if self.dispatch_saved_chunks < 0:
             self._bad("dispatch_saved_chunks", self.dispatch_saved_chunks, "must be >= 0")
+        if self.param_offload and (self.dispatch == "off" or not self.optimizer_offload):
+            self._bad("param_offload", True,
+                      "needs --flat-dispatch llep or pipelined (the offloaded experts run in "
+                      "the flat MoE layer) and --flat-optimizer-offload (their AdamW state "
+                      f"lives in host memory); dispatch is {self.dispatch!r}, optimizer "
+                      f"offload {self.optimizer_offload}")
 
     @staticmethod
     def _bad(name: str, value: Any, why: str) -> None:
@@ -228,7 +246,7 @@ class FlatConfig:
     @property
     def any_enabled(self) -> bool:
         return (self.dispatch != "off" or self.vocab or self.sco or self.optimizer_offload
-                or self.attn_tiles > 0 or self.attn_replay)
+                or self.attn_tiles > 0 or self.attn_replay or self.param_offload)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "FlatConfig":
@@ -266,6 +284,9 @@ class FlatConfig:
         if self.optimizer_offload:
             parts.append(f"OffloadStreamAdamW (buckets of {self.optimizer_bucket_numel:,} "
                          f"elements, {self.optimizer_num_slots} slots)")
+        if self.param_offload:
+            parts.append("param offload (routed experts' weights and gradients in host "
+                         "memory, two device slots)")
         return ", ".join(parts) if parts else "every technique off (stock Megatron)"
 
     # ------------------------------------------------------------------ CLI

@@ -57,6 +57,7 @@ stage "delayed-copies tests (SCO, OffloadStreamAdamW, param offload, attention r
 scope=""; [ "$SCOPE" = megatron ] && scope=involved
 FLAT_DELAYED_COPIES=1 FLAT_JUNIT_TAG=delayed-copies FLAT_MEGATRON=$scope \
   "$PY" -m pytest -q -p no:cacheprovider --durations=10 "${XDIST[@]}" "$@" tests/checkpoint tests/optim tests/params \
+  tests/megatron/test_param_offload.py \
   tests/attention/test_replay.py
 rc=$?
 # Only a selection given on the command line (-k ...) may leave them nothing to run.

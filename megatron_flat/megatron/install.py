@@ -58,6 +58,10 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
                             f"(got {optimizer!r})")
         if _get(megatron, "optimizer_cpu_offload", default=False):
             problems.append("--flat-optimizer-offload replaces --optimizer-cpu-offload: use one")
+    if flat.param_offload:
+        from megatron_flat.megatron.param_offload import megatron_problems
+
+        problems += [f"--flat-param-offload: {reason}" for reason in megatron_problems(megatron)]
     if flat.attn_tiles:
         problems += attn_tiles_problems(megatron)
     if flat.attn_replay:
@@ -166,6 +170,20 @@ def _wire_attn_replay(flat: FlatConfig, megatron: Any) -> None:
 
 WIRING["attn_replay"] = _wire_attn_replay
 
+
+def _wire_param_offload(flat: FlatConfig, megatron: Any) -> None:
+    """--flat-param-offload: every DDP built offloads its flat MoE layers' routed experts
+    (megatron.param_offload) and the optimizer chain steps them on their host state
+    (megatron.param_offload_optimizer; OffloadStreamAdamW is wired above)."""
+    from megatron_flat.megatron.param_offload import wire_ddp
+    from megatron_flat.megatron.param_offload_optimizer import wire_optimizer
+
+    wire_ddp()
+    wire_optimizer()
+
+
+WIRING["param_offload"] = _wire_param_offload
+
 _ENABLED = {
     "dispatch": lambda f: f.dispatch != "off",
     "vocab": lambda f: f.vocab,
@@ -173,6 +191,7 @@ _ENABLED = {
     "optimizer_offload": lambda f: f.optimizer_offload,
     "attn_tiles": lambda f: f.attn_tiles > 0,
     "attn_replay": lambda f: f.attn_replay,
+    "param_offload": lambda f: f.param_offload,
 }
 
 
@@ -249,6 +268,12 @@ def _reset_for_tests() -> None:
     spec = sys.modules.get("megatron_flat.megatron.spec")
     if spec is not None:
         spec._unredirect_for_tests()
+    offload = sys.modules.get("megatron_flat.megatron.param_offload")
+    if offload is not None:
+        offload.unwire_ddp()
+    offload_optimizer = sys.modules.get("megatron_flat.megatron.param_offload_optimizer")
+    if offload_optimizer is not None:
+        offload_optimizer.unwire_optimizer()
     replay = sys.modules.get("megatron_flat.megatron.replay_wiring")
     if replay is not None:
         replay.unwire()

@@ -54,6 +54,7 @@ __all__ = [
     "offload_inner_optimizer",
     "optimizer_offload",
     "release_sub_optimizers",
+    "sub_optimizers_claimed",
     "unsupported_optimizer_settings",
     "unwire_optimizer_offload",
     "wire_optimizer_offload",
@@ -626,6 +627,10 @@ def claim_sub_optimizers(claim: Callable[..., Any]) -> None:
     replaces a stock one's inner optimizer); :func:`release_sub_optimizers` undoes it."""
     if claim not in _CLAIMS:
         _CLAIMS.append(claim)
+
+
+def sub_optimizers_claimed(claim: Callable[..., Any]) -> bool:
+    return claim in _CLAIMS
 
 
 def release_sub_optimizers(claim: Callable[..., Any]) -> None:

@@ -18,14 +18,15 @@ DDP's buffers and stepping them with a host-side AdamW is the optimizer glue's p
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import contextlib
+from typing import Iterator, List, Sequence
 
 import torch
 
 from megatron_flat.params import ParamOffload, ParamOffloadError, offloaded_layer
 from megatron_flat.runtime import patching
 
-__all__ = ["DDP_PATCHES", "ModuleParamOffload", "OffloadedGrads", "attach_param_offload",
+__all__ = ["DDP_PATCH", "ModuleParamOffload", "megatron_problems", "offloading", "OffloadedGrads", "attach_param_offload",
            "fold_into_main_grad", "offloadable_layers", "unwire_ddp", "wire_ddp"]
 
 
@@ -216,59 +217,97 @@ def _ddp_init(original):
             kwargs["full_param_layout"] = None  # laid out with the offloaded Parameters in it
         with _outside_buffers([p for layer in offload.params for p in layer]):
             original(self, config, ddp_config, module, *args, **kwargs)
-        self.flat_param_offload = OffloadedGrads(self, offload)
+        _follow_buffers(self, OffloadedGrads(self, offload))
     return __init__
 
 
-def _scale_after(original):
-    def scale_gradients(self, scaling_factor, *args, **kwargs):
-        out = original(self, scaling_factor, *args, **kwargs)
-        grads = getattr(self, "flat_param_offload", None)
-        if grads is not None:
-            grads.scale(scaling_factor)
-        return out
-    return scale_gradients
+def _follow_buffers(ddp, grads: OffloadedGrads) -> None:
+    """This DDP's finish_grad_sync, scale_gradients and zero_grad_buffer also serve the host
+    gradients (instance methods: they live with this DDP, whatever is patched later)."""
+    import types
 
+    ddp.flat_param_offload = grads
+    finish, scale, zero = ddp.finish_grad_sync, ddp.scale_gradients, ddp.zero_grad_buffer
 
-def _finish_after(original):
     def finish_grad_sync(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        grads = getattr(self, "flat_param_offload", None)
-        if grads is not None:
-            grads.finish()
+        out = finish(*args, **kwargs)
+        grads.finish()
         return out
-    return finish_grad_sync
 
+    def scale_gradients(self, scaling_factor, *args, **kwargs):
+        out = scale(scaling_factor, *args, **kwargs)
+        grads.scale(scaling_factor)
+        return out
 
-def _zero_after(original):
     def zero_grad_buffer(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        grads = getattr(self, "flat_param_offload", None)
-        if grads is not None:
-            grads.zero()
+        out = zero(*args, **kwargs)
+        grads.zero()
         return out
-    return zero_grad_buffer
+
+    for method in (finish_grad_sync, scale_gradients, zero_grad_buffer):
+        setattr(ddp, method.__name__, types.MethodType(method, ddp))
 
 
-DDP_PATCHES = (
-    patching.Patch(_DDP, "__init__", _ddp_init, expects="DistributedDataParallel.__init__",
-                   why="param offload: the flat MoE layers' routed experts go to the host tier "
-                       "and stay out of DDP's device buffers"),
-    patching.Patch(_DDP, "finish_grad_sync", _finish_after, expects="a method",
-                   why="param offload: the host gradients are scaled and reduced as a buffer's"),
-    patching.Patch(_DDP, "scale_gradients", _scale_after, expects="a method",
-                   why="param offload: the host gradients follow DDP's 1/num_tokens scaling"),
-    patching.Patch(_DDP, "zero_grad_buffer", _zero_after, expects="a method",
-                   why="param offload: a new accumulation for the host gradients too"),
-)
+DDP_PATCH = patching.Patch(
+    _DDP, "__init__", _ddp_init, expects="DistributedDataParallel.__init__",
+    why="param offload: the flat MoE layers' routed experts go to the host tier and stay out "
+        "of DDP's device buffers")
+
+
+@contextlib.contextmanager
+def offloading(flat) -> Iterator[None]:
+    """Within the block, DDPs built offload their flat MoE layers' experts and the optimizer
+    chain steps them (what ``install`` wires for the whole process; nests with it)."""
+    from megatron_flat.megatron import param_offload_optimizer as optimizer
+
+    wired = patching.is_applied(DDP_PATCH), optimizer.is_wired()
+    wire_ddp()
+    optimizer.wire_optimizer()
+    try:
+        yield
+    finally:
+        if not wired[1]:
+            optimizer.unwire_optimizer()
+        if not wired[0]:
+            unwire_ddp()
 
 
 def wire_ddp() -> None:
     """Every DDP built from now on offloads its module's flat MoE layers' experts."""
-    for patch in DDP_PATCHES:
-        patching.apply(patch)
+    patching.apply(DDP_PATCH)
 
 
 def unwire_ddp() -> None:
-    for patch in DDP_PATCHES:
-        patching.revert(patch)
+    """DDPs built later keep their experts in their buffers (built ones keep theirs out)."""
+    patching.revert(DDP_PATCH)
+
+
+def _get(megatron, *names, default=None):
+    for name in names:
+        value = getattr(megatron, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def megatron_problems(megatron) -> list:
+    """Megatron settings param offload cannot honour (Megatron-LM args or a
+    TransformerConfig; only settings present are checked)."""
+    problems = []
+    if (_get(megatron, "expert_model_parallel_size", default=1) or 1) < 2:
+        problems.append("needs --expert-model-parallel-size > 1: with EP 1 Megatron builds one "
+                        "optimizer for the routed experts and the dense parameters together, "
+                        "and the offloaded experts need their own")
+    if _get(megatron, "fp16", default=False):
+        problems.append("--fp16: its loss scaler is not supported (use --bf16)")
+    if _get(megatron, "data_parallel_random_init", default=False):
+        problems.append("--data-parallel-random-init broadcasts every parameter with NCCL, "
+                        "which cannot read the host-tier weights")
+    for flag, name in (("--use-torch-fsdp2", "use_torch_fsdp2"),
+                       ("--use-megatron-fsdp", "use_megatron_fsdp"),
+                       ("--use-custom-fsdp", "use_custom_fsdp")):
+        if _get(megatron, name, default=False):
+            problems.append(f"{flag}: param offload works with Megatron's DDP")
+    if (_get(megatron, "num_distributed_optimizer_instances", default=1) or 1) > 1:
+        problems.append("--num-distributed-optimizer-instances > 1 is not supported")
+    return problems

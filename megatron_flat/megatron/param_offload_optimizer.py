@@ -45,10 +45,11 @@ from megatron_flat.megatron.optimizer import (
     claim_sub_optimizers,
     found_non_finite_grads,
     release_sub_optimizers,
+    sub_optimizers_claimed,
 )
 from megatron_flat.params import ParamOffloadError
 
-__all__ = ["ParamOffloadOptimizer", "claim", "unwire_optimizer", "wire_optimizer"]
+__all__ = ["ParamOffloadOptimizer", "claim", "is_wired", "unwire_optimizer", "wire_optimizer"]
 
 GRAD_ATTR = "flat_host_grad"
 
@@ -95,6 +96,18 @@ class ParamOffloadOptimizer(FP32Optimizer):
         ok = super().step_with_ready_grads()
         self.offload.weights_updated()
         return ok
+
+    # A checkpoint load writes the model's host views (the Parameters' data at rest) before
+    # the optimizer's state: the slots are stale after either.
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self.offload.weights_updated()
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """The model's weights changed outside the optimizer (``--no-load-optim``,
+        ``--finetune``): the host fp32 masters follow them, and the slots are stale."""
+        self.optimizer.reload_model_params()
+        self.offload.weights_updated()
 
 
 def _init_state(optimizer, config=None) -> None:
@@ -157,6 +170,10 @@ def claim(args, kwargs, flat):
     first = replicas is None or replicas.rank() == 0
     return _build(config, param_groups, offloads[0], group, flat,
                   counts_in_norm=first or not distributed)
+
+
+def is_wired() -> bool:
+    return sub_optimizers_claimed(claim)
 
 
 def wire_optimizer() -> None:

@@ -143,14 +143,7 @@ class Trainer:
                  wrap_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
                  init: Optional[Callable[[torch.nn.Module], None]] = None, lr: float = LR,
                  flat=None):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.distributed import finalize_model_grads
 
         self.tiny, self.layout = tiny, layout
         settings = dict(
@@ -189,7 +182,26 @@ class Trainer:
         if init is not None:
             init(model)
         self.model = model
-        self.ddp = DistributedDataParallel(
+        offloading = contextlib.nullcontext()
+        if flat is not None and flat.param_offload:
+            from megatron_flat.megatron.param_offload import offloading
+
+            offloading = offloading(flat)
+        with offloading:  # param offload: DDP leaves the experts out, the chain steps them
+            self.ddp, self.optimizer = self._ddp_and_optimizer(model, layout, flat, lr)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self._start()
+
+    def _ddp_and_optimizer(self, model, layout: Layout, flat, lr: float) -> tuple:
+        """Megatron's DDP over ``model`` and its optimizer (OffloadStreamAdamW inner ones
+        with ``flat.optimizer_offload``)."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
@@ -204,7 +216,7 @@ class Trainer:
             from megatron_flat.megatron.optimizer import get_megatron_offload_optimizer
 
             build_optimizer = functools.partial(get_megatron_offload_optimizer, flat=flat)
-        self.optimizer = build_optimizer(
+        optimizer = build_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                 adam_eps=1e-8, clip_grad=CLIP_GRAD,
@@ -214,9 +226,14 @@ class Trainer:
                 params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=layout.distributed_optimizer,
             ),
-            [self.ddp],
+            [ddp],
         )
-        self.config.finalize_model_grads_func = finalize_model_grads
+        return ddp, optimizer
+
+    def _start(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
         self.forward_step = (forward_step_per_token if self.config.calculate_per_token_loss
                              else forward_step)
         self.config.no_sync_func = self.ddp.no_sync

@@ -235,3 +235,42 @@ def test_attention_replay_falls_back_with_one_warning(megatron_cpu, flags, setti
         cfg = megatron_flat.install(args)
     assert len(caught) == 1 and reason in str(caught[0].message)
     assert cfg.attn_replay and not replay_wiring.wired()
+
+
+PARAM_OFFLOAD = dict(dispatch="pipelined", optimizer_offload=True, param_offload=True)
+
+
+def test_param_offload_needs_the_flat_dispatch_and_the_optimizer_offload():
+    for missing in ({"dispatch": "off"}, {"optimizer_offload": False}):
+        with pytest.raises(ValueError, match="--flat-param-offload. needs --flat-dispatch"):
+            FlatConfig(**{**PARAM_OFFLOAD, **missing})
+
+
+@pytest.mark.parametrize("settings, found", [
+    (dict(expert_model_parallel_size=2), []),
+    (dict(expert_model_parallel_size=1), ["--expert-model-parallel-size > 1"]),
+    (dict(expert_model_parallel_size=2, fp16=True, data_parallel_random_init=True,
+          use_torch_fsdp2=True, num_distributed_optimizer_instances=2),
+     ["--fp16", "--data-parallel-random-init", "--use-torch-fsdp2",
+      "--num-distributed-optimizer-instances"]),
+])
+def test_param_offload_refuses_what_it_cannot_honour(settings, found):
+    problems = inst.check_against_megatron(FlatConfig(**PARAM_OFFLOAD),
+                                           argparse.Namespace(num_experts=4, **settings))
+    assert len(problems) == len(found)
+    for problem, flag in zip(problems, found):
+        assert problem.startswith("--flat-param-offload: ") and flag in problem
+
+
+def test_param_offload_is_wired_by_install(megatron_cpu):
+    from megatron_flat.megatron import param_offload, param_offload_optimizer
+    from megatron_flat.runtime import patching
+
+    megatron_flat.install(FlatConfig(**PARAM_OFFLOAD))
+    assert patching.is_applied(param_offload.DDP_PATCH) and param_offload_optimizer.is_wired()
+    with param_offload.offloading(inst.installed()):  # a trainer's scope keeps install's
+        pass
+    assert patching.is_applied(param_offload.DDP_PATCH) and param_offload_optimizer.is_wired()
+    inst._reset_for_tests()
+    assert not patching.is_applied(param_offload.DDP_PATCH)
+    assert not param_offload_optimizer.is_wired()

@@ -53,7 +53,7 @@ def test_ddp_step_gradients_are_bitwise_the_buffered_ones(megatron_cpu, world, c
     with megatron_layout(ep=ep):  # each run seeded alike by its own layout
         want = _grads(Trainer(tiny, layout, flat=FLAT))
     with megatron_layout(ep=ep):
-        param_offload.wire_ddp()
+        param_offload.wire_ddp()  # the DDP half alone (the knob also needs EP > 1)
         try:
             trainer = Trainer(tiny, layout, flat=FLAT)
             got = _grads(trainer)
@@ -77,8 +77,8 @@ FLAT_OPT = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=8, optimizer_o
                       optimizer_bucket_numel=4096)
 
 
-def _train(tiny, layout, overrides, steps=2) -> tuple:
-    trainer = Trainer(tiny, layout, flat=FLAT_OPT, config_overrides=overrides)
+def _train(tiny, layout, overrides, flat, steps=2) -> tuple:
+    trainer = Trainer(tiny, layout, flat=flat, config_overrides=overrides)
     losses = []
     for step in range(steps):
         losses.append(trainer.forward_backward(step))
@@ -93,26 +93,18 @@ def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case)
     optimizers; the experts' own ParamOffloadOptimizer with param offload): every loss and
     every parameter after the updates bitwise equal (to fp32 rounding where the distributed
     optimizer's norm is summed over expert-DP shards)."""
-    from megatron_flat.megatron import param_offload
-    from megatron_flat.megatron.param_offload_optimizer import (
-        ParamOffloadOptimizer,
-        unwire_optimizer,
-        wire_optimizer,
-    )
+    import dataclasses
+
+    from megatron_flat.megatron.param_offload_optimizer import ParamOffloadOptimizer
 
     overrides = dict(bf16=True, params_dtype=torch.bfloat16) if "bf16" in case else {}
     tiny = TinyMoE(num_experts=4, topk=2, num_layers=3, global_batch_size=2 * world)
     layout = Layout(ep=2, recompute="full", distributed_optimizer="distopt" in case)
     with megatron_layout(ep=2):
-        _, want_losses, want = _train(tiny, layout, overrides)
+        _, want_losses, want = _train(tiny, layout, overrides, FLAT_OPT)
     with megatron_layout(ep=2):
-        param_offload.wire_ddp()
-        wire_optimizer()
-        try:
-            trainer, losses, got = _train(tiny, layout, overrides)
-        finally:
-            unwire_optimizer()
-            param_offload.unwire_ddp()
+        trainer, losses, got = _train(tiny, layout, overrides,
+                                      dataclasses.replace(FLAT_OPT, param_offload=True))
     experts = [o for o in trainer.optimizer.chained_optimizers
                if isinstance(o, ParamOffloadOptimizer)]
     assert len(experts) == 1
