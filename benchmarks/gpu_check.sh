@@ -25,6 +25,9 @@
 #             group), 384 experts, top-8, K 10: the forward's host syncs counted by the ledger
 #             beside set_sync_debug_mode's warnings, the steady-state backward under
 #             set_sync_debug_mode("error") (one sync fails the stage), host planning time
+#  5c. param-offload  benchmarks/model_state.py on CUDA: device model state flat in depth with
+#             param offload, bitwise against the resident stack, step time against the knob
+#             off and the copies' bytes over it (tests/params also runs in 1 and 1b)
 #  6. vocab   benchmarks/vocab.py at P = 1 on CUDA (dense vs Ring-DTP blocked)
 #  6b. replay, replay-time  attention replay on the CUDA flash kernel (deterministic mode):
 #             tests/attention/test_replay_cuda.py (kept O equals a second kernel run,
@@ -80,11 +83,12 @@ else
 fi
 
 run_stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/optim tests/checkpoint \
+  tests/params \
   --junitxml="$OUT/cuda-tests.xml"
 # The copy-race check on CUDA: the same suites with a sleep kernel before every side-stream
 # copy (each copy lands ~20 ms late), so a missing wait fails bitwise (CPU: delayed copies).
 run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/optim tests/checkpoint --junitxml="$OUT/cuda-races.xml"
+  tests/optim tests/checkpoint tests/params --junitxml="$OUT/cuda-races.xml"
 # The GPU-only mutants (scripts/mutants.py --gpu): each wait the CPU model cannot test is
 # removed in a copy of the tree, and its CUDA selection must fail under the late copies.
 run_stage mutants 240 "$PY" scripts/mutants.py --gpu --jobs 1 --timeout 100
@@ -97,6 +101,12 @@ run_stage optim 150 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --rep
 run_stage dispatch-syncs 60 "$PY" benchmarks/dispatch_scale.py --device cuda --ep 64 --experts 384 \
   --topk 8 --tokens 16384 --chunk-tokens 1639 --hidden 256 --ffn 256 --reps 3 \
   --json "$OUT/dispatch-scale-cuda.json"
+# Param offload on CUDA: the device model state against depth (4, 8, 16 layers of 8 experts,
+# H 1024, F 4096, bf16), bitwise against the resident stack, and each step's time with the
+# copies on their own streams against the knob off (the bytes moved over that time: the
+# bandwidth the overlap leaves).
+run_stage param-offload 90 "$PY" benchmarks/model_state.py --device cuda --hidden 1024 --ffn 4096 \
+  --experts 8 --tokens 8192 --repeats 3 --json "$OUT/model-state-cuda.json"
 run_stage vocab 40 "$PY" benchmarks/vocab.py --device cuda --scale 4 --reps 2 --json "$OUT/vocab-cuda.json"
 # Attention replay on the CUDA flash kernel, deterministic mode: kept O/LSE equal a second
 # kernel run, gradients bitwise (device and pinned host tier), then its step time.

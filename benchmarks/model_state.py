@@ -20,6 +20,9 @@ With the offload the device model state must not grow with depth (two layers' sl
 it, it grows linearly. The ratio column is offload / resident at the same depth. On CPU the
 "device" is CPU memory counted by the meter and the copies are inline (the ledger still counts
 them, pinned and non-blocking: no sync); this proves the bound and the exactness, not speed.
+``--device cuda --repeats N`` (``benchmarks/gpu_check.sh``'s param-offload stage) adds each
+variant's median ``step_seconds`` and, with the offload, ``copy_bytes_per_s`` (the larger
+direction's bytes over the step: what the copies ran at beside the compute).
 
 This stack is the offload's own harness: the knob through ``install()`` on a Megatron model is
 the issue's next step, and then this benchmark gains the flat-Megatron rows. Run::
@@ -33,6 +36,8 @@ import argparse
 import gc
 import json
 import os
+import statistics
+import time
 
 import torch
 
@@ -41,20 +46,37 @@ from megatron_flat.runtime import host_tier as host_tiers
 from megatron_flat.testing.expert_stack import ExpertStack, make_weights, train
 
 
-def _stack(weights, offload: bool) -> ExpertStack:
+def _stack(weights, offload: bool, device: str) -> ExpertStack:
     return ExpertStack(weights, offload=offload, checkpoint="non-reentrant",
-                       tier=host_tiers.HostTier() if offload else None)
+                       tier=host_tiers.HostTier() if offload else None, device=device)
 
 
-def _run(weights, batches, offload: bool) -> dict:
+def _step_seconds(weights, batches, offload: bool, device: str, repeats: int) -> float:
+    """Median wall time of one training step on CUDA (0.0 on CPU: no speed claim there)."""
+    if device != "cuda" or repeats < 1:
+        return 0.0
+    stack = _stack(weights, offload, device)
+    train(stack, batches, keep=False)  # warm-up
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        train(stack, batches, keep=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _run(weights, batches, offload: bool, device: str, repeats: int) -> dict:
     """The measured step (nothing kept), then the same step again for the bitwise check."""
     gc.collect()
-    with MemoryMeter("cpu") as meter:
-        stack = _stack(weights, offload)
+    with MemoryMeter(device) as meter:
+        stack = _stack(weights, offload, device)
         with CostLedger() as ledger:
             train(stack, batches, keep=False)
         state = meter.current_device_bytes()
-    return {"result": train(_stack(weights, offload), batches),
+    return {"result": train(_stack(weights, offload, device), batches),
+            "step_seconds": _step_seconds(weights, batches, offload, device, repeats),
             "device_model_state_bytes": state,
             "step_peak_bytes": meter.peak_device_bytes, "h2d_bytes": ledger.h2d_bytes,
             "d2h_bytes": ledger.d2h_bytes, "syncs": ledger.syncs,
@@ -79,19 +101,26 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--repeats", type=int, default=0,
+                   help="CUDA: steps timed per variant (median; 0: no timing)")
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     g = torch.Generator().manual_seed(1)
-    batches = [[torch.randn(args.tokens, args.hidden, generator=g).to(dtype)
+    batches = [[torch.randn(args.tokens, args.hidden, generator=g).to(dtype).to(args.device)
                 for _ in range(args.microbatches)]]
     rows = []
     print(f"{'layers':>6} {'offload':>7} {'model state':>12} {'step peak':>12} {'h2d':>12} "
           f"{'d2h':>12} {'syncs':>5} {'bitwise':>7} {'ratio':>6}")
     for layers in args.layers:
         weights = make_weights(layers, args.hidden, args.ffn, args.experts, dtype)
-        runs = {flag: _run(weights, batches, flag) for flag in (False, True)}
+        runs = {flag: _run(weights, batches, flag, args.device, args.repeats)
+                for flag in (False, True)}
         bitwise = _equal(runs[False].pop("result"), runs[True].pop("result"))
+        if runs[True]["step_seconds"]:
+            runs[True]["copy_bytes_per_s"] = (max(runs[True]["h2d_bytes"], runs[True]["d2h_bytes"])
+                                              / runs[True]["step_seconds"])
         for flag, run in runs.items():
             row = {"layers": layers, "param_offload": flag, **run, "bitwise": bitwise}
             ratio = run["device_model_state_bytes"] / runs[False]["device_model_state_bytes"]

@@ -31,7 +31,8 @@ def test_dry_run_plans_every_stage_and_runs_the_ledger_on_cpu(tmp_path):
     assert summary["dry_run"] is True
     stages = summary["stages"]
     assert list(stages) == ["tests", "races", "mutants", "tier", "meter", "ledger", "sco", "optim",
-                            "dispatch-syncs", "vocab", "replay", "replay-time", "replay-te"]
+                            "dispatch-syncs", "param-offload", "vocab", "replay", "replay-time",
+                            "replay-te"]
     assert stages["ledger"]["rc"] == "0"
     assert all(s["rc"] == "planned" for n, s in stages.items() if n != "ledger")
     units = {(r["unit"], r["variant"]) for r in summary["ledger"]}

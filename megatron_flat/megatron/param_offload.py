@@ -26,8 +26,9 @@ import torch
 from megatron_flat.params import ParamOffload, ParamOffloadError, offloaded_layer
 from megatron_flat.runtime import patching
 
-__all__ = ["DDP_PATCH", "ModuleParamOffload", "megatron_problems", "offloading", "OffloadedGrads", "attach_param_offload",
-           "fold_into_main_grad", "offloadable_layers", "unwire_ddp", "wire_ddp"]
+__all__ = ["DDP_PATCH", "ModuleParamOffload", "OffloadedGrads", "attach_param_offload",
+           "fold_into_main_grad", "megatron_problems", "offloadable_layers", "offloading",
+           "unwire_ddp", "wire_ddp"]
 
 
 def fold_into_main_grad(param: torch.nn.Parameter) -> None:

@@ -48,6 +48,7 @@ from megatron_flat.megatron.optimizer import (
     sub_optimizers_claimed,
 )
 from megatron_flat.params import ParamOffloadError
+from megatron_flat.runtime import patching
 
 __all__ = ["ParamOffloadOptimizer", "claim", "is_wired", "unwire_optimizer", "wire_optimizer"]
 
@@ -68,10 +69,14 @@ class ParamOffloadOptimizer(FP32Optimizer):
         self.counts_in_norm = counts_in_norm
 
     def get_main_grads_for_grad_norm(self):  # 0.16
-        return super().get_main_grads_for_grad_norm() if self.counts_in_norm else []
+        if not self.counts_in_norm:
+            return []
+        return _for_device_norm(super().get_main_grads_for_grad_norm())
 
     def get_grads_for_grad_norm(self, *args, **kwargs):  # 0.19
-        return super().get_grads_for_grad_norm(*args, **kwargs) if self.counts_in_norm else []
+        if not self.counts_in_norm:
+            return []
+        return _for_device_norm(super().get_grads_for_grad_norm(*args, **kwargs))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.get_parameters():  # the host gradients are DDP's zero_grad_buffer's
@@ -108,6 +113,53 @@ class ParamOffloadOptimizer(FP32Optimizer):
         ``--finetune``): the host fp32 masters follow them, and the slots are stale."""
         self.optimizer.reload_model_params()
         self.offload.weights_updated()
+
+
+def _on_host(grad: torch.Tensor) -> bool:
+    """A gradient in host memory while the model trains on a GPU (param offload's), which
+    Megatron's fused norm and scale kernels cannot read. On a CPU-only run nothing is."""
+    return grad.device.type == "cpu" and torch.cuda.is_available()
+
+
+def _for_device_norm(grads: list, device=None) -> list:
+    """The gradients Megatron's norm reads, the host ones as one device tensor of their
+    per-parameter fp32 norms: its sum of squares is theirs (reassociated: the fused kernel
+    would have summed their elements in its own order)."""
+    host = [g for g in grads if _on_host(g)]
+    if not host:
+        return grads
+    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in host])
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    return [g for g in grads if not _on_host(g)] + [norms.to(device, non_blocking=True)]
+
+
+def _clipping(original):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` with host gradients scaled on the host by
+    the same coefficient (``max_norm / (total_norm + 1e-6)``, when below 1) and the others
+    passed on; on a CPU-only run everything is passed on."""
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, *args, **kwargs):
+        decoupled = kwargs.get("use_decoupled_grad", args[0] if args else False)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+        def grad_of(p):
+            return getattr(p, "decoupled_grad", None) if decoupled else p.grad
+
+        host = [p for p in params if grad_of(p) is not None and _on_host(grad_of(p))]
+        if host:
+            coeff = max_norm / (total_norm + 1.0e-6)
+            if coeff < 1.0:
+                for p in host:
+                    grad_of(p).mul_(coeff)
+            params = [p for p in params if not any(p is h for h in host)]
+        return original(params, max_norm, total_norm, *args, **kwargs)
+    return clip_grad_by_total_norm_fp32
+
+
+CLIP_PATCH = patching.Patch(
+    "megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clipping,
+    expects="Megatron's gradient clipping by a total norm",
+    why="param offload: the experts' host gradients are clipped on the host (Megatron's "
+        "fused scale kernel reads device memory)")
 
 
 def _init_state(optimizer, config=None) -> None:
@@ -178,9 +230,12 @@ def is_wired() -> bool:
 
 def wire_optimizer() -> None:
     """While OffloadStreamAdamW is wired (--flat-optimizer-offload), every sub-optimizer
-    over offloaded experts is a :class:`ParamOffloadOptimizer`."""
+    over offloaded experts is a :class:`ParamOffloadOptimizer`, and Megatron's clipping
+    takes host gradients."""
     claim_sub_optimizers(claim)
+    patching.apply(CLIP_PATCH)
 
 
 def unwire_optimizer() -> None:
     release_sub_optimizers(claim)
+    patching.revert(CLIP_PATCH)

@@ -550,6 +550,16 @@ def what_ran(flat: Run) -> List[str]:
     if config.get("optimizer_offload"):
         count = max(r.get("offload_optimizers", 0) for r in flat.ranks)
         lines.append(f"OffloadStreamAdamW: {count} inner optimizer(s)")
+    if config.get("param_offload"):
+        mib = 1 << 20
+        lines.append(
+            f"param offload: routed experts of {modules.get('offloaded_layers', 0)} of "
+            f"{modules.get('MoELayer', 0)} MoE layers in the host tier "
+            f"({modules.get('param_offload_host_bytes', 0) / mib:.2f} MiB), device slots "
+            f"{modules.get('param_offload_device_bytes', 0) / mib:.2f} MiB; "
+            f"{modules.get('param_offload_fetches', 0)} fetches "
+            f"({modules.get('param_offload_demand_fetches', 0)} on demand), "
+            f"{modules.get('param_offload_drains', 0)} drains (worst rank)")
     if config.get("attn_tiles"):
         used = modules.get("attention_tiles_used", 0)
         note = " (the tile holds the whole rehearsal sequence)" if used == 1 else ""

@@ -133,10 +133,16 @@ def _flat_modules(models) -> Dict[str, int]:
     counts = {"FlatMoELayer": 0, "MoELayer": 0, "RingDTPOutputLoss": 0,
               "ContextParallelCoreAttention": 0, "tiled_layers": 0,
               "attention_tiles_used": 0, "layers": 0, "attention_replays": 0,
-              "attention_stock_reruns": 0, "replay_capable_attentions": 0}
+              "attention_stock_reruns": 0, "replay_capable_attentions": 0,
+              "offloaded_layers": 0}
+    offloads = {}  # param offload: one per DDP-wrapped model chunk
     for model in models:
         for module in model.modules():
             counts["FlatMoELayer"] += isinstance(module, FlatMoELayer)
+            offload = getattr(module, "param_offload", None)
+            if isinstance(module, FlatMoELayer) and offload is not None:
+                counts["offloaded_layers"] += 1
+                offloads[id(offload)] = offload
             counts["MoELayer"] += isinstance(module, MoELayer)
             if type(module).__name__ == "TransformerLayer":
                 counts["layers"] += 1
@@ -160,6 +166,13 @@ def _flat_modules(models) -> Dict[str, int]:
                 module, ContextParallelCoreAttention) and module.cp_size > 1
         # Ring-DTP's module hangs off the GPTModel, outside its registered submodules.
         counts["RingDTPOutputLoss"] += ring_dtp_output(model) is not None
+    for offload in offloads.values():
+        for key, value in (("host_bytes", offload.plan.host_bytes),
+                           ("device_bytes", offload.plan.device_bytes),
+                           ("fetches", offload.stats.fetches),
+                           ("demand_fetches", offload.stats.demand_fetches),
+                           ("drains", offload.stats.drains)):
+            counts[f"param_offload_{key}"] = counts.get(f"param_offload_{key}", 0) + value
     return counts
 
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.testing.families import moe_loss_scale_kept
-from megatron_flat.testing.tiny_gpt import TinyMoE
+from megatron_flat.testing.tiny_gpt import TinyMoE, reset_moe_loss_tracker
 from tests.dispatch import _moe_layers as helpers
 
 RECOMPUTES = ("megatron", "non-reentrant", "none")
@@ -85,6 +85,7 @@ def train(stack: _Stack, batches, recompute: str, offload=None, lr: float = 0.05
     """Steps of gradient accumulation (each a list of microbatch inputs [s, b, H]), each
     followed by ``w -= lr · main_grad`` on every expert weight and ``p -= lr · grad`` on the
     router; every loss, input gradient, router and expert gradient, and the final weights."""
+    reset_moe_loss_tracker()  # sized by the first model that logged an aux loss
     out = {"losses": [], "input_grads": [], "router_grads": [], "expert_grads": []}
     transfers = 0  # spilled experts' weights sent to helpers (PipelinedLLEP's plan)
     experts = [list(layer.experts.parameters()) for layer in stack.layers]
