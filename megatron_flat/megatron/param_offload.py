@@ -268,7 +268,7 @@ def offloading(flat) -> Iterator[None]:
         yield
     finally:
         if not wired[1]:
-            optimizer.unwire_optimizer()
+            optimizer.release_claim()  # the built chain keeps its norm hand-over
         if not wired[0]:
             unwire_ddp()
 

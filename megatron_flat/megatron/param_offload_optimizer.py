@@ -13,11 +13,14 @@ whose parameters are all offloaded, in the same place of the chain:
   scheduler drives it), reading each expert's host ``main_grad`` (``flat_host_grad``) and
   writing the updated weights into its host-tier view, the fp32 master and both moments in
   host memory: no fp32 gradient buffer, master or moment of an expert on the device;
-* ``prepare_grads`` waits for the drains (one host sync) and hands the host gradients to
-  Megatron's gradient norm, clipping and zero count (``.grad`` / ``decoupled_grad``), with
-  the inf/nan check of every scaler-less flat optimizer;
-* ``step_with_ready_grads`` steps, then makes every slot stale and starts the first layer's
-  new weights up.
+* ``prepare_grads`` waits for the drains (one host sync) and runs the inf/nan check of every
+  scaler-less flat optimizer on the host gradients;
+* Megatron's gradient norm reads them as it reads any sub-optimizer's (on a GPU, whose fused
+  norm kernel reads device memory only, as one device tensor of their per-parameter norms: the
+  same sum of squares, reassociated); its clipping does not see them (it scales device memory
+  only): the chain hands its norm over (a declared patch of ``ChainedOptimizer.get_grad_norm``)
+  and ``step_with_ready_grads`` clips them on the host by Megatron's own coefficient, steps,
+  then makes every slot stale and starts the first layer's new weights up.
 
 Exact where Megatron's own sub-optimizer would run the same AdamW on the same gradients: the
 update is element-wise, so it equals the sharded distributed optimizer's too, at any
@@ -27,7 +30,7 @@ non-distributed optimizer, and in the distributed optimizer's order (its buffer'
 reversed); the distributed optimizer sums per-shard norms, so the norm is the same sum where a
 rank's shard holds whole parameters (expert-DP 1) and reassociated otherwise (the first
 expert-DP replica adds the whole gradients, the others nothing). Megatron's zero count
-(``--log-num-zeros-in-grad``) counts every replica's.
+(``--log-num-zeros-in-grad``) does not count the offloaded experts' zeros.
 
 Refused (one message, before any collective): a sub-optimizer call that mixes offloaded and
 resident parameters (expert parallelism 1 puts the routed experts in the dense groups), fp16
@@ -50,7 +53,8 @@ from megatron_flat.megatron.optimizer import (
 from megatron_flat.params import ParamOffloadError
 from megatron_flat.runtime import patching
 
-__all__ = ["ParamOffloadOptimizer", "claim", "is_wired", "unwire_optimizer", "wire_optimizer"]
+__all__ = ["NORM_PATCH", "ParamOffloadOptimizer", "claim", "clip_host_grads", "is_wired",
+           "release_claim", "unwire_optimizer", "wire_optimizer"]
 
 GRAD_ATTR = "flat_host_grad"
 
@@ -67,37 +71,55 @@ class ParamOffloadOptimizer(FP32Optimizer):
         # The distributed optimizer's grad-stats group spans the expert-DP replicas, which
         # all hold the whole reduced gradients: one of them adds them to the norm.
         self.counts_in_norm = counts_in_norm
-
-    def get_main_grads_for_grad_norm(self):  # 0.16
-        if not self.counts_in_norm:
-            return []
-        return _for_device_norm(super().get_main_grads_for_grad_norm())
-
-    def get_grads_for_grad_norm(self, *args, **kwargs):  # 0.19
-        if not self.counts_in_norm:
-            return []
-        return _for_device_norm(super().get_grads_for_grad_norm(*args, **kwargs))
+        self.total_grad_norm = None  # this step's, from the chain (or clip_grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.get_parameters():  # the host gradients are DDP's zero_grad_buffer's
-            p.grad = None
-            p.decoupled_grad = None
+        """The host gradients are DDP's ``zero_grad_buffer``'s to zero."""
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
+        self.total_grad_norm = None
         for index, layer in enumerate(self.offload.params):
             for p, grad in zip(layer, self.offload.host_grads(index)):
                 setattr(p, GRAD_ATTR, grad)
-                # What Megatron's norm, clipping and zero count read: the fp32 gradient, as
-                # they read a mixed-precision optimizer's fp32 main param's.
-                if p.dtype != grad.dtype:
-                    p.grad_dtype = None  # a bf16 weight with its fp32 gradient
-                p.grad = grad
-                p.decoupled_grad = grad
         return found_non_finite_grads(self)
+
+    # -- the norm: the host gradients, read as Megatron reads a sub-optimizer's ----------
+    # They are shown as .grad / decoupled_grad only while Megatron's filter picks them (the
+    # fp32 gradient of a bf16 weight, as a mixed-precision optimizer's main param has), so
+    # Megatron's clipping, which cannot scale host memory on a GPU, never sees them; the
+    # step clips them itself with the chain's norm.
+    def _shown(self, read):
+        params = self.get_parameters()
+        for p in params:
+            grad = getattr(p, GRAD_ATTR, None)
+            if grad is not None and p.dtype != grad.dtype:
+                p.grad_dtype = None  # a bf16 weight with its fp32 gradient
+            p.grad, p.decoupled_grad = grad, grad
+        try:
+            return _for_device_norm(read()) if self.counts_in_norm else []
+        finally:
+            for p in params:
+                p.grad, p.decoupled_grad = None, None
+
+    def get_main_grads_for_grad_norm(self):  # 0.16
+        return self._shown(super().get_main_grads_for_grad_norm)
+
+    def get_grads_for_grad_norm(self, *args, **kwargs):  # 0.19
+        return self._shown(lambda: super(ParamOffloadOptimizer, self).get_grads_for_grad_norm(
+            *args, **kwargs))
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """This optimizer stepped alone (``step``): its own norm, applied in the step."""
+        self.total_grad_norm = self.get_grad_norm()
+        return self.total_grad_norm
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        if self.config.clip_grad > 0.0 and self.total_grad_norm is not None:
+            grads = [getattr(p, GRAD_ATTR) for p in self.get_parameters()
+                     if getattr(p, GRAD_ATTR, None) is not None]
+            clip_host_grads(grads, self.config.clip_grad, self.total_grad_norm)
         ok = super().step_with_ready_grads()
         self.offload.weights_updated()
         return ok
@@ -113,6 +135,16 @@ class ParamOffloadOptimizer(FP32Optimizer):
         ``--finetune``): the host fp32 masters follow them, and the slots are stale."""
         self.optimizer.reload_model_params()
         self.offload.weights_updated()
+
+
+def clip_host_grads(grads, max_norm: float, total_norm: float) -> None:
+    """Megatron's clipping by a total norm (``clip_grad_by_total_norm_fp32``): every
+    gradient times ``max_norm / (total_norm + 1e-6)`` when that is below 1, in place (the
+    same fp32 products its scale kernel makes)."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for grad in grads:
+            grad.mul_(coeff)
 
 
 def _on_host(grad: torch.Tensor) -> bool:
@@ -133,33 +165,23 @@ def _for_device_norm(grads: list, device=None) -> list:
     return [g for g in grads if not _on_host(g)] + [norms.to(device, non_blocking=True)]
 
 
-def _clipping(original):
-    """Megatron's ``clip_grad_by_total_norm_fp32`` with host gradients scaled on the host by
-    the same coefficient (``max_norm / (total_norm + 1e-6)``, when below 1) and the others
-    passed on; on a CPU-only run everything is passed on."""
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, *args, **kwargs):
-        decoupled = kwargs.get("use_decoupled_grad", args[0] if args else False)
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-
-        def grad_of(p):
-            return getattr(p, "decoupled_grad", None) if decoupled else p.grad
-
-        host = [p for p in params if grad_of(p) is not None and _on_host(grad_of(p))]
-        if host:
-            coeff = max_norm / (total_norm + 1.0e-6)
-            if coeff < 1.0:
-                for p in host:
-                    grad_of(p).mul_(coeff)
-            params = [p for p in params if not any(p is h for h in host)]
-        return original(params, max_norm, total_norm, *args, **kwargs)
-    return clip_grad_by_total_norm_fp32
+def _recording_norm(original):
+    """``ChainedOptimizer.get_grad_norm`` that also hands the norm to its param offload
+    sub-optimizers (they clip their host gradients with it in their step)."""
+    def get_grad_norm(self, *args, **kwargs):
+        norm = original(self, *args, **kwargs)
+        for optimizer in getattr(self, "chained_optimizers", ()):
+            if isinstance(optimizer, ParamOffloadOptimizer):
+                optimizer.total_grad_norm = norm
+        return norm
+    return get_grad_norm
 
 
-CLIP_PATCH = patching.Patch(
-    "megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clipping,
-    expects="Megatron's gradient clipping by a total norm",
-    why="param offload: the experts' host gradients are clipped on the host (Megatron's "
-        "fused scale kernel reads device memory)")
+NORM_PATCH = patching.Patch(
+    "megatron.core.optimizer.optimizer.ChainedOptimizer", "get_grad_norm", _recording_norm,
+    expects="ChainedOptimizer.get_grad_norm",
+    why="param offload: the experts' sub-optimizer clips its host gradients with the chain's "
+        "norm")
 
 
 def _init_state(optimizer, config=None) -> None:
@@ -233,9 +255,15 @@ def wire_optimizer() -> None:
     over offloaded experts is a :class:`ParamOffloadOptimizer`, and Megatron's clipping
     takes host gradients."""
     claim_sub_optimizers(claim)
-    patching.apply(CLIP_PATCH)
+    patching.apply(NORM_PATCH)
+
+
+def release_claim() -> None:
+    """Later sub-optimizer calls are Megatron's again; optimizers built keep their chain's
+    norm handed over (the patch stays: it only acts for a ParamOffloadOptimizer)."""
+    release_sub_optimizers(claim)
 
 
 def unwire_optimizer() -> None:
-    release_sub_optimizers(claim)
-    patching.revert(CLIP_PATCH)
+    release_claim()
+    patching.revert(NORM_PATCH)

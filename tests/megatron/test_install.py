@@ -274,3 +274,4 @@ def test_param_offload_is_wired_by_install(megatron_cpu):
     inst._reset_for_tests()
     assert not patching.is_applied(param_offload.DDP_PATCH)
     assert not param_offload_optimizer.is_wired()
+    assert not patching.is_applied(param_offload_optimizer.NORM_PATCH)
