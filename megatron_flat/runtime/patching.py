@@ -113,6 +113,12 @@ def apply(patch: Patch) -> Any:
         record = _records.get(patch.key)
         # In place on this very owner: nothing to do (a module loaded anew is a new owner).
         if record is not None and record.owner is owner and _current(record) is record.installed:
+            if record.patch != patch:
+                # One seam, one patch: a second one would be a silent no-op here, and its
+                # revert would take the first one out.
+                raise PatchError(f"{patch.owner}.{patch.attribute} is already patched by "
+                                 f"megatron-flat ({record.patch.why}); a second patch there "
+                                 f"({patch.why}) must go through the first")
             return getattr(owner, patch.attribute)
         original = getattr(owner, patch.attribute, _MISSING)
         if patch.classmethod_:
@@ -136,11 +142,14 @@ def apply(patch: Patch) -> Any:
 def revert(patch: Patch) -> bool:
     """Take ``patch`` out: the owner's own entry is what it was before :func:`apply`. False
     (and the patch stays recorded) when something replaced the attribute on top of it since:
-    restoring would drop that too."""
+    restoring would drop that too; False too, touching nothing, when another patch holds the
+    seam."""
     with _lock:
         record = _records.get(patch.key)
         if record is None:
             return True
+        if record.patch != patch:
+            return False  # another patch holds this seam: never take it out
         if _current(record) is not record.installed:
             return False
         if record.own is _MISSING:

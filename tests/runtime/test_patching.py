@@ -98,3 +98,17 @@ def test_a_missing_or_unexpected_seam_is_refused_with_its_name(seam):
     with pytest.raises(patching.PatchError, match="flat_seam.Nowhere"):
         patching.apply(nowhere)
     assert not any(p.owner.startswith("flat_seam") for p in patching.applied())
+
+
+def test_one_seam_takes_one_patch_and_another_cannot_revert_it(seam):
+    """A second, different patch of a patched seam is refused (it would be a silent no-op),
+    and reverting it leaves the first in place."""
+    first = patching.Patch("flat_seam", "double", _plus_one, expects="a function", why="first")
+    second = patching.Patch("flat_seam", "double", _plus_one, expects="a function",
+                            why="second")
+    patching.apply(first)
+    with pytest.raises(patching.PatchError, match=r"already patched by megatron-flat \(first\)"):
+        patching.apply(second)
+    assert not patching.revert(second)
+    assert patching.is_applied(first) and seam.double(3) == 7
+    assert patching.revert(first) and seam.double(3) == 6
