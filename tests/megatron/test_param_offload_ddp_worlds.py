@@ -71,8 +71,10 @@ def test_ddp_step_gradients_are_bitwise_the_buffered_ones(megatron_cpu, world, c
     assert [i for i, (a, b) in enumerate(zip(want[2], got[2])) if not torch.equal(a, b)] == []
 
 
-STEP_CASES = per_world({2: ["ep2-fp32", "ep2-bf16-distopt"],
-                        4: ["ep2-dp2-fp32", "ep2-dp2-distopt"]})
+STEP_CASES = per_world({2: ["ep2-fp32", "ep2-bf16-distopt", "ep2-cp2-fp32"],
+                        4: ["ep2-dp2-fp32", "ep2-dp2-distopt", "ep2-tp2-fp32",
+                            "ep2-pp2-fp32"]})
+SPLITS = {"cp2": dict(cp=2), "tp2": dict(tp=2, etp=1), "pp2": dict(pp=2)}
 FLAT_OPT = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=8, optimizer_offload=True,
                       optimizer_bucket_numel=4096)
 
@@ -92,17 +94,21 @@ def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case)
     """Two steps through Megatron's schedule and optimizer (OffloadStreamAdamW inner
     optimizers; the experts' own ParamOffloadOptimizer with param offload): every loss and
     every parameter after the updates bitwise equal (to fp32 rounding where the distributed
-    optimizer's norm is summed over expert-DP shards)."""
+    optimizer's norm is summed over expert-DP shards), also with CP 2, TP 2 + SP (expert-TP
+    1) and PP 2 (1F1B: each stage's layers offloaded by its own DDP)."""
     import dataclasses
 
     from megatron_flat.megatron.param_offload_optimizer import ParamOffloadOptimizer
 
     overrides = dict(bf16=True, params_dtype=torch.bfloat16) if "bf16" in case else {}
-    tiny = TinyMoE(num_experts=4, topk=2, num_layers=3, global_batch_size=2 * world)
-    layout = Layout(ep=2, recompute="full", distributed_optimizer="distopt" in case)
-    with megatron_layout(ep=2):
+    split = next((v for k, v in SPLITS.items() if k in case), {})
+    tiny = TinyMoE(num_experts=4, topk=2, num_layers=4 if "pp2" in case else 3,
+                   global_batch_size=2 * world)
+    layout = Layout(ep=2, recompute="full", distributed_optimizer="distopt" in case, **split)
+    parallel = dict(ep=2, tp=layout.tp, pp=layout.pp, cp=layout.cp, etp=layout.etp)
+    with megatron_layout(**parallel):
         _, want_losses, want = _train(tiny, layout, overrides, FLAT_OPT)
-    with megatron_layout(ep=2):
+    with megatron_layout(**parallel):
         trainer, losses, got = _train(tiny, layout, overrides,
                                       dataclasses.replace(FLAT_OPT, param_offload=True))
     experts = [o for o in trainer.optimizer.chained_optimizers
