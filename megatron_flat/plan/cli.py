@@ -40,17 +40,24 @@ from megatron_flat.plan.fit import (
     KNOBS,
     TECHNIQUE_NAMES,
     DoesNotFit,
+    HostBinds,
     Reach,
     enabled,
     fit,
     host_budget_per_device,
     max_context,
+    param_offload_host_binds,
+    reach_techniques,
     tightest_report,
 )
 from megatron_flat.plan.layouts import (
+    GPU_COUNTS,
+    LAYOUT_KEYS,
     RUNS,
     SAME_SPEED,
+    WITHOUT_PARAM_OFFLOAD,
     LayoutSearch,
+    fewest_gpus,
     layout_sizes,
     layout_text,
     parse_layout,
@@ -142,6 +149,11 @@ def build_parser(prog: str = "python -m megatron_flat plan") -> argparse.Argumen
                         "megatron-cpu-offload (--optimizer-cpu-offload), fsdp2-offload; "
                         "default auto: the strongest (longest context at its best layout)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--fewest-gpus", action="store_true",
+                   help="instead of the plan: the fewest GPUs (1, 2, 4, ... 1024) on which "
+                        "flat, flat without param offload and each baseline train --seq "
+                        "tokens, with the first layout that fits there (needs --seq; --gpus "
+                        "and fixed sizes are ignored)")
     p.add_argument("--emit-launch", action="store_true",
                    help="print the Megatron-LM launch command of the plan instead of the table: "
                         "torchrun + pretrain_gpt.py with the model's shape, the chosen parallel "
@@ -157,7 +169,7 @@ UNIT_LABELS = {
     "vocab": "projection + loss",
     "boundaries": "attention + SCO copies",
     "optimizer": "optimizer step (per step)",
-    "parameters": "parameter gathers (FSDP2)",
+    "parameters": "parameters (FSDP2, param offload)",
 }
 
 
@@ -214,6 +226,12 @@ def _knob_summary(report: PeakReport, flat: FlatConfig,
                      f"slot{'s' if flat.optimizer_num_slots != 1 else ''} "
                      f"({format_bytes(report.optimizer_device)} staging, "
                      f"{format_bytes(report.optimizer_host)} pinned host per GPU)")
+    if flat.param_offload:
+        lines.append(f"{TECHNIQUE_NAMES['param_offload']}: the routed experts' weights and fp32 "
+                     f"gradients ({report.params_offloaded:,} params) in the host tier "
+                     f"({format_bytes(report.params_host)} pinned host per GPU); on the "
+                     f"device 2 weight + 2 gradient slots of one MoE layer "
+                     f"({format_bytes(report.params_slots)}), fetched one layer ahead")
     if flat.attn_tiles:
         lines.append(f"{TECHNIQUE_NAMES['attn_tiles']}: {flat.attn_tiles:,} gathered tokens a "
                      f"tile ({attn_tiles(report.layout, report.tokens, flat)} tiles per "
@@ -240,6 +258,7 @@ def flat_flags(flat: FlatConfig) -> str:
         "vocab": ("vocab_mode",),
         "sco": ("sco_host_budget_gib", "sco_prefetch"),
         "optimizer_offload": ("optimizer_bucket_numel", "optimizer_num_slots"),
+        "param_offload": (),
         "attn_tiles": (),
         "attn_replay": (),
     }
@@ -321,6 +340,8 @@ class PlanResult:
     # would query-chunked core attention pay here (``plan.query_chunks``); None: no reach
     query_chunks: Optional[QueryChunkAssessment] = None
     not_allowed: Dict[str, str] = field(default_factory=dict)  # on the chosen layout
+    # where the node's host memory keeps param offload from adding reach (None: it does not)
+    param_offload_host: Optional[HostBinds] = None
     attn_replay_why: Optional[str] = None   # why attention replay is off (None: on)
     flat_without_replay: Optional[FlatConfig] = None  # fit's knobs before replay (when on)
 
@@ -406,13 +427,19 @@ class PlanResult:
                            "flat_per_device": r.host_per_device, "available": self.host_bytes},
             "max_context": {"baseline": search.best_reach(self.baseline_name),
                             "flat": search.best_reach("flat"),
-                            "flat_without_attn_tiles": self.reach.flat_without_attn_tiles},
+                            "flat_without_attn_tiles": self.reach.flat_without_attn_tiles,
+                            "flat_without_param_offload":
+                                self.reach.flat_without_param_offload},
             "max_context_on_layout": {"baseline": self.reach.baselines.get(self.baseline_name,
                                                                            0),
                                       "flat": self.reach.flat,
                                       "flat_without_attn_tiles":
-                                          self.reach.flat_without_attn_tiles},
+                                          self.reach.flat_without_attn_tiles,
+                                      "flat_without_param_offload":
+                                          self.reach.flat_without_param_offload},
             "max_context_granularity": self.reach.granularity,
+            "param_offload_host_binds": (self.param_offload_host.as_dict()
+                                         if self.param_offload_host is not None else None),
             "query_chunked_attention": (self.query_chunks.as_dict()
                                         if self.query_chunks is not None else None),
             "baseline_name": self.baseline_name,
@@ -574,9 +601,12 @@ def plan(args: argparse.Namespace) -> PlanResult:
                       global_batch=search.global_batch, baseline_name=name, runs=runs,
                       paper=paper, not_allowed=not_allowed,
                       attn_replay_why=replay_why, flat_without_replay=without_replay,
+                      param_offload_host=param_offload_host_binds(
+                          model, layout, device, host, reach, **kw),
                       query_chunks=query_chunks.assess(
                           model, layout, reach.flat, host, host_margin=HOST_MARGIN,
-                          skew=args.skew, allow=kw["allow"]))
+                          skew=args.skew, allow=reach_techniques(reach, kw["allow"])))
+
 
 
 def _tokens(n: int) -> str:
@@ -639,6 +669,18 @@ def _baselines_section(res: PlanResult) -> List[str]:
     where = f" at its best layout, {layout_text(best.layout)}" if best else ""
     lines = [f"max context: flat {_tokens(s.best_reach('flat'))}{where}; on this layout "
              f"{_tokens(mc.flat)} (multiples of {mc.granularity:,} tokens)"]
+    hb = res.param_offload_host
+    if hb is not None:
+        lines.append(f"param offload: host memory binds on this layout: "
+                     f"{_tokens(hb.reach)} with or without it at "
+                     f"{format_bytes(hb.host_bytes)} per node; with host memory unlimited "
+                     f"flat would reach {_tokens(hb.unlimited_with)} with it "
+                     f"({_tokens(hb.unlimited_without)} without), pinning "
+                     f"{format_bytes(hb.host_per_node_needed)} per node")
+    if mc.flat_without_param_offload != mc.flat:
+        lines.append(f"param offload: on this layout {_tokens(mc.flat)} with it, "
+                     f"{_tokens(mc.flat_without_param_offload)} without it "
+                     f"({mc.flat / max(mc.flat_without_param_offload, 1):.2f}x)")
     qc = res.query_chunks
     if qc is not None:
         verdict = "pays" if qc.pays else f"below the {qc.min_gain:.0%} bar: not built"
@@ -767,8 +809,48 @@ def render_table(res: PlanResult) -> str:
     return "\n".join(lines)
 
 
+def fewest(args: argparse.Namespace) -> dict:
+    """``--fewest-gpus``: the JSON object (``layouts.fewest_gpus`` for every run)."""
+    if args.seq is None:
+        raise PlanError("--fewest-gpus needs --seq (the sequence length to train)")
+    if args.emit_launch:
+        raise PlanError("--fewest-gpus prints no launch line; drop --emit-launch")
+    model = load_model(args.model)
+    seq = parse_tokens(args.seq)
+    device = parse_bytes(args.gpu_mem)
+    host = parse_bytes(args.host_mem) if args.host_mem is not None else None
+    allow = tuple(t for t in KNOBS if t not in set(args.without))
+    found = fewest_gpus(model, seq, device, host, gpus_per_node=args.gpus_per_node,
+                        micro_batch_size=args.micro_batch_size, allow=allow,
+                        margin=args.margin, host_margin=HOST_MARGIN, skew=args.skew)
+    return {"model": model.name, "seq_len": seq, "device_bytes": device, "host_bytes": host,
+            "gpus_per_node": args.gpus_per_node, "gpu_counts": list(GPU_COUNTS),
+            "fewest_gpus": {run: f.as_dict() for run, f in found.items()}}
+
+
+def render_fewest(out: dict) -> str:
+    host = format_bytes(out["host_bytes"]) if out["host_bytes"] else "not limited"
+    lines = [f"fewest GPUs for {format_tokens(out['seq_len'])} tokens of {out['model']} "
+             f"({format_bytes(out['device_bytes'])} per GPU, host {host} per node of "
+             f"{out['gpus_per_node']}; tried {', '.join(map(str, out['gpu_counts']))}):"]
+    labels = {"flat": "megatron-flat", WITHOUT_PARAM_OFFLOAD: "megatron-flat, no param offload"}
+    for run, row in out["fewest_gpus"].items():
+        where = (f"{row['gpus']:>5d}   {layout_text(Layout(**{k: row[k] for k in LAYOUT_KEYS}))}"
+                 if row["gpus"] else f"{'none':>5s}   fits on none of them")
+        lines.append(f"  {labels.get(run, run):33s}{where}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None, prog: str = "python -m megatron_flat plan") -> int:
     args = build_parser(prog).parse_args(argv)
+    if args.fewest_gpus:
+        try:
+            out = fewest(args)
+        except PlanError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(out, indent=2) if args.json else render_fewest(out))
+        return 0
     try:
         out = plan(args)
         if args.emit_launch:

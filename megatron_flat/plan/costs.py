@@ -534,16 +534,45 @@ def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
         tensors = 12 * max(count, 1)
         return ({"mem_bytes": mem, "ops": OPS_ADAM_PER_TENSOR * tensors},
                 overlap_for("optimizer", "stock"))
+    h2d, d2h = OFFLOAD_H2D_BYTES_PER_PARAM * shard, OFFLOAD_D2H_BYTES_PER_PARAM * shard
+    experts = report.params_offloaded
+    if experts:
+        # Param offload: the experts' sub-optimizer steps all local experts (not their
+        # expert-DP shard), uploads each fp32 gradient from the host tier beside master, m
+        # and v, and writes the new weight back to the host tier.
+        sharded = _expert_shard(model, layout, report)
+        shard += experts - sharded
+        mem = ADAM_MEM_BYTES_PER_PARAM * shard
+        h2d += (OFFLOAD_H2D_BYTES_PER_PARAM + 4) * experts \
+            - OFFLOAD_H2D_BYTES_PER_PARAM * sharded
+        d2h += (OFFLOAD_D2H_BYTES_PER_PARAM + model.bytes_per_value) * experts \
+            - OFFLOAD_D2H_BYTES_PER_PARAM * sharded
     buckets = max(1, math.ceil(shard / flat.optimizer_bucket_numel))
-    return ({"mem_bytes": mem, "h2d_bytes": OFFLOAD_H2D_BYTES_PER_PARAM * shard,
-             "d2h_bytes": OFFLOAD_D2H_BYTES_PER_PARAM * shard,
+    return ({"mem_bytes": mem, "h2d_bytes": h2d, "d2h_bytes": d2h,
              "ops": OPS_ADAM_PER_BUCKET * buckets},
             overlap_for("optimizer", "flat", buckets))
 
 
+def _expert_shard(model: ModelSpec, layout: Layout, report: PeakReport) -> int:
+    """The experts' part of ``_shard``'s P_s (their expert-DP shard where the optimizer is
+    distributed)."""
+    first, count = stage_layers(model, layout)[report.stage]
+    p = stage_params(model, layout, first, count, report.stage == 0,
+                     report.stage == layout.pp - 1)
+    return math.ceil(p["expert"] / layout.expert_dp) if layout.distributed_optimizer \
+        else p["expert"]
+
+
 def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
                 beside_flops: float) -> Tuple[dict, Overlap]:
-    """FSDP2's parameter traffic of one microbatch (``fsdp2-offload`` only; empty otherwise).
+    """The parameters' traffic of one microbatch: param offload's or FSDP2's (empty
+    otherwise).
+
+    Param offload (``plan.param_offload``): h2d = (2·b + 4)·P_e, d2h = 4·P_e (P_e the routed
+    experts on this GPU; the bound after the first microbatch), on the copy streams beside
+    every layer's compute, one MoE layer fetched ahead (stages: the stage's MoE layers).
+
+    FSDP2:
 
     With P_d, P_e this GPU's dense and expert parameters (its TP/EP share, gathered) and
     s_d = DP·CP, s_e = TP·CP·DP/EP their shard groups::
@@ -557,6 +586,14 @@ def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
     microbatch), one layer prefetched. The collectives are priced at the intra-node link's
     bandwidth, which favours FSDP2 where its shard group spans nodes.
     """
+    if report.params_offloaded:
+        from megatron_flat.plan import param_offload
+
+        term = param_offload.term(model, layout, report.params_offloaded, 1)
+        h2d, d2h = term.microbatch_bytes()
+        base = overlap_for("parameters", "flat", max(1, _moe_layers(model, layout,
+                                                                    report.stage)))
+        return {"h2d_bytes": h2d, "d2h_bytes": d2h}, replace(base, beside_flops=beside_flops)
     if report.baseline != "fsdp2-offload":
         return {}, overlap_for("parameters", "stock")
     first, count = stage_layers(model, layout)[report.stage]

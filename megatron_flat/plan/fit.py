@@ -43,6 +43,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 from megatron_flat.config import GIB, FlatConfig
 from megatron_flat.plan.baselines import BASELINES, allowed
 from megatron_flat.plan.costs import ATTN_TILE_TOKENS
+from megatron_flat.plan import param_offload as po_term
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 from megatron_flat.plan.peaks import (
     DEFAULT_SKEW,
@@ -52,21 +53,24 @@ from megatron_flat.plan.peaks import (
     usable,
 )
 
-TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload", "attn_tiles")
+TECHNIQUES = ("dispatch", "vocab", "sco", "optimizer_offload", "attn_tiles", "param_offload")
+# Param offload runs only beside these (``FlatConfig`` refuses it alone).
+NEEDS = {"param_offload": ("dispatch", "optimizer_offload")}
 # Knobs that only save time: fit turns them on after the memory techniques, where they fit.
 SPEED_KNOBS = ("attn_replay",)
 # What ``allow`` may name (every one by default).
 KNOBS = TECHNIQUES + SPEED_KNOBS
 TECHNIQUE_NAMES = {"dispatch": "PipelinedLLEP", "vocab": "Ring-DTP", "sco": "SCO",
                    "optimizer_offload": "OffloadStreamAdamW", "attn_tiles": "attention tiles",
-                   "attn_replay": "attention replay"}
+                   "attn_replay": "attention replay", "param_offload": "param offload"}
 BUCKET_LADDER = (100_000_000, 50_000_000, 25_000_000, 10_000_000, 5_000_000, 1_000_000)
 MIN_CHUNK_TOKENS = 1024  # smallest per-source chunk fit will choose (GEMM efficiency)
 MIB = 1 << 20
 # What turning a technique on sets in FlatConfig.
 SWITCH_ON = {"dispatch": {"dispatch": "pipelined"}, "vocab": {"vocab": True},
              "sco": {"sco": True}, "optimizer_offload": {"optimizer_offload": True},
-             "attn_tiles": {"attn_tiles": ATTN_TILE_TOKENS}}
+             "attn_tiles": {"attn_tiles": ATTN_TILE_TOKENS},
+             "param_offload": {"param_offload": True}}
 
 
 def enabled(flat: Optional[FlatConfig], technique: str) -> bool:
@@ -80,8 +84,13 @@ def enabled(flat: Optional[FlatConfig], technique: str) -> bool:
 
 def applies(technique: str, layout: Layout) -> bool:
     """Whether ``technique`` can run on ``layout``: the attention tiles need sequence
-    parallelism over TP > 1 (``install`` refuses them otherwise); the others always can."""
-    return technique != "attn_tiles" or gathers_sequence(layout)
+    parallelism over TP > 1, param offload expert parallelism (``install`` refuses them
+    otherwise); the others always can."""
+    if technique == "attn_tiles":
+        return gathers_sequence(layout)
+    if technique == "param_offload":
+        return po_term.applies(layout) is None
+    return True
 
 
 class DoesNotFit(PlanError):
@@ -121,13 +130,14 @@ class Reach:
     not even ``granularity`` tokens fit. ``baseline``: stock Megatron's; ``baselines``: every
     baseline the layout allows (``plan.baselines``), by name; ``flat_without_attn_tiles``:
     flat's reach with the attention tiles not allowed (``flat`` where they do not apply or
-    were not allowed anyway)."""
+    were not allowed anyway); ``flat_without_param_offload``: the same for param offload."""
 
     baseline: int
     flat: int
     granularity: int
     baselines: Dict[str, int] = field(default_factory=dict)
     flat_without_attn_tiles: int = 0
+    flat_without_param_offload: int = 0
 
     def strongest(self) -> Optional[str]:
         """The baseline reaching furthest (first in ``BASELINES`` order on ties)."""
@@ -170,7 +180,8 @@ class _Planner:
         self.budget = usable(device_bytes, margin)
         self.host_budget = host_budget_per_device(layout, host_bytes, host_margin)
         self.min_chunk = max(1, int(min_chunk_tokens))
-        self.allow = tuple(t for t in TECHNIQUES if t in allow and applies(t, layout))
+        chosen = [t for t in TECHNIQUES if t in allow and applies(t, layout)]
+        self.allow = tuple(t for t in chosen if all(n in chosen for n in NEEDS.get(t, ())))
         self.replay_allowed = "attn_replay" in allow
 
     # -- predicates -----------------------------------------------------------------------
@@ -183,10 +194,15 @@ class _Planner:
         return report.total <= self.budget and host_ok
 
     def subsets(self) -> Iterable[Tuple[str, ...]]:
+        """Subsets of the allowed techniques in the order ``fit`` tries them: those of the
+        first five, fewest first, cheapest first; then those with param offload (the sixth,
+        tried only when the five cannot hold the step), each with what it needs."""
         rank = {t: i for i, t in enumerate(TECHNIQUES)}
         subs = [s for r in range(1, len(self.allow) + 1)
-                for s in itertools.combinations(self.allow, r)]
-        return sorted(subs, key=lambda s: (len(s), sum(rank[t] for t in s)))
+                for s in itertools.combinations(self.allow, r)
+                if all(n in s for t in s for n in NEEDS.get(t, ()))]
+        return sorted(subs, key=lambda s: ("param_offload" in s, len(s),
+                                           sum(rank[t] for t in s)))
 
     # -- smallest-memory setting of a subset ---------------------------------------------
     def tightest(self, seq: int, techniques: Sequence[str]) -> Optional[FlatConfig]:
@@ -197,9 +213,10 @@ class _Planner:
         probe = self.estimate(seq, FlatConfig(**kw, optimizer_bucket_numel=BUCKET_LADDER[-1],
                                               optimizer_num_slots=1))
         if "optimizer_offload" in techniques:
-            if probe.optimizer_host > host_left:
+            # Param offload's host tier goes with the optimizer state: both all or nothing.
+            if probe.optimizer_host + probe.params_host > host_left:
                 return None
-            host_left -= probe.optimizer_host
+            host_left -= probe.optimizer_host + probe.params_host
             kw.update(optimizer_bucket_numel=BUCKET_LADDER[-1], optimizer_num_slots=1)
         if "dispatch" in techniques:
             c = self.min_chunk
@@ -408,9 +425,10 @@ def tightest_report(model: ModelSpec, layout: Layout, seq_len: int,
     planner = _Planner(model, layout, 1, host_bytes, 0.0, host_margin, skew, min_chunk_tokens,
                        allow)
     cfg = planner.tightest(seq_len, planner.allow)
-    if cfg is None:
-        cfg = planner.tightest(seq_len, tuple(t for t in planner.allow
-                                              if t != "optimizer_offload"))
+    for dropped in (("param_offload",), ("param_offload", "optimizer_offload")):
+        if cfg is not None:
+            break
+        cfg = planner.tightest(seq_len, tuple(t for t in planner.allow if t not in dropped))
     return planner.estimate(seq_len, cfg)
 
 
@@ -434,6 +452,9 @@ def _no_fit(planner: _Planner, seq: int, baseline: PeakReport) -> Tuple[str, Pea
     if not enabled(best.flat, "optimizer_offload"):
         if "optimizer_offload" in planner.allow:
             parts.append("the host cannot hold the optimizer state")
+    elif "param_offload" in planner.allow and not enabled(best.flat, "param_offload"):
+        parts.append("the host cannot hold the routed experts' weights and gradients beside "
+                     "the optimizer state (param offload)")
     parts.append("try more GPUs, a larger CP/EP, or a shorter sequence")
     return "; ".join(parts), best
 
@@ -522,13 +543,73 @@ def max_context(model: ModelSpec, layout: Layout, device_bytes: int,
                              min_chunk_tokens=min_chunk_tokens, allow=allow)
     reach = {name: bisect_reach(fits, g, limit) for name, fits in preds.items()}
     flat = reach.pop("flat")
-    without = flat
-    if "attn_tiles" in allow and applies("attn_tiles", layout):
-        untiled = reach_predicates(model, layout, device_bytes, host_bytes, margin=margin,
-                                   host_margin=host_margin, skew=skew,
-                                   min_chunk_tokens=min_chunk_tokens,
-                                   allow=[t for t in allow if t != "attn_tiles"])["flat"]
-        # Tiles never shorten the reach: what fits without them fits with them.
-        without = bisect_reach(untiled, g, min(limit, flat)) if flat else 0
+
+    def without(technique: str) -> int:
+        if technique not in allow or not applies(technique, layout) or not flat:
+            return flat
+        fits = reach_predicates(model, layout, device_bytes, host_bytes, margin=margin,
+                                host_margin=host_margin, skew=skew,
+                                min_chunk_tokens=min_chunk_tokens,
+                                allow=[t for t in allow if t != technique])["flat"]
+        # A technique never shortens the reach: what fits without it fits with it.
+        return bisect_reach(fits, g, min(limit, flat))
     return Reach(baseline=reach["megatron"], flat=flat, granularity=g, baselines=reach,
-                 flat_without_attn_tiles=without)
+                 flat_without_attn_tiles=without("attn_tiles"),
+                 flat_without_param_offload=without("param_offload"))
+
+
+def reach_techniques(reach: Reach, allow: Sequence[str] = KNOBS) -> Tuple[str, ...]:
+    """The techniques flat's reach runs with: ``allow`` less param offload where it adds no
+    reach (where the node's host memory binds, the smallest-memory setting with it is not
+    what runs at the reach)."""
+    if reach.flat_without_param_offload >= reach.flat:
+        return tuple(t for t in allow if t != "param_offload")
+    return tuple(allow)
+
+
+@dataclass(frozen=True)
+class HostBinds:
+    """Where param offload adds no reach because the node's pinned host memory binds: the
+    reach with and without it when host memory is not limited, and the host memory per node
+    the step at that reach pins (with it)."""
+
+    reach: int                  # with or without param offload at the given host memory
+    unlimited_with: int
+    unlimited_without: int
+    host_per_node_needed: int   # pinned host per node at ``unlimited_with``
+    host_bytes: int             # the node's host memory given
+
+    def as_dict(self) -> dict:
+        return {"reach": self.reach, "unlimited_host_with": self.unlimited_with,
+                "unlimited_host_without": self.unlimited_without,
+                "host_per_node_needed": self.host_per_node_needed,
+                "host_bytes": self.host_bytes}
+
+
+def param_offload_host_binds(model: ModelSpec, layout: Layout, device_bytes: int,
+                             host_bytes: Optional[int], reach: Reach, *, margin: float = 0.1,
+                             host_margin: float = 0.1, skew: float = DEFAULT_SKEW,
+                             min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+                             allow: Sequence[str] = KNOBS,
+                             limit: int = 1 << 30) -> Optional[HostBinds]:
+    """``HostBinds`` where param offload is allowed on ``layout`` and adds no reach while it
+    would with host memory unlimited (the node's pinned memory binds); else None."""
+    if host_bytes is None or "param_offload" not in allow or \
+            not applies("param_offload", layout) or not reach.flat or \
+            reach.flat > reach.flat_without_param_offload:
+        return None
+    g = reach.granularity
+    kw = dict(margin=margin, host_margin=host_margin, skew=skew,
+              min_chunk_tokens=min_chunk_tokens)
+
+    def unlimited(techniques: Sequence[str]) -> int:
+        fits = reach_predicates(model, layout, device_bytes, None, allow=techniques,
+                                **kw)["flat"]
+        return bisect_reach(fits, g, limit, known=reach.flat)
+    with_ = unlimited(allow)
+    if with_ <= reach.flat:
+        return None  # the device binds, not the host
+    without = unlimited([t for t in allow if t != "param_offload"])
+    report = fit(model, layout, with_, device_bytes, None, allow=allow, **kw).report
+    return HostBinds(reach=reach.flat, unlimited_with=with_, unlimited_without=without,
+                     host_per_node_needed=report.host_per_node, host_bytes=host_bytes)

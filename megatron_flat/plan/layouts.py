@@ -57,9 +57,10 @@ from megatron_flat.plan.model import Layout, ModelSpec, PlanError, check_layout
 from megatron_flat.plan.peaks import DEFAULT_SKEW, PeakReport, estimate
 from megatron_flat.plan.time import Prediction, predict
 
-__all__ = ["LAYOUT_KEYS", "RUNS", "SAME_SPEED", "TOP", "LayoutSearch", "Ranked",
-           "candidate_layouts", "check_fixed", "layout_sizes", "layout_text", "parse_layout",
-           "preference", "search_layouts", "step_seconds", "unit_times"]
+__all__ = ["GPU_COUNTS", "LAYOUT_KEYS", "RUNS", "SAME_SPEED", "TOP", "Fewest", "LayoutSearch",
+           "Ranked", "candidate_layouts", "check_fixed", "fewest_gpus", "layout_sizes",
+           "layout_text", "parse_layout", "preference", "search_layouts", "step_seconds",
+           "unit_times"]
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "ep", "dp")
 TOP = 3  # layouts listed per run
@@ -505,3 +506,58 @@ def _time(model, layout, seq_len, device_bytes, host_bytes, flat_fits, *, device
     chosen = fit(model, layout, seq_len, device_bytes, host_bytes, device=device, **kw)
     times = unit_times(model, layout, chosen.report, chosen.flat, device)
     return Ranked(layout, 0, step_seconds(times, microbatches, layout.pp), microbatches)
+
+
+# ------------------------------------------------------------------------ fewest GPUs
+
+GPU_COUNTS = tuple(1 << i for i in range(11))  # 1, 2, 4, ... 1024: what fewest_gpus tries
+WITHOUT_PARAM_OFFLOAD = "flat_without_param_offload"
+
+
+@dataclass(frozen=True)
+class Fewest:
+    """The fewest GPUs (of ``GPU_COUNTS``) on which one run's step fits a sequence, and the
+    first layout (``preference`` order) it fits there; ``gpus`` 0: none of them."""
+
+    run: str
+    gpus: int
+    layout: Optional[Layout]
+
+    def as_dict(self) -> dict:
+        out: dict = {"gpus": self.gpus or None}
+        if self.layout is not None:
+            out.update(layout_sizes(self.layout))
+        return out
+
+
+def fewest_gpus(model: ModelSpec, seq_len: int, device_bytes: int,
+                host_bytes: Optional[int] = None, *, counts: Sequence[int] = GPU_COUNTS,
+                gpus_per_node: int = 8, micro_batch_size: int = 1,
+                allow: Sequence[str] = KNOBS, **kw) -> Dict[str, Fewest]:
+    """For flat, flat without param offload and every baseline: the fewest GPUs of
+    ``counts`` (tried in ascending order) with a layout on which the run's step fits
+    ``seq_len`` tokens, by the same predicates as the reach (``fit.reach_predicates``: one
+    probe per layout, no bisection). ``kw``: margin, host_margin, skew, min_chunk_tokens.
+    """
+    runs = ("flat", WITHOUT_PARAM_OFFLOAD) + BASELINES
+    found: Dict[str, Fewest] = {}
+    without = tuple(t for t in allow if t != "param_offload")
+    for gpus in sorted(set(int(c) for c in counts)):
+        if len(found) == len(runs):
+            break
+        try:
+            layouts = candidate_layouts(model, gpus, gpus_per_node=gpus_per_node,
+                                        micro_batch_size=micro_batch_size)
+        except PlanError:
+            continue
+        for layout in layouts:
+            if len(found) == len(runs) or not _splits(model, layout, seq_len):
+                continue
+            preds = reach_predicates(model, layout, device_bytes, host_bytes, allow=allow, **kw)
+            if WITHOUT_PARAM_OFFLOAD not in found:
+                preds[WITHOUT_PARAM_OFFLOAD] = reach_predicates(
+                    model, layout, device_bytes, host_bytes, allow=without, **kw)["flat"]
+            for run in runs:
+                if run not in found and run in preds and preds[run](seq_len):
+                    found[run] = Fewest(run, gpus, layout)
+    return {run: found.get(run, Fewest(run, 0, None)) for run in runs}

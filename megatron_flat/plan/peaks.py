@@ -11,6 +11,8 @@ forward and before its backward), and the attention/other activations of the lay
 recomputed are live during that layer's MoE transient, hence ``dispatch + other``. With
 attention replay, SCO's pool also holds each layer's core-attention output and log-sum-exp
 (``sco_pool``), and the one restored ahead of its layer counts with the boundaries on device.
+With param offload, weights and grads hold the dense state plus two slots of one MoE layer's
+experts, and the rest of the experts' state is host memory (``plan.param_offload``).
 
 Symbols (per device, one microbatch unless noted):
 
@@ -42,6 +44,7 @@ from typing import Dict, Optional
 from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.plan import num_chunks
 from megatron_flat.plan import baselines
+from megatron_flat.plan import param_offload as po_term
 from megatron_flat.plan.baselines import ADAM_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM_FP32  # noqa
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError, check_layout, stage_layers
 
@@ -157,6 +160,9 @@ class PeakReport:
     replay_kept: int = 0        # of boundaries_held, layers whose O + LSE replay keeps on host
     replay_device: int = 0      # of boundaries_device, the O + LSE restored ahead of its layer
     replay_off: Optional[str] = None  # why replay, asked for, keeps nothing (None otherwise)
+    params_host: int = 0        # param offload: the host tier's expert weights + fp32 grads
+    params_slots: int = 0       # of weights + grads, param offload's device slots
+    params_offloaded: int = 0   # routed-expert parameters param offload keeps on the host
 
     @property
     def optimizer(self) -> int:
@@ -192,10 +198,11 @@ class PeakReport:
 
     @property
     def host_per_device(self) -> int:
-        """Host memory this device's rank holds: SCO's pool + optimizer state, as allocated
-        (megatron-flat's host tier pins exactly what it asks for; a baseline's pinned
-        tensors are rounded up by torch's caching host allocator)."""
-        return self.boundaries_host + self.optimizer_host
+        """Host memory this device's rank holds: SCO's pool + optimizer state + param
+        offload's expert weights and gradients, as allocated (megatron-flat's host tier pins
+        exactly what it asks for; a baseline's pinned tensors are rounded up by torch's
+        caching host allocator)."""
+        return self.boundaries_host + self.optimizer_host + self.params_host
 
     @property
     def host_per_node(self) -> int:
@@ -755,7 +762,7 @@ def largest_param(model: ModelSpec, layout: Layout, first: int, count: int,
 
 
 def optimizer_step_term(model: ModelSpec, layout: Layout, shards, biggest,
-                        flat: Optional[FlatConfig]) -> int:
+                        flat: Optional[FlatConfig], staged_grads: bool = False) -> int:
     """What the meter's "optimizer step" section sees on the device in the first step: the
     state each sub-optimizer allocates there plus its AdamW kernel's scratch; clipping
     comes first, alone.
@@ -773,16 +780,20 @@ def optimizer_step_term(model: ModelSpec, layout: Layout, shards, biggest,
     (unfused: 8 B × the largest piece of one bucket, ≤ min(bucket, largest parameter);
     fused kernels on CUDA: torch's fused kernel, none). Unfused clipping scales each
     gradient into an fp32 temporary (4 B × the largest parameter) before the update starts.
+    ``staged_grads``: the last sub-optimizer (param offload's experts) also stages its fp32
+    gradients from the host (16 B per staged parameter).
     """
     shards = [shards] if isinstance(shards, int) else list(shards)
     biggests = [biggest] * len(shards) if isinstance(biggest, int) else list(biggest)
     offload = bool(flat and flat.optimizer_offload)
     running = peak = 0
-    for shard, big in zip(shards, biggests):
+    for i, (shard, big) in enumerate(zip(shards, biggests)):
         piece = min(big, shard)
         if offload:
             bucket = min(flat.optimizer_bucket_numel, shard)
-            running += flat.optimizer_num_slots * bucket * STAGING_BYTES_PER_PARAM
+            per = po_term.STAGING_BYTES_PER_PARAM if staged_grads and i == len(shards) - 1 \
+                else STAGING_BYTES_PER_PARAM
+            running += flat.optimizer_num_slots * bucket * per
             piece = min(piece, bucket)
         else:
             running += shard * ADAM_BYTES_PER_PARAM_FP32
@@ -863,22 +874,44 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     # One inner optimizer per Megatron sub-optimizer (dense, expert), each with its own
     # staging: slots × min(bucket, its shard) × 12 B. Without OffloadStreamAdamW the terms
     # are the baseline's (``plan.baselines``; stock Megatron when flat is given).
+    # Param offload (``plan.param_offload``): the routed experts' weights and fp32 gradients
+    # in the host tier, two slots of one layer's on the device; their sub-optimizer steps
+    # every local expert (unsharded over expert-DP) with 16 B/param of staging.
     p = stage_params(model, layout, first, count, first_stage, last_stage)
     params = p["dense"] + p["expert"]
     shards = _sub_optimizer_shards(p, layout)
+    offload_term = _param_offload_term(model, layout, flat, p, first, count)
+    if offload_term is not None:
+        shards = [math.ceil(p["dense"] / layout.dense_dp) if layout.distributed_optimizer
+                  else p["dense"], p["expert"]]
     shard = sum(shards)
     vocab_extra = 0
+    params_host = params_slots = 0
     if flat is not None and flat.optimizer_offload:
-        weights = params * b
-        grads = params * (4 if layout.grad_fp32 else b)
-        optimizer_device = flat.optimizer_num_slots * STAGING_BYTES_PER_PARAM * sum(
-            min(flat.optimizer_bucket_numel, n) for n in shards)
+        g = 4 if layout.grad_fp32 else b
+        weights, grads = params * b, params * g
+        slots, bucket = flat.optimizer_num_slots, flat.optimizer_bucket_numel
         master_on_host = b < 4 and layout.distributed_optimizer
-        optimizer_host = shard * (HOST_BYTES_PER_PARAM if master_on_host
-                                  else HOST_BYTES_PER_PARAM_FP32)
+        host_per = HOST_BYTES_PER_PARAM if master_on_host else HOST_BYTES_PER_PARAM_FP32
+        if offload_term is None:
+            optimizer_device = slots * STAGING_BYTES_PER_PARAM * sum(min(bucket, n)
+                                                                     for n in shards)
+            optimizer_host = shard * host_per
+            master_device = shard
+        else:
+            dense_shard = shards[0]
+            weights = p["dense"] * b + offload_term.device_weights
+            grads = p["dense"] * g + offload_term.device_grads
+            optimizer_device = slots * STAGING_BYTES_PER_PARAM * min(bucket, dense_shard) \
+                + offload_term.staging(slots, bucket)
+            optimizer_host = dense_shard * host_per + offload_term.optimizer_host
+            params_host = offload_term.host_bytes
+            params_slots = offload_term.device_weights + offload_term.device_grads
+            master_device = dense_shard  # the experts' masters are on the host either way
         if b < 4 and not master_on_host:
-            optimizer_device += shard * MASTER_BYTES_PER_PARAM
-        host_pinned = boundaries_host + optimizer_host  # the host tier pins exactly this
+            optimizer_device += master_device * MASTER_BYTES_PER_PARAM
+        # the host tier pins exactly this
+        host_pinned = boundaries_host + optimizer_host + params_host
     else:
         if baseline != "megatron" and flat is not None and flat.any_enabled:
             raise PlanError(f"baseline {baseline!r} is what runs without megatron-flat: "
@@ -920,7 +953,8 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         METER_DISPATCH: dispatch,
         METER_VOCAB: int(math.ceil(v["section"])),
         METER_BOUNDARIES: _held_at_exit(count, offloaded, B, fixed),
-        METER_OPTIMIZER: optimizer_step_term(model, layout, shards, biggest, flat),
+        METER_OPTIMIZER: optimizer_step_term(model, layout, shards, biggest, flat,
+                                             staged_grads=offload_term is not None),
         METER_ATTENTION: attention_block_section(model, layout, n, n_sp, tiles) if count else 0,
         METER_GATHER_BUFFER: sp_gather_buffer(model, layout, n, tiles, buffer_kept),
     }
@@ -940,7 +974,21 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         baseline=baseline, host_pinned=host_pinned, replay_bytes=slot, replay_kept=replay_kept,
         replay_device=replay_device,
         replay_off=replay_off if flat is not None and flat.attn_replay else None,
+        params_host=params_host, params_slots=params_slots,
+        params_offloaded=offload_term.expert_params if offload_term is not None else 0,
     )
+
+
+def _param_offload_term(model, layout, flat, p, first, count):
+    """The stage's param offload term, None when it is off or the stage has no experts;
+    ``PlanError`` where it cannot run (``plan.param_offload.applies``)."""
+    if flat is None or not getattr(flat, "param_offload", False):
+        return None
+    why = po_term.applies(layout, model)
+    if why:
+        raise PlanError(f"param offload {why}")
+    moe = sum(1 for i in range(first, first + count) if model.is_moe_layer(i))
+    return po_term.term(model, layout, p["expert"], moe)
 
 
 def replay_slot(model: ModelSpec, layout: Layout, n: int) -> int:

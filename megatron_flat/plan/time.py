@@ -179,6 +179,11 @@ OVERLAPS[("parameters", "fsdp2-offload")] = Overlap(
     why="FSDP2: the next layer's shard upload and all-gather (forward, recompute, backward) "
         "and the previous layer's reduce-scatter and gradient download run beside the "
         "current layer's compute (one layer prefetched)")
+OVERLAPS[("parameters", "flat")] = Overlap(
+    copy_hidden=1.0,
+    why="param offload: the next MoE layer's expert weights go up on the h2d stream while the "
+        "current layer computes (forward, recompute, backward), each layer's fp32 gradient "
+        "comes down on the d2h stream as its backward ends; the first fetch is exposed")
 OVERLAPS[("moe-recompute", "stock")] = OVERLAPS[("moe", "stock")]
 OVERLAPS[("moe-recompute", "flat")] = OVERLAPS[("moe", "flat")]
 

@@ -58,12 +58,20 @@ def test_json_is_one_object_with_the_documented_shape(capsys):
             + max(data[column]["dispatch"] + data[column]["other"], data[column]["vocab"])
     assert set(data["binding"]) == {"baseline", "flat"}
     assert data["binding"]["baseline"] in KEYS - {"total"}
-    assert set(data["max_context"]) == {"baseline", "flat", "flat_without_attn_tiles"}
+    assert set(data["max_context"]) == {"baseline", "flat", "flat_without_attn_tiles",
+                                        "flat_without_param_offload"}
     assert data["max_context"]["flat"] > data["max_context"]["baseline"]
     # Both reaches at the chosen layout: tiles can only lengthen it.
     on_layout = data["max_context_on_layout"]
     assert 0 < on_layout["flat_without_attn_tiles"] <= on_layout["flat"]
     assert data["max_context"]["flat_without_attn_tiles"] == on_layout["flat_without_attn_tiles"]
+    # paper-667b on 64 GPUs: the node's host memory binds param offload (same reach without
+    # it), and the plan says by how much.
+    assert on_layout["flat_without_param_offload"] == on_layout["flat"]
+    binds = data["param_offload_host_binds"]
+    assert binds["reach"] == on_layout["flat"] and binds["host_bytes"] == 2 << 40
+    assert binds["unlimited_host_with"] > binds["unlimited_host_without"] >= binds["reach"]
+    assert binds["host_per_node_needed"] > 2 << 40
     assert data["knobs"]["optimizer_offload"] is True and "flags" in data["knobs"]
     assert data["host_bytes"]["available"] == 2 << 40
     assert data["host_bytes"]["flat"] <= 2 << 40
@@ -113,12 +121,12 @@ def test_all_on_shows_every_technique_at_its_smallest_setting(capsys):
 
 
 def test_does_not_fit_is_reported_not_raised(capsys):
-    rc, out, _ = run(capsys, ["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "40GiB",
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "8GiB",
                               "--host-mem", "2TiB"])
     assert rc == 0
     assert "does not fit: paper-667b at 1,048,576 tokens does not fit" in out
     assert "smallest-memory setting" in out
-    rc, out, _ = run(capsys, ["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "40GiB",
+    rc, out, _ = run(capsys, ["--model", "paper-667b", "--seq", "1M", "--gpu-mem", "8GiB",
                               "--json"])
     data = json.loads(out)
     assert data["fits"]["flat"] is False and "does not fit" in data["error"]

@@ -16,7 +16,7 @@ from megatron_flat.plan import (
     max_context,
     preset,
 )
-from megatron_flat.plan.fit import enabled, host_budget_per_device, seq_granularity
+from megatron_flat.plan.fit import KNOBS, enabled, host_budget_per_device, seq_granularity
 
 GPU = 141 << 30
 HOST = 2 << 40
@@ -100,8 +100,14 @@ def test_fit_respects_the_host_memory(paper667):
 def test_fit_refuses_with_a_clear_message_when_nothing_fits(paper667):
     model, layout = paper667
     with pytest.raises(DoesNotFit, match=r"paper-667b at 1,048,576 tokens does not fit: even with "
-                                         r"PipelinedLLEP, Ring-DTP, SCO, OffloadStreamAdamW"):
-        fit(model, layout, MILLION, 40 << 30, HOST)
+                                         r"PipelinedLLEP, Ring-DTP, SCO, OffloadStreamAdamW, "
+                                         r"attention tiles, param offload at their smallest"):
+        fit(model, layout, MILLION, 8 << 30, HOST)
+    # 40 GiB: only param offload holds it (its experts' 62 GiB of state go to the host).
+    assert "param_offload" in fit(model, layout, MILLION, 40 << 30, HOST).enabled
+    without = tuple(k for k in KNOBS if k != "param_offload")
+    with pytest.raises(DoesNotFit, match="OffloadStreamAdamW, attention tiles at their"):
+        fit(model, layout, MILLION, 40 << 30, HOST, allow=without)
     # Only some techniques allowed.
     with pytest.raises(DoesNotFit, match="even with PipelinedLLEP, Ring-DTP at their"):
         fit(model, layout, MILLION, GPU, HOST, allow=("dispatch", "vocab"))

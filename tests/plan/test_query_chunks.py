@@ -8,6 +8,7 @@ import pytest
 
 from megatron_flat.plan import Layout, ModelSpec, max_context, preset
 from megatron_flat.plan.cli import main
+from megatron_flat.plan.fit import reach_techniques
 from megatron_flat.plan.layouts import search_layouts
 from megatron_flat.plan.query_chunks import QUERY_CHUNK_MIN_GAIN, assess, net_saving_per_token
 
@@ -33,8 +34,9 @@ def test_net_saving_is_rotated_q_less_fp32_dk_dv():
 def test_the_paper_presets_gain_about_three_percent(name, gpus):
     model = preset(name)
     search = search_layouts(model, gpus, 141 << 30, 2 << 40, seq_len=1 << 20)
-    reach = max_context(model, search.chosen, 141 << 30, 2 << 40).flat
-    verdict = assess(model, search.chosen, reach, 2 << 40)
+    reach = max_context(model, search.chosen, 141 << 30, 2 << 40)
+    # at the reach's own techniques (paper-667b's runs without param offload: host binds it)
+    verdict = assess(model, search.chosen, reach.flat, 2 << 40, allow=reach_techniques(reach))
     # +3.1% on paper-120b's and paper-241b's chosen layouts, +2.0% on paper-667b's (TP 8 x
     # CP 8 x EP 64, chosen since attention replay runs there)
     assert 0.015 < verdict.reach_gain < QUERY_CHUNK_MIN_GAIN and not verdict.pays, verdict

@@ -1,0 +1,110 @@
+"""The sixth term: model state with param offload (``--flat-param-offload``), per device.
+
+Without it, every layer's weights (b bytes per parameter) and gradient buffer (4 B, Megatron's
+fp32 ``main_grad``) sit on the device for the whole step. With it, the routed experts' state
+of every MoE layer on the stage moves to the host tier and the device keeps two weight slots
+and two gradient slots of one layer's experts (``params.plan.ParamOffloadPlan``: the layer in
+use and the next one in flight), whatever the depth::
+
+    P_e   routed-expert parameters on this device (E_l experts in each of the stage's MoE layers)
+    P_l   = E_l · expert params: one MoE layer's share (the slot size)
+
+    device weights   = b·P_dense + 2·b·P_l
+    device grads     = g·P_dense + 2·4·P_l          (g: the dense grad buffer's bytes)
+    host tier        = (b + 4)·P_e                  every layer's weights and fp32 gradients
+
+The experts' sub-optimizer (``ParamOffloadOptimizer``) steps every local expert on every
+expert-data-parallel replica (its host state is not sharded over expert-DP) and stages its
+fp32 gradients through OffloadStreamAdamW's slots beside master, m and v::
+
+    host optimizer   = 12·P_e (b < 4: master, m, v) or 8·P_e (fp32: m, v; the weight is its
+                       own master)
+    device staging   = slots · min(bucket, P_e) · 16
+
+Per microbatch over PCIe (an upper bound, the runtime's ``ParamOffloadPlan.microbatch_bytes``
+after the first microbatch): every layer's weights up twice (forward; recompute and backward
+share one fetch), the running gradient sum up once, each fp32 gradient down once::
+
+    h2d = (2·b + 4)·P_e        d2h = 4·P_e
+
+The per-tensor 512 B alignment of the host and slot ranges is left out (under 1 KiB a tensor).
+Param offload needs EP > 1 (at EP 1 Megatron puts the experts in the dense optimizer, which
+``install`` refuses), PipelinedLLEP or LLEP and OffloadStreamAdamW (``FlatConfig``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_flat.plan.model import Layout, ModelSpec
+
+__all__ = ["GRAD_BYTES", "SLOTS", "STAGING_BYTES_PER_PARAM", "ParamOffloadTerm", "applies",
+           "term"]
+
+SLOTS = 2  # weight slots and gradient slots on the device (one in use, the next in flight)
+GRAD_BYTES = 4  # the offloaded experts' main_grad is fp32 whatever the weights' dtype
+# The experts' staging: master, m, v and the fp32 gradient fetched from the host tier.
+STAGING_BYTES_PER_PARAM = 16
+
+
+def applies(layout: Layout, model: Optional[ModelSpec] = None) -> Optional[str]:
+    """None when param offload can run on ``layout``; else why not (what ``install``
+    refuses)."""
+    if layout.ep <= 1:
+        return ("needs expert parallelism (EP > 1): at EP 1 Megatron steps the routed experts "
+                "in the dense optimizer")
+    if model is not None and not model.experts:
+        return "the model has no routed experts"
+    return None
+
+
+@dataclass(frozen=True)
+class ParamOffloadTerm:
+    """One stage's routed-expert state under param offload (module docstring)."""
+
+    expert_params: int      # P_e
+    slot_params: int        # P_l
+    bytes_per_value: int    # b
+
+    @property
+    def device_weights(self) -> int:
+        return SLOTS * self.bytes_per_value * self.slot_params
+
+    @property
+    def device_grads(self) -> int:
+        return SLOTS * GRAD_BYTES * self.slot_params
+
+    @property
+    def host_bytes(self) -> int:
+        """The host tier's weights and fp32 gradients of every offloaded layer."""
+        return (self.bytes_per_value + GRAD_BYTES) * self.expert_params
+
+    @property
+    def optimizer_host(self) -> int:
+        per = 12 if self.bytes_per_value < 4 else 8
+        return per * self.expert_params
+
+    def staging(self, num_slots: int, bucket_numel: int) -> int:
+        return num_slots * STAGING_BYTES_PER_PARAM * min(bucket_numel, self.expert_params)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the same experts hold on the device without param offload (weights and
+        fp32 gradients; their optimizer state is counted apart)."""
+        return (self.bytes_per_value + GRAD_BYTES) * self.expert_params
+
+    def microbatch_bytes(self) -> tuple:
+        """(h2d, d2h) bytes of one microbatch (the upper bound in the module docstring)."""
+        b = self.bytes_per_value
+        return (2 * b + GRAD_BYTES) * self.expert_params, GRAD_BYTES * self.expert_params
+
+
+def term(model: ModelSpec, layout: Layout, expert_params: int,
+         moe_layers: int) -> Optional[ParamOffloadTerm]:
+    """The stage's term (None where the stage holds no routed experts)."""
+    if not expert_params or not moe_layers:
+        return None
+    slot = (model.experts // layout.ep) * model.expert_params()
+    return ParamOffloadTerm(expert_params=expert_params, slot_params=slot,
+                            bytes_per_value=model.bytes_per_value)
