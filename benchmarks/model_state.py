@@ -24,8 +24,9 @@ them, pinned and non-blocking: no sync); this proves the bound and the exactness
 variant's median ``step_seconds`` and, with the offload, ``copy_bytes_per_s`` (the larger
 direction's bytes over the step: what the copies ran at beside the compute).
 
-This stack is the offload's own harness: the knob through ``install()`` on a Megatron model is
-the issue's next step, and then this benchmark gains the flat-Megatron rows. Run::
+This stack is the offload's own harness; ``benchmarks/model_state_megatron.py`` has the same
+figures for a Megatron MoE GPT through ``--flat-param-offload`` with the other four techniques
+on (2 ranks). Run::
 
     python benchmarks/model_state.py --json results/model_state.json
 """

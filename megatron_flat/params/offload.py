@@ -28,6 +28,7 @@ A slot still in use by another layer is never overwritten: that order is refused
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -80,6 +81,11 @@ class ParamOffload:
         self._host = tier.buffer(TECHNIQUE, self.plan.host_bytes)
         # host memory to the meter (not device bytes) and to the ledger (copies are h2d/d2h)
         memory.register_host_storage(self._host.untyped_storage())
+        # all of it in use from now until it is freed: the meter's host figure counts it
+        # (as a pool's taken bytes are counted)
+        memory.note_host_bytes(self.plan.host_bytes)
+        weakref.finalize(self._host.untyped_storage(), memory.note_host_bytes,
+                         -self.plan.host_bytes)
         self._host_weights: List[torch.Tensor] = []
         self._host_grads: List[torch.Tensor] = []
         offset = 0

@@ -8,14 +8,18 @@ hides Megatron: the attributes are the real Megatron objects.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import threading
+import types
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron_flat.runtime import memory
 from megatron_flat.testing.tiny_gpt import (
     MicroBatch,
     TinyMoE,
@@ -380,6 +384,71 @@ class PeakReport:
     device: dict  # {component or "step": peak device bytes above the section's entry}
     host: dict  # the same for pinned host-pool bytes in use
     timeline: list  # [(seconds since the meter opened, live device bytes)], rank 0 only
+
+
+MODEL_STATE = "model state"
+
+
+def held_bytes(roots: Iterable[object], device: Optional[torch.device] = None) -> Tuple[int, int]:
+    """(device bytes, host-tier bytes) of the distinct storages reachable from ``roots``:
+    through containers, objects' attributes (a Parameter's ``main_grad`` too), a tensor's
+    ``.grad``, bound methods and closures; never through modules, classes or a function's
+    globals, so only what the roots hold is counted, however many runs the process made.
+    Host-tier storages (``memory.is_host_storage``: pinned pools and buffers) count as host,
+    other storages on ``device`` (default: CUDA when available, else CPU) as device."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seen, storages = set(), {}
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _NOT_WALKED):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.is_meta or obj.layout != torch.strided:
+                continue
+            storage = obj.untyped_storage()
+            if storage.nbytes() and storage.device.type == device.type:
+                storages[storage.data_ptr()] = storage
+            if obj.grad is not None:
+                stack.append(obj.grad)
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif isinstance(obj, types.FunctionType):
+            stack.extend(c.cell_contents for c in obj.__closure__ or ()
+                         if c.cell_contents is not None)
+        elif isinstance(obj, functools.partial):
+            stack.extend((obj.func, obj.args, obj.keywords))
+        if hasattr(obj, "__dict__") and not isinstance(obj, types.FunctionType):
+            stack.append(vars(obj))
+        for name in getattr(type(obj), "__slots__", ()):
+            if isinstance(name, str) and hasattr(obj, name):
+                stack.append(getattr(obj, name))
+    host = sum(s.nbytes() for s in storages.values() if memory.is_host_storage(s))
+    return sum(s.nbytes() for s in storages.values()) - host, host
+
+
+# Walking these would reach objects the roots do not own (a module's globals, a class's).
+_NOT_WALKED = (types.ModuleType, type, str, bytes, int, float, bool, type(None),
+               threading.Thread)
+
+
+def record_model_state(report: PeakReport, trainer: "Trainer") -> None:
+    """Add ``MODEL_STATE`` to ``report``: what ``trainer`` holds between steps (``held_bytes``
+    of its model, DDP and optimizer: weights, gradient buffers, the optimizer state on the device,
+    param offload's slots; and the host-tier bytes beside them: optimizer state, param
+    offload's host tier), worst rank. A collective over the world."""
+    device, host = held_bytes([trainer.model, trainer.ddp, trainer.optimizer])
+    figures = torch.tensor([device, host], dtype=torch.int64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the worst rank binds
+    report.device[MODEL_STATE] = int(figures[0])
+    report.host[MODEL_STATE] = int(figures[1])
 
 
 def gather_buffer_bytes() -> int:
