@@ -1,5 +1,6 @@
-"""The main job: a small MoE GPT trained with Megatron-Core on CPU, stock and with all four
-megatron-flat techniques on, from the same weights; measures each peak both ways.
+"""The main job: a small MoE GPT trained with Megatron-Core on CPU, stock and with the four
+megatron-flat techniques and param offload on, from the same weights; measures each peak
+both ways, and the model state the trainer holds between steps.
 
 Run with ``make demo`` (2 ranks, gloo) or directly::
 
@@ -26,15 +27,19 @@ attention tiles (the fifth technique, ``--flat-attn-tiles``, 128 tokens unless g
 the flat run; its sweep also trains the flat run without the tiles, adds the attention
 block's panel, and prints each run's whole-step slope in bytes per token.
 
-Layout: EP=2 (DP=2 for the dense part; ``--cp 2``: CP 2, DP 1), full recompute, Megatron's distributed optimizer,
-grouped-GEMM experts (``--no-moe-grouped-gemm``: SequentialMLP), synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
+Layout: EP=2 (DP=2 for the dense part; ``--cp 2``: CP 2, DP 1), full recompute, Megatron's
+distributed optimizer, grouped-GEMM experts (``--no-moe-grouped-gemm``: SequentialMLP),
+synthetic zipf tokens. The baseline is stock Megatron; the flat run turns on PipelinedLLEP
 (chunk-capped expert dispatch), Ring-DTP (the vocabulary projection + loss in strips), SCO
-(checkpoint boundaries in the pinned host pool) and OffloadStreamAdamW (AdamW moments in
-host memory, streamed in buckets). Any ``--flat-*`` flag overrides the demo's settings
-(e.g. ``--no-flat-sco``). Prints one line per step for each run, then per component the
-worst rank's peak (device bytes above the live set when the component starts; boundaries
-as the bytes held from forward to backward) for both runs, the pinned host bytes the flat
-run used instead, the loss agreement, and writes a memory-timeline PNG.
+(checkpoint boundaries in the pinned host pool), OffloadStreamAdamW (AdamW moments in host
+memory, streamed in buckets) and param offload (the routed experts' weights and fp32 gradients
+in the host tier, two layers' slots on the device). Any ``--flat-*`` flag overrides the demo's
+settings (e.g. ``--no-flat-sco``). Prints one line per step for each run, then per component
+the worst rank's peak (device bytes above the live set when the component starts; boundaries as
+the bytes held from forward to backward) for both runs, the pinned host bytes the flat run used
+instead, the model state each trainer holds between steps ("model state": weights, gradient
+buffers, optimizer state on the device, param offload's slots), the loss agreement, and writes
+a memory-timeline PNG.
 """
 
 from __future__ import annotations
@@ -77,17 +82,19 @@ DEMO_MODEL = TinyMoE(
 DEMO_SCALE = 7168 / 128
 DEMO_VOCAB_TILE_BYTES = int(FlatConfig().vocab_tile_bytes / DEMO_SCALE**2)
 
-# All four on, sized to the demo model: 1024 routed tokens per rank and layer go out in
-# chunks of at most 128 per source; the 8192-entry vocabulary is folded in strips of 1024
-# (the ring has one rank at TP=1) and token tiles of DEMO_VOCAB_TILE_BYTES; the boundaries'
-# host budget holds every layer's input; the optimizer streams buckets of 64K elements
-# through 2 slots.
+# All four on and param offload, sized to the demo model: 1024 routed tokens per rank and
+# layer go out in chunks of at most 128 per source; the 8192-entry vocabulary is folded in
+# strips of 1024 (the ring has one rank at TP=1) and token tiles of DEMO_VOCAB_TILE_BYTES;
+# the boundaries' host budget holds every layer's input; the optimizer streams buckets of
+# 64K elements through 2 slots; param offload keeps the routed experts' state in the host
+# tier.
 DEMO_FLAT = FlatConfig(
     dispatch="pipelined", dispatch_chunk_tokens=128, dispatch_max_chunks=16,
     vocab=True, vocab_mode="auto", vocab_block_size=1024,
     vocab_tile_bytes=DEMO_VOCAB_TILE_BYTES,
     sco=True, sco_host_budget_gib=0.03125, sco_prefetch=1,
     optimizer_offload=True, optimizer_bucket_numel=65_536, optimizer_num_slots=2,
+    param_offload=True,
 )
 LAYOUT = Layout(ep=2, distributed_optimizer=True, recompute="full")
 DEMO_ATTN_TILE = 128  # tokens per attention tile with --tp 2 (4 tiles at the default 512)
@@ -137,9 +144,12 @@ def parse_args():
     return args
 
 
-def run(tiny, flat, args, rank, label, init=None, quiet=False):
-    """Train one run under the meter; returns (PeakReport, losses, initial full weights)."""
+def run(tiny, flat, args, rank, label, init=None, quiet=False, model_state=False):
+    """Train one run under the meter; returns (PeakReport, losses, initial full weights).
+    ``model_state``: also meter what the trainer holds between steps (the ``"model state"``
+    row: the storages its model and optimizer reach)."""
     from megatron_flat.testing.equivalence import full_tensors, load_full
+    from megatron_flat.testing.training import record_model_state
 
     losses = []
 
@@ -156,6 +166,8 @@ def run(tiny, flat, args, rank, label, init=None, quiet=False):
         trainer = Trainer(tiny, layout, lr=args.lr, flat=flat, init=load)
         initial = full_tensors([trainer.model])
         peaks = measure(trainer, args.steps, on_step=report, timeline=bool(args.timeline))
+        if model_state:
+            record_model_state(peaks, trainer)  # what the trainer holds between steps
         del trainer
     return peaks, losses, initial
 
@@ -168,14 +180,16 @@ PEAK_DEFINITION = ("peak: the most device bytes live at once, above those live w
 
 def print_table(base, flat, tiles: bool = False) -> None:
     from megatron_flat.megatron.peaks import ATTENTION, BOUNDARIES, COMPONENTS
+    from megatron_flat.testing.training import MODEL_STATE
 
     print(f"\nmeasured peaks (MemoryMeter); {PEAK_DEFINITION}")
     print(f"{'component':34s} {'baseline':>11s} {'flat':>11s} {'flat/base':>10s} "
           f"{'pinned host (flat)':>19s}")
     # The attention block (the fifth term) where the flat run tiles it (--tp 2).
     extra = [ATTENTION] if tiles else []
-    for name in list(COMPONENTS) + extra + ["step"]:
-        label = {"step": "whole step (total peak)",
+    state = [MODEL_STATE] if MODEL_STATE in base.device and MODEL_STATE in flat.device else []
+    for name in list(COMPONENTS) + extra + state + ["step"]:
+        label = {"step": "whole step (total peak)", MODEL_STATE: "model state (between steps)",
                  BOUNDARIES: BOUNDARIES + " (held)"}.get(name, name)
         b, f = base.device[name], flat.device[name]
         ratio = f"{f / b:9.1%}" if b else "      n/a"
@@ -397,8 +411,8 @@ def main() -> None:
               f"{tiny.num_experts} experts top-{tiny.topk}, vocab {tiny.vocab_size}, "
               f"seq {tiny.seq_length}, {dist.get_world_size()} ranks ({layout_for(args).name})")
         print(f"flat run: {flat.describe()}\n", flush=True)
-    base, base_losses, initial = run(tiny, None, args, rank, "baseline")
-    on, flat_losses, _ = run(tiny, flat, args, rank, "flat", init=initial)
+    base, base_losses, initial = run(tiny, None, args, rank, "baseline", model_state=True)
+    on, flat_losses, _ = run(tiny, flat, args, rank, "flat", init=initial, model_state=True)
     worst = max(abs(a - b) / abs(b) for a, b in zip(flat_losses, base_losses))
     if rank == 0:
         print_table(base, on, tiles=bool(flat.attn_tiles))
