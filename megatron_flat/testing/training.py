@@ -52,6 +52,8 @@ class Layout:
     # Context parallelism: each CP rank holds two load-balanced chunks of every sequence
     # (tiny_gpt.cp_share) and attends through cpu.context_attention on CPU.
     cp: int = 1
+    # DDP's --overlap-grad-reduce: each bucket's reduction starts as its gradients are ready.
+    overlap_grad_reduce: bool = False
 
     @property
     def name(self) -> str:
@@ -62,6 +64,8 @@ class Layout:
             parts.insert(2, f"etp{self.etp}")
         if self.distributed_optimizer:
             parts.append("distopt")
+        if self.overlap_grad_reduce:
+            parts.append("overlap")
         if self.recompute == "full":
             parts.append(f"recompute-full-{self.recompute_method}"
                          + (f"{self.recompute_num_layers}" if self.recompute_num_layers != 1
@@ -209,7 +213,7 @@ class Trainer:
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,
+                overlap_grad_reduce=layout.overlap_grad_reduce,
                 use_distributed_optimizer=layout.distributed_optimizer,
             ),
             module=model,

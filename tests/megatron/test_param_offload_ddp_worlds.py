@@ -6,6 +6,8 @@ of the experts (scaled and reduced as DDP's buffers are) — are bitwise those o
 with the experts in DDP's buffers. EP 2 (experts split, expert-DP 1: scaled by 1/DP) and
 EP 1 at world 2 (experts data-parallel: all-reduced over the DP group)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,12 +73,16 @@ def test_ddp_step_gradients_are_bitwise_the_buffered_ones(megatron_cpu, world, c
     assert [i for i, (a, b) in enumerate(zip(want[2], got[2])) if not torch.equal(a, b)] == []
 
 
-STEP_CASES = per_world({2: ["ep2-fp32", "ep2-bf16-distopt", "ep2-cp2-fp32"],
+STEP_CASES = per_world({2: ["ep2-fp32", "ep2-bf16-distopt", "ep2-cp2-fp32",
+                            "ep2-all-bf16-distopt", "ep2-overlap-fp32"],
                         4: ["ep2-dp2-fp32", "ep2-dp2-distopt", "ep2-tp2-fp32",
-                            "ep2-pp2-fp32"]})
+                            "ep2-pp2-fp32", "ep2-dp2-all-fp32", "ep2-dp2-overlap-distopt"]})
 SPLITS = {"cp2": dict(cp=2), "tp2": dict(tp=2, etp=1), "pp2": dict(pp=2)}
 FLAT_OPT = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=8, optimizer_offload=True,
                       optimizer_bucket_numel=4096)
+# "all": the other two techniques on too (Ring-DTP's strips, SCO's boundaries on the host).
+FLAT_ALL = dataclasses.replace(FLAT_OPT, vocab=True, vocab_block_size=32, sco=True,
+                               sco_host_budget_gib=1 / 64)
 
 
 def _train(tiny, layout, overrides, flat, steps=2) -> tuple:
@@ -95,28 +101,29 @@ def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case)
     optimizers; the experts' own ParamOffloadOptimizer with param offload): every loss and
     every parameter after the updates bitwise equal (to fp32 rounding where the distributed
     optimizer's norm is summed over expert-DP shards), also with CP 2, TP 2 + SP (expert-TP
-    1) and PP 2 (1F1B: each stage's layers offloaded by its own DDP)."""
-    import dataclasses
-
+    1) and PP 2 (1F1B: each stage's layers offloaded by its own DDP), with all four
+    techniques on ("all") and with DDP's overlapped gradient reduction ("overlap")."""
     from megatron_flat.megatron.param_offload_optimizer import ParamOffloadOptimizer
 
     overrides = dict(bf16=True, params_dtype=torch.bfloat16) if "bf16" in case else {}
     split = next((v for k, v in SPLITS.items() if k in case), {})
     tiny = TinyMoE(num_experts=4, topk=2, num_layers=4 if "pp2" in case else 3,
                    global_batch_size=2 * world)
-    layout = Layout(ep=2, recompute="full", distributed_optimizer="distopt" in case, **split)
+    layout = Layout(ep=2, recompute="full", distributed_optimizer="distopt" in case,
+                    overlap_grad_reduce="overlap" in case, **split)
     parallel = dict(ep=2, tp=layout.tp, pp=layout.pp, cp=layout.cp, etp=layout.etp)
+    flat = FLAT_ALL if "-all-" in case else FLAT_OPT
     with megatron_layout(**parallel):
-        _, want_losses, want = _train(tiny, layout, overrides, FLAT_OPT)
+        _, want_losses, want = _train(tiny, layout, overrides, flat)
     with megatron_layout(**parallel):
         trainer, losses, got = _train(tiny, layout, overrides,
-                                      dataclasses.replace(FLAT_OPT, param_offload=True))
+                                      dataclasses.replace(flat, param_offload=True))
     experts = [o for o in trainer.optimizer.chained_optimizers
                if isinstance(o, ParamOffloadOptimizer)]
     assert len(experts) == 1
     assert sorted(got) == sorted(want)
     assert losses[0] != losses[1]
-    if case == "ep2-dp2-distopt":
+    if "dp2" in case and "distopt" in case:
         # Expert-DP 2: the distributed optimizer's norm sums per-shard norms, param offload's
         # per-parameter ones: the clip coefficient is the same to fp32 rounding.
         assert losses == pytest.approx(want_losses, rel=1e-6)
