@@ -30,7 +30,9 @@ non-distributed optimizer, and in the distributed optimizer's order (its buffer'
 reversed); the distributed optimizer sums per-shard norms, so the norm is the same sum where a
 rank's shard holds whole parameters (expert-DP 1) and reassociated otherwise (the first
 expert-DP replica adds the whole gradients, the others nothing). Megatron's zero count
-(``--log-num-zeros-in-grad``) does not count the offloaded experts' zeros.
+(``--log-num-zeros-in-grad``) reads the host gradients the same way (a declared patch of
+``ChainedOptimizer.count_zeros`` shows them where the chain counts all its parameters in one
+call).
 
 Refused (one message, before any collective): a sub-optimizer call that mixes offloaded and
 resident parameters (expert parallelism 1 puts the routed experts in the dense groups), fp16
@@ -39,6 +41,7 @@ resident parameters (expert parallelism 1 puts the routed experts in the dense g
 
 from __future__ import annotations
 
+import contextlib
 
 import torch
 from megatron.core.optimizer.optimizer import FP32Optimizer
@@ -53,8 +56,8 @@ from megatron_flat.megatron.optimizer import (
 from megatron_flat.params import ParamOffloadError
 from megatron_flat.runtime import patching
 
-__all__ = ["NORM_PATCH", "ParamOffloadOptimizer", "claim", "clip_host_grads", "is_wired",
-           "release_claim", "unwire_optimizer", "wire_optimizer"]
+__all__ = ["NORM_PATCH", "ZEROS_PATCH", "ParamOffloadOptimizer", "claim", "clip_host_grads",
+           "is_wired", "release_claim", "unwire_optimizer", "wire_optimizer"]
 
 GRAD_ATTR = "flat_host_grad"
 
@@ -89,7 +92,9 @@ class ParamOffloadOptimizer(FP32Optimizer):
     # fp32 gradient of a bf16 weight, as a mixed-precision optimizer's main param has), so
     # Megatron's clipping, which cannot scale host memory on a GPU, never sees them; the
     # step clips them itself with the chain's norm.
-    def _shown(self, read):
+    @contextlib.contextmanager
+    def grads_shown(self):
+        """The host gradients as ``.grad`` and ``.decoupled_grad`` inside the block."""
         params = self.get_parameters()
         for p in params:
             grad = getattr(p, GRAD_ATTR, None)
@@ -97,10 +102,21 @@ class ParamOffloadOptimizer(FP32Optimizer):
                 p.grad_dtype = None  # a bf16 weight with its fp32 gradient
             p.grad, p.decoupled_grad = grad, grad
         try:
-            return _for_device_norm(read()) if self.counts_in_norm else []
+            yield
         finally:
             for p in params:
                 p.grad, p.decoupled_grad = None, None
+
+    def _shown(self, read):
+        with self.grads_shown():
+            return _for_device_norm(read()) if self.counts_in_norm else []
+
+    def count_zeros(self) -> float:
+        """Megatron's count (``--log-num-zeros-in-grad``) over the host gradients; at
+        expert-DP > 1 with the distributed optimizer one replica counts them, as one shard
+        of each holds them there (the others add 0 to the same reduction)."""
+        with self.grads_shown() if self.counts_in_norm else contextlib.nullcontext():
+            return super().count_zeros()
 
     def get_main_grads_for_grad_norm(self):  # 0.16
         return self._shown(super().get_main_grads_for_grad_norm)
@@ -184,6 +200,25 @@ NORM_PATCH = patching.Patch(
         "norm")
 
 
+def _counting_zeros(original):
+    """``ChainedOptimizer.count_zeros`` with its param offload sub-optimizers' host
+    gradients shown: where the chain's sub-optimizers share one grad-stats group it counts
+    every parameter's ``.grad`` in one call, bypassing theirs."""
+    def count_zeros(self, *args, **kwargs):
+        with contextlib.ExitStack() as shown:
+            for optimizer in getattr(self, "chained_optimizers", ()):
+                if isinstance(optimizer, ParamOffloadOptimizer) and optimizer.counts_in_norm:
+                    shown.enter_context(optimizer.grads_shown())
+            return original(self, *args, **kwargs)
+    return count_zeros
+
+
+ZEROS_PATCH = patching.Patch(
+    "megatron.core.optimizer.optimizer.ChainedOptimizer", "count_zeros", _counting_zeros,
+    expects="ChainedOptimizer.count_zeros",
+    why="param offload: --log-num-zeros-in-grad counts the experts' host gradients")
+
+
 def _init_state(optimizer, config=None) -> None:
     optimizer.init_state()
 
@@ -256,6 +291,7 @@ def wire_optimizer() -> None:
     takes host gradients."""
     claim_sub_optimizers(claim)
     patching.apply(NORM_PATCH)
+    patching.apply(ZEROS_PATCH)
 
 
 def release_claim() -> None:
@@ -266,4 +302,5 @@ def release_claim() -> None:
 
 def unwire_optimizer() -> None:
     release_claim()
+    patching.revert(ZEROS_PATCH)
     patching.revert(NORM_PATCH)

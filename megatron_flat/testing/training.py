@@ -140,7 +140,8 @@ class Trainer:
     SCO for the recompute boundaries while this trainer's steps run (``sco``; needs
     full recompute, or selective recompute of ``core_attn``, ``moe`` or ``mlp``) and OffloadStreamAdamW as Megatron's inner optimizer
     (``optimizer_offload``). ``Trainer(flat=None)`` and ``Trainer(flat=FlatConfig())`` are
-    stock Megatron.
+    stock Megatron. ``count_zeros``: Megatron's ``--log-num-zeros-in-grad`` (each
+    ``optimizer_step`` keeps the count in ``num_zeros``).
 
     The forward step follows the config: ``forward_step`` (mean token loss per microbatch)
     or, with ``config_overrides={"calculate_per_token_loss": True}``,
@@ -150,10 +151,13 @@ class Trainer:
     def __init__(self, tiny: TinyMoE, layout: Layout, *, config_overrides: Optional[dict] = None,
                  wrap_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
                  init: Optional[Callable[[torch.nn.Module], None]] = None, lr: float = LR,
-                 flat=None):
+                 flat=None, count_zeros: bool = False):
         from megatron.core.distributed import finalize_model_grads
 
         self.tiny, self.layout = tiny, layout
+        # --log-num-zeros-in-grad: optimizer_step keeps Megatron's count in num_zeros
+        self.count_zeros = count_zeros
+        self.num_zeros = None
         settings = dict(
             tp=layout.tp, ep=layout.ep, pp=layout.pp, dispatcher=layout.dispatcher,
             recompute=layout.recompute, recompute_method=layout.recompute_method,
@@ -233,6 +237,7 @@ class Trainer:
                 bf16=bool(getattr(self.config, "bf16", False)),
                 params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=layout.distributed_optimizer,
+                log_num_zeros_in_grad=self.count_zeros,
             ),
             [ddp],
         )
@@ -340,7 +345,7 @@ class Trainer:
         return self._sco
 
     def optimizer_step(self) -> None:
-        ok, _, _ = self.optimizer.step()
+        ok, _, self.num_zeros = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"{self.layout.name}: optimizer step was skipped")
 

@@ -268,6 +268,7 @@ def test_param_offload_is_wired_by_install(megatron_cpu):
 
     megatron_flat.install(FlatConfig(**PARAM_OFFLOAD))
     assert patching.is_applied(param_offload.DDP_PATCH) and param_offload_optimizer.is_wired()
+    assert patching.is_applied(param_offload_optimizer.ZEROS_PATCH)
     with param_offload.offloading(inst.installed()):  # a trainer's scope keeps install's
         pass
     assert patching.is_applied(param_offload.DDP_PATCH) and param_offload_optimizer.is_wired()
@@ -275,3 +276,4 @@ def test_param_offload_is_wired_by_install(megatron_cpu):
     assert not patching.is_applied(param_offload.DDP_PATCH)
     assert not param_offload_optimizer.is_wired()
     assert not patching.is_applied(param_offload_optimizer.NORM_PATCH)
+    assert not patching.is_applied(param_offload_optimizer.ZEROS_PATCH)

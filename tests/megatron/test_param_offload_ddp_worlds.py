@@ -86,11 +86,13 @@ FLAT_ALL = dataclasses.replace(FLAT_OPT, vocab=True, vocab_block_size=32, sco=Tr
 
 
 def _train(tiny, layout, overrides, flat, steps=2) -> tuple:
-    trainer = Trainer(tiny, layout, flat=flat, config_overrides=overrides)
+    """(trainer, [(loss, Megatron's count of zeros in the gradients)] per step, parameters)."""
+    trainer = Trainer(tiny, layout, flat=flat, config_overrides=overrides, count_zeros=True)
     losses = []
     for step in range(steps):
-        losses.append(trainer.forward_backward(step))
+        loss = trainer.forward_backward(step)
         trainer.optimizer_step()
+        losses.append((loss, trainer.num_zeros))
     params = {n: p.data.clone() for n, p in trainer.model.named_parameters()}
     return trainer, losses, params
 
@@ -122,13 +124,33 @@ def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case)
                if isinstance(o, ParamOffloadOptimizer)]
     assert len(experts) == 1
     assert sorted(got) == sorted(want)
-    assert losses[0] != losses[1]
+    assert losses[0][0] != losses[1][0]
     if "dp2" in case and "distopt" in case:
         # Expert-DP 2: the distributed optimizer's norm sums per-shard norms, param offload's
         # per-parameter ones: the clip coefficient is the same to fp32 rounding.
-        assert losses == pytest.approx(want_losses, rel=1e-6)
+        assert [z for _, z in losses] == [z for _, z in want_losses]
+        assert [v for v, _ in losses] == pytest.approx([v for v, _ in want_losses], rel=1e-6)
         assert [n for n in want if not torch.allclose(want[n], got[n], rtol=1e-5,
                                                       atol=1e-7)] == []
         return
     assert losses == want_losses
     assert [n for n in want if not torch.equal(want[n], got[n])] == []
+
+
+@pytest.mark.parametrize("world, case", per_world({2: ["ep2"]}))
+def test_zero_count_covers_the_host_gradients(megatron_cpu, world, case):
+    """--log-num-zeros-in-grad: Megatron's count over the chain equals the run without param
+    offload's where experts get no token (their gradients all zero, in the host tier)."""
+    tiny = TinyMoE(num_experts=16, topk=2, num_layers=3, seq_length=4, micro_batch_size=1,
+                   global_batch_size=2)
+    layout = Layout(ep=2, recompute="full")
+    with megatron_layout(ep=2):
+        _, want, _ = _train(tiny, layout, {}, FLAT_OPT, steps=1)
+    with megatron_layout(ep=2):
+        trainer, got, _ = _train(tiny, layout, {},
+                                 dataclasses.replace(FLAT_OPT, param_offload=True), steps=1)
+        offload = trainer.ddp.flat_param_offload.offload
+        host_zeros = sum(int((g == 0).sum()) for i in range(len(offload.params))
+                         for g in offload.host_grads(i))
+    assert host_zeros > 0  # what the count must include
+    assert got == want
