@@ -74,9 +74,13 @@ def test_ddp_step_gradients_are_bitwise_the_buffered_ones(megatron_cpu, world, c
 
 
 STEP_CASES = per_world({2: ["ep2-fp32", "ep2-bf16-distopt", "ep2-cp2-fp32",
-                            "ep2-all-bf16-distopt", "ep2-overlap-fp32"],
+                            "ep2-overlap-fp32", "ep2-all-fp32", "ep2-all-bf16-distopt",
+                            "ep2-cp2-all-fp32", "ep2-cp2-all-bf16-distopt"],
                         4: ["ep2-dp2-fp32", "ep2-dp2-distopt", "ep2-tp2-fp32",
-                            "ep2-pp2-fp32", "ep2-dp2-all-fp32", "ep2-dp2-overlap-distopt"]})
+                            "ep2-pp2-fp32", "ep2-dp2-overlap-distopt", "ep2-dp2-all-fp32",
+                            "ep2-dp2-all-bf16-distopt", "ep2-tp2-all-fp32",
+                            "ep2-tp2-all-bf16-distopt", "ep2-pp2-all-fp32",
+                            "ep2-pp2-all-bf16-distopt"]})
 SPLITS = {"cp2": dict(cp=2), "tp2": dict(tp=2, etp=1), "pp2": dict(pp=2)}
 FLAT_OPT = FlatConfig(dispatch="pipelined", dispatch_chunk_tokens=8, optimizer_offload=True,
                       optimizer_bucket_numel=4096)
@@ -103,11 +107,15 @@ def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case)
     optimizers; the experts' own ParamOffloadOptimizer with param offload): every loss and
     every parameter after the updates bitwise equal (to fp32 rounding where the distributed
     optimizer's norm is summed over expert-DP shards), also with CP 2, TP 2 + SP (expert-TP
-    1) and PP 2 (1F1B: each stage's layers offloaded by its own DDP), with all four
-    techniques on ("all") and with DDP's overlapped gradient reduction ("overlap")."""
+    1) and PP 2 (1F1B: each stage's layers offloaded by its own DDP), with every other
+    technique on ("all": Ring-DTP, SCO, and the attention tiles at TP 2 + SP) at each of
+    those layouts in fp32 and bf16, and with DDP's overlapped gradient reduction
+    ("overlap")."""
     from megatron_flat.megatron.param_offload_optimizer import ParamOffloadOptimizer
 
-    overrides = dict(bf16=True, params_dtype=torch.bfloat16) if "bf16" in case else {}
+    # bf16 (pipeline_dtype: what PP's stages send each other, as Megatron-LM's --bf16 sets)
+    overrides = dict(bf16=True, params_dtype=torch.bfloat16,
+                     pipeline_dtype=torch.bfloat16) if "bf16" in case else {}
     split = next((v for k, v in SPLITS.items() if k in case), {})
     tiny = TinyMoE(num_experts=4, topk=2, num_layers=4 if "pp2" in case else 3,
                    global_batch_size=2 * world)
@@ -115,6 +123,8 @@ def test_training_steps_are_bitwise_the_buffered_ones(megatron_cpu, world, case)
                     overlap_grad_reduce="overlap" in case, **split)
     parallel = dict(ep=2, tp=layout.tp, pp=layout.pp, cp=layout.cp, etp=layout.etp)
     flat = FLAT_ALL if "-all-" in case else FLAT_OPT
+    if "-all-" in case and "tp2" in case:
+        flat = dataclasses.replace(flat, attn_tiles=4)  # the fifth, under TP 2 + SP
     with megatron_layout(**parallel):
         _, want_losses, want = _train(tiny, layout, overrides, flat)
     with megatron_layout(**parallel):
