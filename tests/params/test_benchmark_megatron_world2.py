@@ -4,30 +4,16 @@ the dense layers' growth with depth (the routed experts' state is two layers' sl
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
 pytestmark = pytest.mark.world(2)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"layers", "param_offload", "device_model_state_bytes", "host_model_state_bytes",
         "step_peak_bytes", "h2d_bytes", "d2h_bytes", "syncs", "bitwise", "model_state_ratio"}
 
 
-@pytest.fixture(scope="module")
-def bench(megatron_cpu):
-    spec = importlib.util.spec_from_file_location(
-        "model_state_megatron", os.path.join(ROOT, "benchmarks", "model_state_megatron.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_flat_megatron_rows(bench, tmp_path):
+def test_flat_megatron_rows(megatron_cpu, benchmark_script, tmp_path):
+    bench = benchmark_script("model_state_megatron")
     out = tmp_path / "rows.json"
     rows = bench.main(["--layers", "3", "6", "--hidden", "32", "--ffn", "256", "--vocab",
                        "512", "--seq", "64", "--json", str(out)])
