@@ -121,7 +121,10 @@ class HostTier:
         self._pinned: Dict[str, int] = {}
         self._buffers: Dict[int, tuple] = {}  # live buffers: key -> (technique, bytes)
         self._next_key = 0
-        self._lock = threading.Lock()
+        # Reentrant: a buffer's finalizer (``_freed``) takes it, and Python's collector may
+        # run one in this thread while it is held (freeing an earlier buffer left in a
+        # reference cycle during the next allocation), which deadlocked with a plain Lock.
+        self._lock = threading.RLock()
         self._warned = False
 
     # -- accounting --

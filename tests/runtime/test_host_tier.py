@@ -1,6 +1,7 @@
 """The host tier: lazy, exact, checked against the node, no silent pageable fallback."""
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -156,3 +157,32 @@ def test_caching_allocator_rounding_rule():
     assert [caching_allocator_bytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096,
                                                                             8192]
     assert caching_allocator_bytes(85 * MIB + 3) == 128 * MIB
+
+
+def test_a_buffer_freed_by_the_collector_during_an_allocation_does_not_deadlock(monkeypatch):
+    """A buffer left in a reference cycle is freed whenever Python's collector runs, which
+    can be inside the tier's next allocation, in the same thread, while the tier's lock is
+    held; its finalizer takes that lock too."""
+    tier = HostTier()
+
+    class Cycle:
+        pass
+
+    holder = Cycle()
+    holder.me = holder  # freed only by the collector
+    holder.buffer = tier.buffer("sco", 1024)
+    del holder
+    node_memory = host_tier.node_memory_bytes
+
+    def collecting_node_memory():  # the collector runs inside the locked check
+        gc.collect()
+        return node_memory()
+
+    monkeypatch.setattr(host_tier, "node_memory_bytes", collecting_node_memory)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(b=tier.buffer("sco", 2048)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the tier deadlocked on its own lock"
+    assert tier.allocated_bytes == {"sco": 2048}  # the freed one stopped counting
