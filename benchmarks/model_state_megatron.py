@@ -9,7 +9,7 @@ experts, ``--microbatches`` microbatches of gradient accumulation per step) trai
 one JSON row (each figure the worst rank's):
 
 * ``device_model_state_bytes``: what the trainer holds on the device between steps, counted
-  from its model, DDP and optimizer (``testing.training.held_bytes``: weights, gradient
+  from its model, DDP and optimizer (``testing.training.trainer_state_bytes``: weights, gradient
   buffers, optimizer state on the device, param offload's slots); ``host_model_state_bytes``
   the host-tier bytes beside them (optimizer state, param offload's host tier);
 * ``step_peak_bytes``: the memory meter's whole-step rise over the steps (the demo's "whole
@@ -47,7 +47,7 @@ from megatron_flat.runtime import CostLedger, MemoryMeter, memory
 from megatron_flat.testing.distributed import init_distributed, megatron_layout
 from megatron_flat.testing.equivalence import full_tensors, load_full
 from megatron_flat.testing.tiny_gpt import TinyMoE
-from megatron_flat.testing.training import Layout, Trainer, held_bytes
+from megatron_flat.testing.training import Layout, Trainer, trainer_state_bytes
 
 LAYOUT = Layout(ep=2, distributed_optimizer=True, recompute="full")
 # The four on, sized to this model: chunks of 32 routed tokens, strips of 128 vocabulary
@@ -87,7 +87,7 @@ def run(tiny: TinyMoE, flat: FlatConfig, steps: int, init=None) -> dict:
             for step in range(steps):
                 losses.append(trainer.forward_backward(step))
                 trainer.optimizer_step()
-        state, host = held_bytes([trainer.model, trainer.ddp, trainer.optimizer])
+        state, host = trainer_state_bytes(trainer)
         worst = _worst([state, host, meter.peak_rise_bytes, ledger.h2d_bytes,
                         ledger.d2h_bytes, ledger.syncs])
         final = full_tensors([trainer.model])

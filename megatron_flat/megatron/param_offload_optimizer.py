@@ -201,14 +201,17 @@ NORM_PATCH = patching.Patch(
 
 
 def _counting_zeros(original):
-    """``ChainedOptimizer.count_zeros`` with its param offload sub-optimizers' host
-    gradients shown: where the chain's sub-optimizers share one grad-stats group it counts
-    every parameter's ``.grad`` in one call, bypassing theirs."""
+    """``ChainedOptimizer.count_zeros`` that shows its param offload sub-optimizers' host
+    gradients where the chain counts every parameter's ``.grad`` in one call (its
+    sub-optimizers share one grad-stats group), bypassing their ``count_zeros``; otherwise
+    each sub-optimizer counts its own."""
     def count_zeros(self, *args, **kwargs):
         with contextlib.ExitStack() as shown:
-            for optimizer in getattr(self, "chained_optimizers", ()):
-                if isinstance(optimizer, ParamOffloadOptimizer) and optimizer.counts_in_norm:
-                    shown.enter_context(optimizer.grads_shown())
+            if self.grads_states_parallel_group_is_shared():
+                for optimizer in self.chained_optimizers:
+                    if isinstance(optimizer, ParamOffloadOptimizer) and \
+                            optimizer.counts_in_norm:
+                        shown.enter_context(optimizer.grads_shown())
             return original(self, *args, **kwargs)
     return count_zeros
 

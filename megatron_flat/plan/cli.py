@@ -608,7 +608,6 @@ def plan(args: argparse.Namespace) -> PlanResult:
                           skew=args.skew, allow=reach_techniques(reach, kw["allow"])))
 
 
-
 def _tokens(n: int) -> str:
     return format_tokens(n) if n else "none"
 

@@ -589,7 +589,7 @@ def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
     if report.params_offloaded:
         from megatron_flat.plan import param_offload
 
-        term = param_offload.term(model, layout, report.params_offloaded, 1)
+        term = param_offload.term(model, layout, report.params_offloaded)
         h2d, d2h = term.microbatch_bytes()
         base = overlap_for("parameters", "flat", max(1, _moe_layers(model, layout,
                                                                     report.stage)))

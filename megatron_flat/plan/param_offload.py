@@ -100,10 +100,10 @@ class ParamOffloadTerm:
         return (2 * b + GRAD_BYTES) * self.expert_params, GRAD_BYTES * self.expert_params
 
 
-def term(model: ModelSpec, layout: Layout, expert_params: int,
-         moe_layers: int) -> Optional[ParamOffloadTerm]:
-    """The stage's term (None where the stage holds no routed experts)."""
-    if not expert_params or not moe_layers:
+def term(model: ModelSpec, layout: Layout, expert_params: int) -> Optional[ParamOffloadTerm]:
+    """The stage's term for its ``expert_params`` routed-expert parameters (None where the
+    stage holds none: no MoE layer on it)."""
+    if not expert_params:
         return None
     slot = (model.experts // layout.ep) * model.expert_params()
     return ParamOffloadTerm(expert_params=expert_params, slot_params=slot,

@@ -880,7 +880,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     p = stage_params(model, layout, first, count, first_stage, last_stage)
     params = p["dense"] + p["expert"]
     shards = _sub_optimizer_shards(p, layout)
-    offload_term = _param_offload_term(model, layout, flat, p, first, count)
+    offload_term = _param_offload_term(model, layout, flat, p)
     if offload_term is not None:
         shards = [math.ceil(p["dense"] / layout.dense_dp) if layout.distributed_optimizer
                   else p["dense"], p["expert"]]
@@ -979,7 +979,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     )
 
 
-def _param_offload_term(model, layout, flat, p, first, count):
+def _param_offload_term(model, layout, flat, p):
     """The stage's param offload term, None when it is off or the stage has no experts;
     ``PlanError`` where it cannot run (``plan.param_offload.applies``)."""
     if flat is None or not getattr(flat, "param_offload", False):
@@ -987,8 +987,7 @@ def _param_offload_term(model, layout, flat, p, first, count):
     why = po_term.applies(layout, model)
     if why:
         raise PlanError(f"param offload {why}")
-    moe = sum(1 for i in range(first, first + count) if model.is_moe_layer(i))
-    return po_term.term(model, layout, p["expert"], moe)
+    return po_term.term(model, layout, p["expert"])
 
 
 def replay_slot(model: ModelSpec, layout: Layout, n: int) -> int:

@@ -398,7 +398,8 @@ class PeakReport:
 MODEL_STATE = "model state"
 
 
-def held_bytes(roots: Iterable[object], device: Optional[torch.device] = None) -> Tuple[int, int]:
+def held_bytes(roots: Iterable[object],
+               device: Optional[torch.device] = None) -> Tuple[int, int]:
     """(device bytes, host-tier bytes) of the distinct storages reachable from ``roots``:
     through containers, objects' attributes (a Parameter's ``main_grad`` too), a tensor's
     ``.grad``, bound methods and closures; never through modules, classes or a function's
@@ -448,12 +449,17 @@ _NOT_WALKED = (types.ModuleType, type, str, bytes, int, float, bool, type(None),
                threading.Thread)
 
 
+def trainer_state_bytes(trainer: "Trainer") -> Tuple[int, int]:
+    """``held_bytes`` of what ``trainer`` keeps between steps: its model, DDP, optimizer."""
+    return held_bytes([trainer.model, trainer.ddp, trainer.optimizer])
+
+
 def record_model_state(report: PeakReport, trainer: "Trainer") -> None:
     """Add ``MODEL_STATE`` to ``report``: what ``trainer`` holds between steps (``held_bytes``
     of its model, DDP and optimizer: weights, gradient buffers, the optimizer state on the device,
     param offload's slots; and the host-tier bytes beside them: optimizer state, param
     offload's host tier), worst rank. A collective over the world."""
-    device, host = held_bytes([trainer.model, trainer.ddp, trainer.optimizer])
+    device, host = trainer_state_bytes(trainer)
     figures = torch.tensor([device, host], dtype=torch.int64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the worst rank binds
     report.device[MODEL_STATE] = int(figures[0])

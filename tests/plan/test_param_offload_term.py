@@ -44,7 +44,7 @@ def test_the_term_is_the_runtime_layout():
     shapes = [((2 * TINY.expert_ffn, TINY.hidden), torch.bfloat16),
               ((TINY.hidden, TINY.expert_ffn), torch.bfloat16)] * e_local
     runtime = ParamOffloadPlan(tuple(layer_layout(shapes) for _ in range(TINY.layers)))
-    term = po.term(TINY, layout, e_local * TINY.expert_params() * TINY.layers, TINY.layers)
+    term = po.term(TINY, layout, e_local * TINY.expert_params() * TINY.layers)
     slack = ALIGNMENT * len(shapes)  # at most one alignment pad per tensor per range
     assert 0 <= runtime.device_bytes - (term.device_weights + term.device_grads) \
         <= 4 * slack
