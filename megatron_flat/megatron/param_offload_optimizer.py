@@ -25,14 +25,14 @@ whose parameters are all offloaded, in the same place of the chain:
 Exact where Megatron's own sub-optimizer would run the same AdamW on the same gradients: the
 update is element-wise, so it equals the sharded distributed optimizer's too, at any
 expert-data-parallel size (every replica holds the all-reduced gradients and updates all its
-experts alike). The gradient norm sums the same per-parameter norms in the same order as the
-non-distributed optimizer, and in the distributed optimizer's order (its buffer's, the model's
-reversed); the distributed optimizer sums per-shard norms, so the norm is the same sum where a
-rank's shard holds whole parameters (expert-DP 1) and reassociated otherwise (the first
-expert-DP replica adds the whole gradients, the others nothing). Megatron's zero count
-(``--log-num-zeros-in-grad``) reads the host gradients the same way (a declared patch of
-``ChainedOptimizer.count_zeros`` shows them where the chain counts all its parameters in one
-call).
+experts alike). The gradient norm sums the same partial norms in the same order as Megatron
+would: the non-distributed optimizer's per-parameter ones; with the distributed optimizer,
+the pieces its shards would hold on this rank (``distopt_layout``: the experts laid out as
+DDP's expert buffer would lay them out, cut over the expert data-parallel group), in its
+order, so the norm and the clipped update are bitwise at any expert-DP size. Megatron's
+zero count (``--log-num-zeros-in-grad``) reads the host gradients the same way (a declared
+patch of ``ChainedOptimizer.count_zeros`` shows them where the chain counts all its
+parameters in one call; one expert-DP replica counts them, an integer sum).
 
 Refused (one message, before any collective): a sub-optimizer call that mixes offloaded and
 resident parameters (expert parallelism 1 puts the routed experts in the dense groups), fp16
@@ -66,14 +66,18 @@ class ParamOffloadOptimizer(FP32Optimizer):
     """Megatron's sub-optimizer over the offloaded experts (module docstring)."""
 
     def __init__(self, optimizer, config, offload, grad_stats_group,
-                 counts_in_norm: bool = True) -> None:
+                 counts_in_norm: bool = True, norm_pieces=None) -> None:
         super().__init__(optimizer, config, init_state_fn=_init_state)
         self.offload = offload
         self.grad_stats_parallel_group = grad_stats_group
         self._scale = torch.tensor([1.0], dtype=torch.float, device=offload.device)
         # The distributed optimizer's grad-stats group spans the expert-DP replicas, which
-        # all hold the whole reduced gradients: one of them adds them to the norm.
+        # all hold the whole reduced gradients: one of them counts their zeros.
         self.counts_in_norm = counts_in_norm
+        # With the distributed optimizer, the pieces of the gradients its shards would hold
+        # on this rank, in its order ([(Parameter, start, stop)]; None without it): the
+        # norm sums what it would sum, on the rank it would sum it.
+        self.norm_pieces = norm_pieces
         self.total_grad_norm = None  # this step's, from the chain (or clip_grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -108,8 +112,18 @@ class ParamOffloadOptimizer(FP32Optimizer):
                 p.grad, p.decoupled_grad = None, None
 
     def _shown(self, read):
+        """What Megatron's norm reads of this optimizer: its own pick (``read``, with the
+        host gradients shown), as whole gradients, or as the distributed optimizer's
+        pieces of them on this rank."""
         with self.grads_shown():
-            return _for_device_norm(read()) if self.counts_in_norm else []
+            chosen = read()
+        if self.norm_pieces is None:
+            return _for_device_norm(chosen)
+        counted = {id(g) for g in chosen}  # Megatron's filters (shared, TP duplicates, ...)
+        pieces = [getattr(p, GRAD_ATTR).view(-1)[start:stop]
+                  for p, start, stop in self.norm_pieces
+                  if id(getattr(p, GRAD_ATTR, None)) in counted]
+        return _for_device_norm(pieces)
 
     def count_zeros(self) -> float:
         """Megatron's count (``--log-num-zeros-in-grad``) over the host gradients; at
@@ -239,6 +253,15 @@ def _argument(args, kwargs, index: int, name: str, default=None):
 
 
 def _build(config, param_groups, offload, grad_stats_group, flat, counts_in_norm=True):
+    norm_pieces = None
+    if getattr(config, "use_distributed_optimizer", False):
+        shards = getattr(offload, "shards", None)
+        if shards is None:
+            raise ParamOffloadError(
+                "param offload with the distributed optimizer: the experts' DDP laid out no "
+                "shards (build the DDP while param offload is wired)")
+        group_of = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
+        norm_pieces = shards.owned(group_of)
     problems = []
     if getattr(config, "optimizer", "adam") != "adam":
         problems.append(f"--optimizer {config.optimizer}: the offloaded experts step with AdamW")
@@ -250,8 +273,8 @@ def _build(config, param_groups, offload, grad_stats_group, flat, counts_in_norm
     groups = [dict(g) for g in param_groups]
     if getattr(config, "use_distributed_optimizer", False):
         # The distributed optimizer lists a group's parameters in its buffer's order, which
-        # is the model's reversed (DDP lays buffers out for the backward); the gradient norm
-        # sums their norms in that order.
+        # is the model's reversed (DDP lays buffers out for the backward); the host state
+        # keeps that order (the norm reads norm_pieces, in the distributed optimizer's).
         for group in groups:
             group["params"] = list(reversed(group["params"]))
     inner = MegatronOffloadStreamAdamW.over_param_groups(
@@ -259,7 +282,8 @@ def _build(config, param_groups, offload, grad_stats_group, flat, counts_in_norm
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         weight_decay=config.weight_decay, bucket_numel=flat.optimizer_bucket_numel,
         num_slots=flat.optimizer_num_slots, grad_attr=GRAD_ATTR, device=offload.device)
-    return ParamOffloadOptimizer(inner, config, offload, grad_stats_group, counts_in_norm)
+    return ParamOffloadOptimizer(inner, config, offload, grad_stats_group, counts_in_norm,
+                                 norm_pieces)
 
 
 def claim(args, kwargs, flat):

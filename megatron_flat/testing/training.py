@@ -54,6 +54,9 @@ class Layout:
     cp: int = 1
     # DDP's --overlap-grad-reduce: each bucket's reduction starts as its gradients are ready.
     overlap_grad_reduce: bool = False
+    # DDP's --ddp-bucket-size (elements; None: Megatron's default). Megatron keeps it only
+    # with overlap_grad_reduce (one bucket otherwise).
+    bucket_size: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -66,6 +69,8 @@ class Layout:
             parts.append("distopt")
         if self.overlap_grad_reduce:
             parts.append("overlap")
+        if self.bucket_size is not None:
+            parts.append(f"bucket{self.bucket_size}")
         if self.recompute == "full":
             parts.append(f"recompute-full-{self.recompute_method}"
                          + (f"{self.recompute_num_layers}" if self.recompute_num_layers != 1
@@ -219,6 +224,7 @@ class Trainer:
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=layout.overlap_grad_reduce,
                 use_distributed_optimizer=layout.distributed_optimizer,
+                bucket_size=layout.bucket_size,
             ),
             module=model,
         )
