@@ -56,6 +56,13 @@ CPU
     * Entering a CPU meter in a thread that has none open walks
       ``gc.get_objects()``; its cost grows with the size of the Python heap.
 
+    Collectives: a process group's worker thread (gloo) frees a finished collective's
+    tensors when it gets the CPU, which would make a figure depend on load. While a CPU
+    meter is open, collectives run on shadows of their tensors (same memory, a storage
+    that does not own it) and the tensors themselves are let go of at the first op after
+    the collective completed (``_Collectives``), so each tensor dies where the program
+    drops it: the figures are a function of the program, not of timing.
+
 Host pool attribution
     The pool allocates its buffer inside :func:`host_allocation` and registers
     it with :func:`register_host_storage`; such storages never count as
@@ -186,18 +193,106 @@ def _cpu_storage(obj: Any) -> Optional[torch.UntypedStorage]:
 
 
 class _CpuMode(TorchDispatchMode):
-    """Reports every op's inputs and outputs to the tracker."""
+    """Reports every op's inputs and outputs to the tracker; runs collectives so that
+    their tensors are freed at a point of the program, not of a worker thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives = _Collectives()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        self.collectives.settle()
         inputs: dict[int, torch.UntypedStorage] = {}
         for leaf in pytree.tree_leaves((args, kwargs)):
             storage = _cpu_storage(leaf)
             if storage is not None:
                 inputs[id(storage)] = storage
-        out = func(*args, **kwargs)
+        if func.namespace == "c10d":
+            out = self.collectives.run(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         _TRACKER.after_op(func in _LIFT_OPS, inputs, out)
         return out
+
+
+class _Collectives:
+    """Collectives (``c10d`` ops) run so that no worker thread decides when a tensor dies.
+
+    A gloo worker thread keeps a collective's tensors (and views it makes of them) until
+    it drops the finished work, which may be after the caller has moved on: a tensor the
+    caller has let go of then dies in the worker at a moment of the scheduler's choosing,
+    and an allocation made before that moment sees it still live (a figure that depends
+    on load). Each collective therefore runs on shadows of its tensors: the same memory,
+    offsets and strides, through a storage that does not own that memory, so what the
+    worker keeps (and frees whenever) is only the shadows. The caller's tensors are kept
+    alive here until the collective is seen completed (at the next op, or when a scope
+    opens or closes: for a blocking collective, before anything else runs), so the
+    worker never writes into freed memory; from then on each tensor dies where the
+    program drops it, as on an idle machine. (A program that drops a tensor of an
+    asynchronous collective before waiting for it relies on the work to keep it alive:
+    it then dies at the first op after the collective completed.)"""
+
+    def __init__(self) -> None:
+        # (works, whether each reports its completion only, the caller's tensors)
+        self.pending: list[tuple[list, bool, list]] = []
+
+    def run(self, func, args, kwargs):
+        shadows: dict[int, torch.UntypedStorage] = {}
+        originals: dict[int, torch.Tensor] = {}
+        held: list = []
+
+        def shadow(leaf):
+            storage = _cpu_storage(leaf)
+            if storage is None or storage.nbytes() == 0:
+                return leaf
+            if id(storage) not in shadows:
+                shadows[id(storage)] = torch._C._construct_storage_from_data_pointer(
+                    storage.data_ptr(), storage.device, storage.nbytes())
+            twin = torch.empty(0, dtype=leaf.dtype).set_(
+                shadows[id(storage)], leaf.storage_offset(), leaf.size(), leaf.stride())
+            originals[id(twin)] = leaf
+            held.append(leaf)
+            return twin
+
+        args, kwargs = pytree.tree_map(shadow, (args, kwargs))
+        out = func(*args, **kwargs)
+        if held:
+            works = [leaf for leaf in pytree.tree_leaves(out)
+                     if isinstance(leaf, torch.ScriptObject)]
+            self.pending.append((works, func._schema.name in _POINT_TO_POINT, held))
+        # the caller gets its own tensors back where the op returns its arguments
+        return pytree.tree_map(lambda leaf: originals.get(id(leaf), leaf), out)
+
+    def settle(self) -> None:
+        """Let go of the tensors of every collective that has completed."""
+        if self.pending:
+            self.pending = [(works, p2p, held) for works, p2p, held in self.pending
+                            if not all(_completed(work, p2p) for work in works)]
+
+
+# Point-to-point works report their completion but have no future.
+_POINT_TO_POINT = frozenset({"c10d::send", "c10d::recv_", "c10d::recv_any_source_"})
+
+
+def _completed(work: Any, p2p: bool) -> bool:
+    """Whether a collective's work (the op's ``ScriptObject``) is done: it says so, or
+    (not a point-to-point one) it has no future to complete, which is how a backend that
+    ran it in the caller's thread answers (gloo's reduce-scatter never reports
+    completion)."""
+    try:
+        work = torch._C._distributed_c10d.Work.unbox(work)
+    except (AttributeError, RuntimeError, TypeError):
+        return True  # not a work handle: nothing in flight
+    if work.is_completed():
+        return True
+    if p2p:
+        return False
+    try:
+        work.get_future()
+    except RuntimeError:
+        return True
+    return False
 
 
 class _Tracker:
@@ -357,6 +452,8 @@ class _Tracker:
             return self._open_cuda(_cuda_index(device), timeline)
         if self._depth() == 0:
             self.scan()
+        else:
+            self.local.mode.collectives.settle()
         with self.lock:
             scope = _Scope(None, self.live_device, self.live_host, timeline)
             self.cpu_scopes.append(scope)
@@ -371,6 +468,7 @@ class _Tracker:
         if scope.cuda_index is not None:
             self._close_cuda(scope)
             return
+        self.local.mode.collectives.settle()
         self.local.depth = self._depth() - 1
         if self.local.depth == 0:
             mode = self.local.mode
