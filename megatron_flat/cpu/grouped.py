@@ -17,8 +17,11 @@ grouped layer runs under the CPU backend and is an exactness reference:
   ``gradient_accumulation_fusion`` behave as Megatron's linears do). With ``bias`` one
   ``bias{i}`` per expert (zeros, as TE initialises them), added to expert i's rows, or with
   ``skip_bias_add`` returned as TE returns them (the list of every expert's bias: fc2 of
-  ``TEGroupedMLP``, which adds ``b_i · prob`` itself). Expert tensor parallelism 1 (refused
-  otherwise).
+  ``TEGroupedMLP``, which adds ``b_i · prob`` itself). Under expert tensor parallelism each
+  rank holds its shard, as ``SequentialMLP``'s expert linears do. Their sharded state dict
+  is TE's grouped linear's: replica ids from the expert-data-parallel rank (the dense DP
+  group's would mark every copy of EP rank 1's experts a replica, and a torch_dist save then
+  finds those experts with no main replica), TP split over the expert-TP group.
 
 Every expert's rows go through the same ``x @ W`` a ``SequentialMLP`` expert computes, so on
 this machine's BLAS the grouped layer equals the sequential one bitwise (tests check it).
@@ -97,45 +100,80 @@ def reference_gmm_patches() -> List[patching.Patch]:
 
 
 class _CpuGroupedLinear(torch.nn.Module):
-    """``num_gemms`` linears ``[output_size, input_size]`` applied to consecutive row groups
-    (``forward(x, m_splits) -> (out, None)``, or ``(out, [bias_i])`` with ``skip_bias_add``),
-    initialised as Megatron's expert linears are, biases zero as TE's.
+    """``num_gemms`` linears applied to consecutive row groups (``forward(x, m_splits) ->
+    (out, None)``, or ``(out, [bias_i])`` with ``skip_bias_add``), each this expert-TP rank's
+    shard of a ``[output_size, input_size]`` linear, initialised as Megatron's expert linears
+    are (the CPU master weight, split as ``SequentialMLP``'s: a gated fc1 with stride 2, so
+    each rank holds ``[W_r; V_r]``), biases zero as TE's.
 
-    ``sharded_state_dict`` gives each ``weight{i}`` as its global expert's shard (the
-    expert axis offset by this EP rank's first expert), as TE's grouped linear does, so
-    ``TEGroupedMLP``'s state dict keeps SequentialMLP's keys and layout."""
+    As TE's grouped linear under expert parallelism, it communicates nothing: the token
+    dispatcher gathers and reduce-scatters over the expert-TP group.
 
-    tp_axis = 0  # the weight axis tensor parallelism would split (column: rows)
+    ``sharded_state_dict`` is TE's grouped linear's: each ``weight{i}`` (``bias{i}``) as its
+    global expert's shard (the expert axis offset by this EP rank's first expert), split
+    over the expert-TP group on ``tp_axis`` (a row linear's bias whole, replicated over
+    expert TP), its replica id's data-parallel part this rank's expert-data-parallel rank —
+    the experts' copies live across expert DP, not the dense DP group — and one
+    ``_extra_state`` object per expert (``_extra_state``, ``_extra_state1``, ...).
+    ``TEGroupedMLP`` adds the SwiGLU split and SequentialMLP's keys on top."""
+
+    tp_axis = 0  # the weight axis expert tensor parallelism splits (column: rows)
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config,
                  init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
                  tp_comm_buffer_name=None, pg_collection=None, name=None) -> None:
         super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 
-        tp = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
-        tp_size = tp.size() if tp is not None else 1
-        if tp_size != 1:
-            raise ValueError("the CPU grouped linear supports expert tensor parallelism 1 "
-                             f"(got {tp_size})")
+        if pg_collection is None:  # as TE's grouped linear: Megatron's global groups
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self._pg = pg_collection
+        tp = getattr(pg_collection, "expt_tp", None)
+        tp_size, tp_rank = (tp.size(), tp.rank()) if tp is not None else (1, 0)
+        full = (output_size, input_size)
+        if full[self.tp_axis] % tp_size:
+            raise ValueError(f"the CPU grouped linear's {('output', 'input')[self.tp_axis]} "
+                             f"size {full[self.tp_axis]} does not split over expert "
+                             f"tensor parallelism {tp_size}")
+        local = list(full)
+        local[self.tp_axis] //= tp_size
+        # SequentialMLP's fc1 under a gated linear unit: [W; V] split with stride 2.
+        stride = 2 if self.tp_axis == 0 and config.gated_linear_unit else 1
         self.config = config
         self.num_gemms = num_gemms
         self.use_bias = bool(bias)
         self.skip_bias_add = bool(skip_bias_add)
-        self._ep = getattr(pg_collection, "ep", None) if pg_collection is not None else None
         for i in range(num_gemms):
-            weight = torch.nn.Parameter(torch.empty(output_size, input_size,
-                                                    dtype=config.params_dtype))
-            _initialize_affine_weight_cpu(weight, output_size, input_size, output_size, 0,
-                                          init_method, params_dtype=config.params_dtype,
-                                          rank=0, world_size=1)
+            weight = torch.nn.Parameter(torch.empty(*local, dtype=config.params_dtype))
+            _initialize_affine_weight_cpu(weight, output_size, input_size,
+                                          local[self.tp_axis], self.tp_axis, init_method,
+                                          stride=stride, params_dtype=config.params_dtype,
+                                          rank=tp_rank, world_size=tp_size)
             # Expert weights are reduced over the expert-data-parallel group only.
             weight.allreduce = not (is_expert and config.expert_model_parallel_size > 1)
             self.register_parameter(f"weight{i}", weight)
             if self.use_bias:
-                b = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
+                b = torch.nn.Parameter(torch.zeros(local[0], dtype=config.params_dtype))
                 b.allreduce = weight.allreduce
                 self.register_parameter(f"bias{i}", b)
+        # A checkpoint's per-expert extra states (TE's fp8 metadata; none here) come back as
+        # _extra_state1.. beside _extra_state: TE merges them into one, here they are dropped.
+        # A plain state dict without one loads too (as Megatron's local linears allow).
+        self._register_load_state_dict_pre_hook(self._drop_expert_extra_states)
+
+    def _drop_expert_extra_states(self, state_dict, prefix, *args, **kwargs) -> None:
+        for i in range(1, self.num_gemms):
+            state_dict.pop(f"{prefix}_extra_state{i}", None)
+        state_dict.setdefault(f"{prefix}_extra_state")
+
+    def get_extra_state(self) -> None:
+        """TE's grouped linear keeps fp8 metadata here; the CPU one has none (``None``, as
+        Megatron's local linears), but keeps the key, so state dicts have TE's keys."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Extra state is ignored (there is no fp8 metadata on CPU)."""
 
     def biases(self) -> list:
         """Every expert's bias, in expert order (empty without bias)."""
@@ -162,36 +200,50 @@ class _CpuGroupedLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        ep_size = self._ep.size() if self._ep is not None else 1
-        ep_rank = self._ep.rank() if self._ep is not None else 0
-        first, total = ep_rank * self.num_gemms, ep_size * self.num_gemms
+        ep, tp, edp = self._pg.ep, self._pg.expt_tp, self._pg.expt_dp
+        # 0.19's TE numbers extra-state objects over expert DP x GTP remat (expert DP without
+        # GTP, the only case here; 0.16 has no such group).
+        edp_objects = getattr(self._pg, "expt_dp_gtp_remat", None)
+        if edp_objects is None:
+            edp_objects = edp
+        ep_size = ep.size() if ep is not None else 1
+        first = (ep.rank() if ep is not None else 0) * self.num_gemms
+        total = ep_size * self.num_gemms
         dp_cp = (metadata or {}).get("dp_cp_group")
+        # A column linear's bias is split as its rows; a row linear's is whole.
+        axes = {"weight": self.tp_axis, **({"bias": 0} if self.tp_axis == 0 else {})}
         out = {}
         for i in range(self.num_gemms):
             offsets = (*sharded_offsets, (len(sharded_offsets), first + i, total))
-            sub = make_sharded_tensors_for_checkpoint(
-                {"weight": getattr(self, f"weight{i}")}, prefix, {"weight": self.tp_axis},
-                offsets, dp_cp_group=dp_cp)
-            out[f"{prefix}weight{i}"] = sub[f"{prefix}weight"]
+            entries = {"weight": getattr(self, f"weight{i}"), "_extra_state": None}
             if self.use_bias:
-                # A column linear's bias is split as its rows; a row linear's is whole.
-                axis = {"bias": 0} if self.tp_axis == 0 else {}
-                sub = make_sharded_tensors_for_checkpoint(
-                    {"bias": getattr(self, f"bias{i}")}, prefix, axis, offsets, dp_cp_group=dp_cp)
-                out[f"{prefix}bias{i}"] = sub[f"{prefix}bias"]
+                entries["bias"] = getattr(self, f"bias{i}")
+            sub = make_sharded_tensors_for_checkpoint(entries, prefix, axes, offsets,
+                                                      tp_group=tp, dp_cp_group=dp_cp)
+            for name, sh in sub.items():
+                # The expert's copies are its expert-DP peers (EP rank r's experts have no
+                # other owner): only expert-DP rank 0 holds the main replica.
+                group = edp_objects if isinstance(sh, ShardedObject) else edp
+                fully_sharded = getattr(sh, "is_data_parallel_fully_shard", False)
+                edp_rank = 0 if fully_sharded or group is None else group.rank()
+                sh.replica_id = (*sh.replica_id[:2], edp_rank)
+                # TE's keys: weight{i}, bias{i}, and _extra_state, _extra_state1, ...
+                suffix = "" if name.endswith("_extra_state") and i == 0 else str(i)
+                out[f"{name}{suffix}"] = sh
         return out
 
 
 class CpuColumnParallelGroupedLinear(_CpuGroupedLinear):
-    """fc1 of ``TEGroupedMLP`` on CPU (column-parallel; expert TP 1)."""
+    """fc1 of ``TEGroupedMLP`` on CPU (column-parallel over expert TP)."""
 
     tp_axis = 0
 
 
 class CpuRowParallelGroupedLinear(_CpuGroupedLinear):
-    """fc2 of ``TEGroupedMLP`` on CPU (row-parallel; expert TP 1)."""
+    """fc2 of ``TEGroupedMLP`` on CPU (row-parallel over expert TP)."""
 
     tp_axis = 1
 

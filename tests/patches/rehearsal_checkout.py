@@ -15,6 +15,12 @@ launch meets on CPU, so the rehearsal's workarounds are exercised:
 * ``inprocess_restart.maybe_wrap_for_inprocess_restart`` parses first with the stock parser
   (``ignore_unknown_args=True``), which is what answers ``--help``.
 
+The model follows the line's ``--moe-grouped-gemm`` (Megatron's local spec then builds the
+grouped experts: 0.16's ``GroupedMLP``, or for a transformer-engine line ``TEGroupedMLP``
+over the CPU grouped linears, as the rehearsal sets up); its experts are always SwiGLU
+(``--swiglu`` is accepted) and biased only in a family that has biases (``--family
+gpt_oss``).
+
 Test knobs (kept by the stock run, acting only when a technique is installed):
 ``--perturb-flat-lr F`` multiplies the learning rate by ``1 + F``; ``--fail-when-flat``
 raises after the first iteration. ``--fault`` injects one after the first iteration, in both
@@ -253,7 +259,7 @@ def tiny_of(args):
                    vocab_size=args.vocab_size, seq_length=args.seq_length,
                    micro_batch_size=args.micro_batch_size,
                    global_batch_size=args.global_batch_size, seed=args.seed, data="zipf",
-                   attention_dropout=args.attention_dropout)
+                   attention_dropout=args.attention_dropout, grouped_gemm=args.moe_grouped_gemm)
 
 
 GPU_ONLY = (
@@ -310,9 +316,9 @@ def _build_family(args, recompute, pre_process, post_process):
     router, shared experts, MTP), built as Megatron-LM's GPT builder builds it."""
     from megatron_flat.testing.families import build_like_megatron_lm, family_args, family_config
 
-    fields = {}
+    fields = {"moe_grouped_gemm": True} if args.moe_grouped_gemm else {}
     if recompute:
-        fields = dict(recompute_granularity=recompute["recompute"],
+        fields.update(recompute_granularity=recompute["recompute"],
                       recompute_method=recompute["recompute_method"],
                       recompute_num_layers=recompute["recompute_num_layers"])
     config = family_config(args.family, num_layers=args.num_layers,
