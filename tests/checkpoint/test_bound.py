@@ -69,10 +69,11 @@ def test_device_boundary_bytes_flat_in_depth(stack):
     keep: list = []
     plain = {d: _measure(stack, d, lambda: stack.plain) for d in (4, 16)}
     sco = {d: _measure(stack, d, _sco(1 << 24, 1, keep)) for d in (4, 16)}
+    loss = 4 / stack.boundary_bytes()  # the fp32 loss scalar, in boundaries
     # after forward plain checkpoint holds one boundary per layer (+ the output); SCO
-    # only the output
-    assert plain[4][0] == pytest.approx(5, abs=0.01) and plain[16][0] == pytest.approx(17, abs=0.01)
-    assert sco[4][0] == pytest.approx(1, abs=0.01) and sco[16][0] == pytest.approx(1, abs=0.01)
+    # only the output; both the loss: byte counts, exact
+    assert plain[4][0] == 5 + loss and plain[16][0] == 17 + loss
+    assert sco[4][0] == 1 + loss and sco[16][0] == 1 + loss
     # peaks: plain grows by the 12 extra boundaries, SCO by less than one boundary
     assert plain[16][1] - plain[4][1] >= 12 - 0.01
     assert abs(sco[16][1] - sco[4][1]) < 1
@@ -90,6 +91,6 @@ def test_partial_budget_holds_only_the_overflow(stack):
     held, _, _ = _measure(stack, depth, _sco(5 * bb, 1, keep))
     s = keep[0].stats
     assert s.boundaries_offloaded == 5 and s.boundaries_kept == 3
-    # the 3 boundaries past the budget (the last layers' inputs) plus the output
-    assert held == pytest.approx(4, abs=0.01)
+    # the 3 boundaries past the budget (the last layers' inputs) plus the output and the loss
+    assert held == 4 + 4 / bb
     assert s.max_restored_on_device <= 2

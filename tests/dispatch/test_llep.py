@@ -167,7 +167,8 @@ def test_single_rank_matches_dense_moe(name, mode, membership):
     case = RankCase(c["n"], 8, 4, c["topk"], c["profile"], seed=3)
     options = DispatchOptions(mode=mode, chunk_tokens=c["chunk"],
                               max_chunks=c.get("max_chunks", 10), membership=membership)
-    problems, stats = engine_mismatches(full, [case], 0, options=options)
+    # fp32 reordering on values below ~3e-2: atol 1e-5 of that scale
+    problems, stats = engine_mismatches(full, [case], 0, options=options, atol=1e-7)
     assert problems == []
     n = c["n"]
     if mode == "pipelined":
@@ -223,8 +224,9 @@ def test_megatron_ddp_main_grad_protocol(mode):
     bank, via_ddp, fired = bank_and_grads(True)
     _, plain, _ = bank_and_grads(False)
     assert len(fired) == 4 and all(p.grad is None for p in bank.parameters())
+    # Both sum the chunks' gradients in chunk order from zero: bitwise.
     for a, b in zip(via_ddp, plain):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        assert torch.equal(a, b)
 
 
 def test_no_grad_forward_matches():
@@ -236,7 +238,9 @@ def test_no_grad_forward_matches():
                             options=DispatchOptions(mode=mode, chunk_tokens=2))
         with torch.no_grad():
             outs.append(eng(b["tokens"], b["route_token"], b["route_expert"], b["route_probs"]))
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-7)
+    # fp32: the chunks change the GEMMs' row counts (outputs ~1e-4: atol scaled to them)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5,
+                               atol=1e-5 * float(outs[1].abs().max()))
 
 
 # ---------------------------------------------------------------------------- memory

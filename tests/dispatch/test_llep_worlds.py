@@ -2,8 +2,8 @@
 
 Every rank rebuilds every rank's synthetic inputs from seeds and computes the global
 reference, so outputs, token/router-probability gradients and each rank's expert-weight
-gradients are checked without gathering. Tolerance (rtol 1e-5, atol 1e-6 on values of order
-1e-2..1): fp32 rounding only — chunking changes GEMM row counts and the reduction order of
+gradients are checked without gathering. Tolerance (rtol 1e-5, atol 1e-7 on values up to
+~0.1): fp32 rounding only — chunking changes GEMM row counts and the reduction order of
 weight gradients, nothing else. With 4 ranks a hot expert spills to several helpers, one
 helper serves several owners, and ranks differ in N.
 """
@@ -80,7 +80,7 @@ def test_matches_dense_moe(world, name, dist_world):
         cases = [RankCase(n, H, E4, topk, profile, seed=200 + r, shift=shift * r)
                  for r, n in enumerate(sizes)]
         options = DispatchOptions(min_tokens_per_gemm=1, debug_checks=True, **opts)
-    problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-6)
+    problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-7)
     assert problems == []
     assert max(stats.received) <= stats.receive_bound
     if world == 2 and options.mode == "pipelined":
@@ -109,7 +109,7 @@ def test_helper_gemms_get_m_rows_per_chunk(dist_world):
     cases = [RankCase(200, H, E4, 2, "0.6/1", seed=200 + r) for r in range(4)]
     options = DispatchOptions(chunk_tokens=50, imbalance_threshold=0.0, min_tokens_per_gemm=m,
                               debug_checks=True)
-    problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-6)
+    problems, stats = engine_mismatches(full, cases, rank, options=options, atol=1e-7)
     assert problems == []
     assert stats.num_chunks == 4 and stats.plan.weight_transfers
     every = [None] * 4

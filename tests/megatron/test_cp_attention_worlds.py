@@ -66,7 +66,10 @@ def _single_and_cp(build, q, k, v, grad):
             parts = [torch.empty_like(mine) for _ in range(cp)]
             dist.all_gather(parts, mine.contiguous())
             full = _to_global(parts, cp)
-            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6)
+            # fp32: the flash blocks' merge reorders the softmax sums; their rounding
+            # scales with the tensor's largest value (up to ~6 here)
+            torch.testing.assert_close(full, want, rtol=1e-5,
+                                       atol=1e-6 * max(1.0, float(want.abs().max())))
             assert full.abs().max() > 0
     return single, attn
 

@@ -103,7 +103,9 @@ def test_flat_equals_stock_loss_and_every_gradient(megatron_cpu, family):
         if grad is None:
             assert flat_grads[name] is None, name
             continue
-        torch.testing.assert_close(flat_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        # fp32 reordering: absolute error scales with the gradient's largest value
+        torch.testing.assert_close(flat_grads[name], grad, rtol=1e-5,
+                                   atol=1e-5 * float(grad.abs().max()), msg=name)
 
 
 def _forward_backward_pair(family):

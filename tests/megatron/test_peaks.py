@@ -53,9 +53,14 @@ def test_recompute_hooks_fire_in_recomputed_forward(tiny):
 
 
 def test_vocab_peak_scales_with_tokens(tiny):
-    small = _run(tiny).sections[VOCAB].peak_device_bytes
-    large = _run(tiny.with_(seq_length=2 * tiny.seq_length)).sections[VOCAB].peak_device_bytes
-    assert large / small == pytest.approx(2.0, rel=0.05)
+    # From 128 tokens on the section peaks with the N x V fp32 logits, beside per-token
+    # vectors only: every tensor then is proportional to N, so twice the tokens is exactly
+    # twice the bytes (at 64 tokens the V x H weight gradient's phase is the higher one).
+    n = 2 * tiny.seq_length
+    small = _run(tiny.with_(seq_length=n)).sections[VOCAB].peak_device_bytes
+    large = _run(tiny.with_(seq_length=2 * n)).sections[VOCAB].peak_device_bytes
+    assert small >= n * tiny.vocab_size * F32
+    assert large == 2 * small
 
 
 def test_hooks_are_removed(tiny):

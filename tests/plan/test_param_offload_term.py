@@ -50,7 +50,11 @@ def test_the_term_is_the_runtime_layout():
         <= 4 * slack
     assert 0 <= runtime.host_bytes - term.host_bytes <= 2 * TINY.layers * slack
     h2d, d2h = runtime.microbatch_bytes(first=False)
-    assert (h2d, d2h) == pytest.approx(term.microbatch_bytes(), rel=0.01)
+    want_h2d, want_d2h = term.microbatch_bytes()
+    # byte counts: the runtime's exceed the term's by alignment pads only (per layer:
+    # weights up twice, gradients up once and down once)
+    assert 0 <= h2d - want_h2d <= 3 * TINY.layers * slack
+    assert 0 <= d2h - want_d2h <= TINY.layers * slack
 
 
 @pytest.mark.parametrize("layers", [4, 8, 16])

@@ -43,8 +43,11 @@ def test_flash_matches_local_attention_and_keeps_no_scores(megatron_cpu):
     assert sum(isinstance(m, FlashCoreAttention) for m in model.modules()) == 2
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
+    # fp32: the flash blocks reorder the softmax's sums (absolute error scales with each
+    # gradient's largest value).
     for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5,
+                                   atol=1e-5 * float(ref_grads[name].abs().max()))
     # torch's CPU flash kernel ran, forward and backward, not the N×N path (no batched
     # score matmul).
     assert any("_scaled_dot_product_flash_attention_for_cpu.default" in op for op in seen)
