@@ -36,7 +36,7 @@ ARGS=(
     # data, tokenizer and schedule: placeholders, replace with yours
     --mock-data --tokenizer-type NullTokenizer --vocab-size 200000 --train-iters 100 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --eval-iters 0 --eval-interval 1000
     # megatron-flat: the flat layer spec and the knobs fit chose
-    --spec megatron_flat.megatron.spec flat_gpt_layer_te_spec --flat-dispatch pipelined --flat-dispatch-chunk-tokens 1024 --flat-dispatch-max-chunks 32 --flat-vocab --flat-vocab-mode weights --flat-sco --flat-sco-host-budget-gib 6.12598 --flat-sco-prefetch 1 --flat-optimizer-offload --flat-optimizer-bucket-numel 1000000 --flat-optimizer-num-slots 1 --flat-attn-tiles 32768
+    --spec megatron_flat.megatron.spec flat_gpt_layer_te_spec --flat-dispatch pipelined --flat-dispatch-chunk-tokens 1024 --flat-dispatch-max-chunks 32 --flat-vocab --flat-vocab-mode weights --flat-sco --flat-sco-host-budget-gib 6.12598 --flat-sco-prefetch 1 --flat-optimizer-offload --flat-optimizer-bucket-numel 1000000 --flat-optimizer-num-slots 1 --flat-param-offload --flat-attn-tiles 32768
 )
 
 if [[ "${REHEARSE:-0}" == 1 ]]; then

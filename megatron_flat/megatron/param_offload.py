@@ -26,9 +26,9 @@ import torch
 from megatron_flat.params import ParamOffload, ParamOffloadError, offloaded_layer
 from megatron_flat.runtime import patching
 
-__all__ = ["DDP_PATCH", "ExpertShards", "ModuleParamOffload", "OffloadedGrads",
-           "attach_param_offload", "expert_shards", "fold_into_main_grad", "megatron_problems",
-           "offloadable_layers", "offloading", "unwire_ddp", "wire_ddp"]
+__all__ = ["DDP_PATCH", "ModuleParamOffload", "OffloadedGrads", "attach_param_offload",
+           "fold_into_main_grad", "megatron_problems", "offloadable_layers", "offloading",
+           "unwire_ddp", "wire_ddp"]
 
 
 def fold_into_main_grad(param: torch.nn.Parameter) -> None:
@@ -220,54 +220,11 @@ def _ddp_init(original):
         with _outside_buffers([p for layer in offload.params for p in layer]):
             original(self, config, ddp_config, module, *args, **kwargs)
         if self.ddp_config.use_distributed_optimizer:
+            from megatron_flat.megatron.param_offload_shards import expert_shards
+
             offload.shards = expert_shards(self, module, offload)
         _follow_buffers(self, OffloadedGrads(self, offload))
     return __init__
-
-
-class ExpertShards:
-    """Where the distributed optimizer would cut the offloaded experts had they been in
-    DDP's expert buffer (``distopt_layout``): the Parameters in DDP's order, the buffer
-    layout over the expert data-parallel group, and this rank's pieces."""
-
-    def __init__(self, params, layout, rank: int) -> None:
-        self.params = list(params)
-        self.layout = layout
-        self.rank = rank
-        self.pieces = layout.pieces(rank)
-
-    def owned(self, group_of) -> list:
-        """``[(Parameter, start, stop)]``: this rank's pieces in the order the distributed
-        optimizer lists them (``group_of``: id(Parameter) -> its param group's index)."""
-        from megatron_flat.megatron.distopt_layout import group_order
-
-        groups = group_order(self.pieces, [group_of[id(p)] for p in self.params],
-                             [p.dtype == torch.float32 for p in self.params])
-        return [(self.params[x.param], x.start, x.stop) for group in groups for x in group]
-
-
-def expert_shards(ddp, module, offload: ModuleParamOffload) -> ExpertShards:
-    """The :class:`ExpertShards` of ``offload``'s Parameters for this DDP: collected as DDP
-    collects its expert buffer's (``named_parameters()`` order), with DDP's bucket size,
-    padding rule and expert data-parallel group."""
-    from megatron_flat.megatron.distopt_layout import buffer_layout
-
-    mine = {id(p) for layer in offload.params for p in layer}
-    params = [p for _, p in module.named_parameters() if id(p) in mine]
-    kinds = {(p.dtype, torch.float32 if ddp.ddp_config.grad_reduce_in_fp32 else p.dtype)
-             for p in params}
-    if len(kinds) > 1:
-        raise ParamOffloadError(
-            "param offload with the distributed optimizer: the routed experts mix parameter "
-            f"dtypes ({sorted(str(k[0]) for k in kinds)}); Megatron would shard them over "
-            "several buffers, which the host tier does not follow")
-    group = ddp.intra_expt_dp_group
-    layout = buffer_layout(
-        [p.numel() for p in params], group.size(), ddp.bucket_size,
-        pad_for_high_nccl_busbw=bool(getattr(ddp.ddp_config, "pad_buckets_for_high_nccl_busbw",
-                                             False)),
-        shared_embedding=[bool(getattr(p, "shared_embedding", False)) for p in params])
-    return ExpertShards(params, layout, group.rank())
 
 
 def _follow_buffers(ddp, grads: OffloadedGrads) -> None:

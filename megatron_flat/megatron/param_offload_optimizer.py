@@ -42,6 +42,7 @@ resident parameters (expert parallelism 1 puts the routed experts in the dense g
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from megatron.core.optimizer.optimizer import FP32Optimizer
@@ -53,6 +54,12 @@ from megatron_flat.megatron.optimizer import (
     release_sub_optimizers,
     sub_optimizers_claimed,
 )
+from megatron_flat.megatron.param_offload_shards import (
+    gather_weights,
+    piece_params,
+    pieces_of,
+    sharded_state,
+)
 from megatron_flat.params import ParamOffloadError
 from megatron_flat.runtime import patching
 
@@ -60,24 +67,22 @@ __all__ = ["NORM_PATCH", "ZEROS_PATCH", "ParamOffloadOptimizer", "claim", "clip_
            "is_wired", "release_claim", "unwire_optimizer", "wire_optimizer"]
 
 GRAD_ATTR = "flat_host_grad"
+# Marks a checkpoint state dict whose experts' state is whole tensors in model space.
+_MODEL_SPACE = "param_offload_model_space"
 
 
 class ParamOffloadOptimizer(FP32Optimizer):
     """Megatron's sub-optimizer over the offloaded experts (module docstring)."""
 
-    def __init__(self, optimizer, config, offload, grad_stats_group,
-                 counts_in_norm: bool = True, norm_pieces=None) -> None:
+    def __init__(self, optimizer, config, offload, grad_stats_group, shards=None) -> None:
         super().__init__(optimizer, config, init_state_fn=_init_state)
         self.offload = offload
         self.grad_stats_parallel_group = grad_stats_group
         self._scale = torch.tensor([1.0], dtype=torch.float, device=offload.device)
-        # The distributed optimizer's grad-stats group spans the expert-DP replicas, which
-        # all hold the whole reduced gradients: one of them counts their zeros.
-        self.counts_in_norm = counts_in_norm
-        # With the distributed optimizer, the pieces of the gradients its shards would hold
-        # on this rank, in its order ([(Parameter, start, stop)]; None without it): the
-        # norm sums what it would sum, on the rank it would sum it.
-        self.norm_pieces = norm_pieces
+        # Without the distributed optimizer the inner optimizer steps the whole experts
+        # (every replica alike; replicas share no grad-stats group). With it, the inner optimizer's parameters are this rank's pieces of the experts
+        # (param_offload_shards), and the updated pieces are all-gathered after a step.
+        self.shards = shards
         self.total_grad_norm = None  # this step's, from the chain (or clip_grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -86,9 +91,17 @@ class ParamOffloadOptimizer(FP32Optimizer):
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         self.total_grad_norm = None
+        grads = {}
         for index, layer in enumerate(self.offload.params):
             for p, grad in zip(layer, self.offload.host_grads(index)):
-                setattr(p, GRAD_ATTR, grad)
+                grads[id(p)] = grad
+        for p in self.get_parameters():
+            piece = getattr(p, "flat_piece", None)
+            if piece is None:
+                setattr(p, GRAD_ATTR, grads[id(p)])
+            else:
+                model, start, stop = piece
+                setattr(p, GRAD_ATTR, grads[id(model)].view(-1)[start:stop])
         return found_non_finite_grads(self)
 
     # -- the norm: the host gradients, read as Megatron reads a sub-optimizer's ----------
@@ -112,24 +125,15 @@ class ParamOffloadOptimizer(FP32Optimizer):
                 p.grad, p.decoupled_grad = None, None
 
     def _shown(self, read):
-        """What Megatron's norm reads of this optimizer: its own pick (``read``, with the
-        host gradients shown), as whole gradients, or as the distributed optimizer's
-        pieces of them on this rank."""
+        """What Megatron's norm reads of this optimizer: its own pick (``read``) with the
+        host gradients (or this rank's pieces of them) shown."""
         with self.grads_shown():
-            chosen = read()
-        if self.norm_pieces is None:
-            return _for_device_norm(chosen)
-        counted = {id(g) for g in chosen}  # Megatron's filters (shared, TP duplicates, ...)
-        pieces = [getattr(p, GRAD_ATTR).view(-1)[start:stop]
-                  for p, start, stop in self.norm_pieces
-                  if id(getattr(p, GRAD_ATTR, None)) in counted]
-        return _for_device_norm(pieces)
+            return _for_device_norm(read())
 
     def count_zeros(self) -> float:
-        """Megatron's count (``--log-num-zeros-in-grad``) over the host gradients; at
-        expert-DP > 1 with the distributed optimizer one replica counts them, as one shard
-        of each holds them there (the others add 0 to the same reduction)."""
-        with self.grads_shown() if self.counts_in_norm else contextlib.nullcontext():
+        """Megatron's count (``--log-num-zeros-in-grad``) over the host gradients (with
+        the distributed optimizer, this rank's pieces of them, as its shards)."""
+        with self.grads_shown():
             return super().count_zeros()
 
     def get_main_grads_for_grad_norm(self):  # 0.16
@@ -151,12 +155,50 @@ class ParamOffloadOptimizer(FP32Optimizer):
                      if getattr(p, GRAD_ATTR, None) is not None]
             clip_host_grads(grads, self.config.clip_grad, self.total_grad_norm)
         ok = super().step_with_ready_grads()
+        if self.shards is not None:
+            gather_weights(self.shards, self.offload.device)
         self.offload.weights_updated()
         return ok
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           metadata=None):
+        """Megatron's FP32Optimizer checkpoint (model-space keys, whole tensors); with the
+        distributed optimizer the pieces' state is gathered into whole tensors on the
+        replica that writes them (``param_offload_shards.sharded_state``), so it loads at
+        any expert data-parallel size."""
+        if self.shards is None:
+            return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        state_dict = self.state_dict()
+        step = self._extract_common_per_param_step(state_dict)
+        names = ["exp_avg", "exp_avg_sq"]
+        if any(p.dtype != torch.float32 for p in self.shards.params):
+            names.append("master")  # OffloadStreamAdamW's fp32 copy of a 16-bit weight
+        state_dict["state"] = sharded_state(
+            self.shards, self.get_parameters(), state_dict["state"], names,
+            model_sharded_state_dict, self.offload.device, is_loading)
+        state_dict[_MODEL_SPACE] = True
+        state_dict["param_groups"] = copy.deepcopy(state_dict["param_groups"])
+        for group in state_dict["param_groups"]:
+            group["params"] = LocalNonpersistentObject(group["params"])  # this rank's pieces
+        if step:
+            state_dict["state"]["common_step"] = step
+        return state_dict
 
     # A checkpoint load writes the model's host views (the Parameters' data at rest) before
     # the optimizer's state: the slots are stale after either.
     def load_state_dict(self, state_dict) -> None:
+        if state_dict.pop(_MODEL_SPACE, False):  # from sharded_state_dict: whole tensors
+            state = dict(state_dict["state"])
+            step = state.pop("common_step", None)
+            state = pieces_of(self.shards, self.get_parameters(), state)
+            if step is not None:
+                for entry in state.values():
+                    entry["step"] = copy.deepcopy(step)
+            state_dict = {**state_dict, "state": state}
         super().load_state_dict(state_dict)
         self.offload.weights_updated()
 
@@ -223,8 +265,7 @@ def _counting_zeros(original):
         with contextlib.ExitStack() as shown:
             if self.grads_states_parallel_group_is_shared():
                 for optimizer in self.chained_optimizers:
-                    if isinstance(optimizer, ParamOffloadOptimizer) and \
-                            optimizer.counts_in_norm:
+                    if isinstance(optimizer, ParamOffloadOptimizer):
                         shown.enter_context(optimizer.grads_shown())
             return original(self, *args, **kwargs)
     return count_zeros
@@ -252,16 +293,7 @@ def _argument(args, kwargs, index: int, name: str, default=None):
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else default)
 
 
-def _build(config, param_groups, offload, grad_stats_group, flat, counts_in_norm=True):
-    norm_pieces = None
-    if getattr(config, "use_distributed_optimizer", False):
-        shards = getattr(offload, "shards", None)
-        if shards is None:
-            raise ParamOffloadError(
-                "param offload with the distributed optimizer: the experts' DDP laid out no "
-                "shards (build the DDP while param offload is wired)")
-        group_of = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
-        norm_pieces = shards.owned(group_of)
+def _build(config, param_groups, offload, grad_stats_group, flat):
     problems = []
     if getattr(config, "optimizer", "adam") != "adam":
         problems.append(f"--optimizer {config.optimizer}: the offloaded experts step with AdamW")
@@ -271,19 +303,25 @@ def _build(config, param_groups, offload, grad_stats_group, flat, counts_in_norm
         raise ParamOffloadError("param offload cannot build the experts' optimizer:\n  - "
                                 + "\n  - ".join(problems))
     groups = [dict(g) for g in param_groups]
+    shards = None
     if getattr(config, "use_distributed_optimizer", False):
-        # The distributed optimizer lists a group's parameters in its buffer's order, which
-        # is the model's reversed (DDP lays buffers out for the backward); the host state
-        # keeps that order (the norm reads norm_pieces, in the distributed optimizer's).
-        for group in groups:
-            group["params"] = list(reversed(group["params"]))
+        # The distributed optimizer's cut: this rank steps its pieces of the experts, in the
+        # distributed optimizer's order (param_offload_shards).
+        shards = getattr(offload, "shards", None)
+        if shards is None:
+            raise ParamOffloadError(
+                "param offload with the distributed optimizer: the experts' DDP laid out no "
+                "shards (build the DDP while param offload is wired)")
+        group_of = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
+        pieces = piece_params(shards, shards.owned(group_of, len(param_groups)))
+        for group, owned in zip(groups, pieces):
+            group["params"] = owned
     inner = MegatronOffloadStreamAdamW.over_param_groups(
         groups, lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         weight_decay=config.weight_decay, bucket_numel=flat.optimizer_bucket_numel,
         num_slots=flat.optimizer_num_slots, grad_attr=GRAD_ATTR, device=offload.device)
-    return ParamOffloadOptimizer(inner, config, offload, grad_stats_group, counts_in_norm,
-                                 norm_pieces)
+    return ParamOffloadOptimizer(inner, config, offload, grad_stats_group, shards)
 
 
 def claim(args, kwargs, flat):
@@ -302,10 +340,7 @@ def claim(args, kwargs, flat):
     distributed = bool(getattr(config, "use_distributed_optimizer", False))
     group = (_argument(args, kwargs, 8, "intra_dist_opt_group") if distributed
              else _argument(args, kwargs, 4, "model_parallel_group"))
-    replicas = _argument(args, kwargs, 5, "data_parallel_group")
-    first = replicas is None or replicas.rank() == 0
-    return _build(config, param_groups, offloads[0], group, flat,
-                  counts_in_norm=first or not distributed)
+    return _build(config, param_groups, offloads[0], group, flat)
 
 
 def is_wired() -> bool:

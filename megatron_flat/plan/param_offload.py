@@ -13,13 +13,17 @@ use and the next one in flight), whatever the depth::
     device grads     = g·P_dense + 2·4·P_l          (g: the dense grad buffer's bytes)
     host tier        = (b + 4)·P_e                  every layer's weights and fp32 gradients
 
-The experts' sub-optimizer (``ParamOffloadOptimizer``) steps every local expert on every
-expert-data-parallel replica (its host state is not sharded over expert-DP) and stages its
-fp32 gradients through OffloadStreamAdamW's slots beside master, m and v::
+The experts' sub-optimizer (``ParamOffloadOptimizer``) shards their fp32 state as Megatron's
+distributed optimizer would (``megatron.param_offload_shards``): with it, each of the
+s_e = TP·CP·DP/EP expert-data-parallel replicas keeps and steps P_o = ⌈P_e / s_e⌉ of them,
+then all-gathers the updated weights; without it, every replica steps every local expert
+(P_o = P_e). It stages its fp32 gradients through OffloadStreamAdamW's slots beside master,
+m and v, and the all-gather through the device in rounds of ``GATHER_CHUNK_NUMEL`` per rank::
 
-    host optimizer   = 12·P_e (b < 4: master, m, v) or 8·P_e (fp32: m, v; the weight is its
+    host optimizer   = 12·P_o (b < 4: master, m, v) or 8·P_o (fp32: m, v; the weight is its
                        own master)
-    device staging   = slots · min(bucket, P_e) · 16
+    device staging   = slots · min(bucket, P_o) · 16
+                       + (1 + s_e) · min(chunk, P_o) · b       (the all-gather, s_e > 1)
 
 Per microbatch over PCIe (an upper bound, the runtime's ``ParamOffloadPlan.microbatch_bytes``
 after the first microbatch): every layer's weights up twice (forward; recompute and backward
@@ -34,18 +38,22 @@ Param offload needs EP > 1 (at EP 1 Megatron puts the experts in the dense optim
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron_flat.plan.model import Layout, ModelSpec
 
-__all__ = ["GRAD_BYTES", "SLOTS", "STAGING_BYTES_PER_PARAM", "ParamOffloadTerm", "applies",
-           "term"]
+__all__ = ["GATHER_CHUNK_NUMEL", "GRAD_BYTES", "SLOTS", "STAGING_BYTES_PER_PARAM",
+           "ParamOffloadTerm", "applies", "term"]
 
 SLOTS = 2  # weight slots and gradient slots on the device (one in use, the next in flight)
 GRAD_BYTES = 4  # the offloaded experts' main_grad is fp32 whatever the weights' dtype
 # The experts' staging: master, m, v and the fp32 gradient fetched from the host tier.
 STAGING_BYTES_PER_PARAM = 16
+# Elements per rank in one round of the updated weights' all-gather (the runtime's
+# megatron.param_offload_shards.GATHER_CHUNK_NUMEL; tests/plan checks they agree).
+GATHER_CHUNK_NUMEL = 1 << 20
 
 
 def applies(layout: Layout, model: Optional[ModelSpec] = None) -> Optional[str]:
@@ -66,6 +74,12 @@ class ParamOffloadTerm:
     expert_params: int      # P_e
     slot_params: int        # P_l
     bytes_per_value: int    # b
+    replicas: int = 1       # s_e when the distributed optimizer shards the state, else 1
+
+    @property
+    def optimizer_params(self) -> int:
+        """P_o: the experts' parameters whose fp32 state this replica keeps and steps."""
+        return math.ceil(self.expert_params / self.replicas)
 
     @property
     def device_weights(self) -> int:
@@ -83,10 +97,14 @@ class ParamOffloadTerm:
     @property
     def optimizer_host(self) -> int:
         per = 12 if self.bytes_per_value < 4 else 8
-        return per * self.expert_params
+        return per * self.optimizer_params
 
     def staging(self, num_slots: int, bucket_numel: int) -> int:
-        return num_slots * STAGING_BYTES_PER_PARAM * min(bucket_numel, self.expert_params)
+        slots = num_slots * STAGING_BYTES_PER_PARAM * min(bucket_numel, self.optimizer_params)
+        if self.replicas == 1:
+            return slots
+        return slots + (1 + self.replicas) * min(GATHER_CHUNK_NUMEL, self.optimizer_params) \
+            * self.bytes_per_value
 
     @property
     def resident_bytes(self) -> int:
@@ -107,4 +125,5 @@ def term(model: ModelSpec, layout: Layout, expert_params: int) -> Optional[Param
         return None
     slot = (model.experts // layout.ep) * model.expert_params()
     return ParamOffloadTerm(expert_params=expert_params, slot_params=slot,
-                            bytes_per_value=model.bytes_per_value)
+                            bytes_per_value=model.bytes_per_value,
+                            replicas=layout.expert_dp if layout.distributed_optimizer else 1)

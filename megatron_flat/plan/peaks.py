@@ -876,14 +876,15 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     # are the baseline's (``plan.baselines``; stock Megatron when flat is given).
     # Param offload (``plan.param_offload``): the routed experts' weights and fp32 gradients
     # in the host tier, two slots of one layer's on the device; their sub-optimizer steps
-    # every local expert (unsharded over expert-DP) with 16 B/param of staging.
+    # its expert-DP shard of them (all of them without the distributed optimizer) with
+    # 16 B/param of staging.
     p = stage_params(model, layout, first, count, first_stage, last_stage)
     params = p["dense"] + p["expert"]
     shards = _sub_optimizer_shards(p, layout)
     offload_term = _param_offload_term(model, layout, flat, p)
     if offload_term is not None:
         shards = [math.ceil(p["dense"] / layout.dense_dp) if layout.distributed_optimizer
-                  else p["dense"], p["expert"]]
+                  else p["dense"], offload_term.optimizer_params]
     shard = sum(shards)
     vocab_extra = 0
     params_host = params_slots = 0
