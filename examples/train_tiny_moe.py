@@ -168,6 +168,7 @@ def run(tiny, flat, args, rank, label, init=None, quiet=False, model_state=False
         peaks = measure(trainer, args.steps, on_step=report, timeline=bool(args.timeline))
         if model_state:
             record_model_state(peaks, trainer)  # what the trainer holds between steps
+        trainer.release()  # the next run's meter starts from what this one leaves: nothing
         del trainer
     return peaks, losses, initial
 

@@ -79,6 +79,20 @@ class ModuleParamOffload(ParamOffload):
             for p in layer:
                 p.grad_added_to_main_grad = False
 
+    def close(self) -> None:
+        """The Parameters let go of the host tier and the slots (their data an empty
+        tensor, no ``main_grad``, no gradient hook), then the tier's buffer and the slots
+        are given back (``ParamOffload.close``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for layer in self.params:
+            for p in layer:
+                p.data = torch.empty(0, dtype=p.dtype)
+                for name in ("main_grad", "flat_param_offload"):
+                    p.__dict__.pop(name, None)
+        super().close()
+
 
 def offloadable_layers(model: torch.nn.Module) -> list:
     """The model's flat MoE layers whose dispatch is flat (``FlatMoELayer`` with

@@ -365,12 +365,27 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         assert self._host is not None
         return list(self._host.fallbacks)
 
+    def close(self) -> None:
+        """Give back the host state and the staging slots once the copies in flight have
+        ended (``megatron_flat.release``); the state is dropped and the optimizer refuses
+        to step or plan again. Idempotent."""
+        if self._pipeline is not None:
+            self._pipeline.synchronize()
+        if self._host is not None:
+            self._host.release()
+        self._host = self._pipeline = self._plan = None
+        self.state.clear()
+        self._params = ()
+        self._closed = True
+
     def prepare(self) -> None:
         """Plan buckets and allocate host buffers and staging, if not done for these params.
 
         Idempotent. Re-plans when the parameters in ``param_groups`` changed, carrying
         over the state of parameters still present; state of removed ones is dropped.
         """
+        if getattr(self, "_closed", False):
+            raise RuntimeError("OffloadStreamAdamW: closed (its model was released)")
         params = tuple(self._all_params())
         layout = tuple(len(g["params"]) for g in self.param_groups)
         if (self._plan is not None and layout == self._layout

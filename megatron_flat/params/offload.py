@@ -127,6 +127,23 @@ class ParamOffload:
         self.stats = ParamOffloadStats()
         self.prefetch(0)  # the first forward's weights start up at once
 
+    def close(self) -> None:
+        """Give back the host tier's buffer and the device slots once the copies in flight
+        have ended (``megatron_flat.release``). The offload is unusable afterwards;
+        idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._h2d.synchronize()
+        self._d2h.synchronize()
+        self._closed = True
+        self._weights, self._grads = [], []
+        self._slots, self._grad_slots = [], []
+        self._host_weights, self._host_grads = [], []
+        self._host = None
+        self._fetched = [None] * len(self._fetched)
+        self._free = [None] * len(self._free)
+        self._grad_free = [None] * len(self._grad_free)
+
     # -- introspection -------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -166,6 +183,9 @@ class ParamOffload:
         return self._host_grads[layer].view(torch.float32)
 
     def _check(self, layer: int) -> int:
+        if getattr(self, "_closed", False):
+            raise ParamOffloadError("param offload: this offload was closed (its model was "
+                                    "released)")
         if not 0 <= layer < self.num_layers:
             raise ParamOffloadError(f"param offload: no layer {layer} (it holds "
                                     f"{self.num_layers})")

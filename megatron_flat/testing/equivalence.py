@@ -356,6 +356,7 @@ def run_layout(tiny: TinyMoE, layout: Layout, reference: RunResult, *, steps: in
         state = optimizer_state(trainer.optimizer)
         if inspect is not None:
             inspect(trainer)
+        trainer.release()
     return RunResult(losses, grads, params, reference.initial_params, state)
 
 

@@ -355,6 +355,17 @@ class Trainer:
         if not ok:
             raise RuntimeError(f"{self.layout.name}: optimizer step was skipped")
 
+    def release(self) -> None:
+        """Let go of the model, DDP and optimizer (``megatron_flat.release``: DDP's
+        gradient-accumulator hooks, param offload's host tier and slots, the host optimizer
+        state, cached rotary tables) and of this trainer's SCO pool and replay stores, so
+        that dropping the trainer frees them all. The trainer is unusable afterwards."""
+        from megatron_flat.megatron.release import release
+
+        release([self.ddp], self.optimizer)
+        self._sco = None
+        self.replay_stores = []
+
 
 def _flat_specs(flat):
     """Megatron's stock spec functions build the flat MoE layer while the model is built
