@@ -176,8 +176,11 @@ def _events(work, run):
     return [json.loads(p.read_text())["checkpoints"] for p in sorted((work / run).glob("rank*"))]
 
 
+# The distributed optimizer's crossing is rehearsed on the production line with grouped
+# experts, in the installed megatron-core's call shape (test_rehearse_resume_grouped.py:
+# 0.16's in CI's first stage, 0.19's in its second).
 @pytest.mark.rehearsal
-@pytest.mark.parametrize("era,distributed", [("0.19", True), ("0.16", False)])
+@pytest.mark.parametrize("era,distributed", [("0.16", False)])
 def test_checkpoints_cross_both_ways(tmp_path, era, distributed):
     line = list(checkout.LINE) + checkout.FLAT
     if not distributed:

@@ -20,6 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import rehearsal_checkout as checkout  # noqa: E402
 from test_rehearse import _era_of_installed_core, _family_line, _rehearse  # noqa: E402
+from test_rehearse_resume import _events  # noqa: E402
 
 VERDICT = ("rehearsal: flat losses equal stock over 5 iterations{subs}; checkpoints cross "
            "both ways at iteration 2")
@@ -50,6 +51,13 @@ def _check(done, work, name: str, subs: int) -> None:
             == (name == "gpt_oss"), experts
     for saver in ("stock", "flat"):
         assert (work / "checkpoints" / saver / "iter_0000002").is_dir()
+    # every rank loaded exactly what the other run saved (the checkpoints' digests)
+    for saver, loader in (("stock", "stock-to-flat"), ("flat", "flat-to-stock")):
+        saved = [[e for e in ev if e["op"] == "save" and e["iteration"] == 2]
+                 for ev in _events(work, saver)]
+        loaded = [[e for e in ev if e["op"] == "load"] for ev in _events(work, loader)]
+        assert len(saved) == len(loaded) > 0
+        assert [x[0]["digest"] for x in saved] == [x[0]["digest"] for x in loaded]
 
 
 # Both megatron-core versions rehearse the production line (smoke): the issue's line.
