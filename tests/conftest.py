@@ -155,14 +155,17 @@ def _release_megatron_models() -> None:
         from megatron_flat.megatron.release import release
 
         wrapper = module.DistributedDataParallel
-        for obj in gc.get_objects():
-            if isinstance(obj, wrapper):
-                release(obj)
+
+        def alive():  # wrappers not yet emptied (an emptied one has no modules to release)
+            return [obj for obj in gc.get_objects()
+                    if isinstance(obj, wrapper) and "_modules" in obj.__dict__]
+
+        for obj in alive():
+            release(obj)
         gc.collect()
         # one still referenced (a module global of the test file) is emptied instead
-        for obj in gc.get_objects():
-            if isinstance(obj, wrapper):
-                obj.__dict__.clear()
+        for obj in alive():
+            obj.__dict__.clear()
     gc.collect()
 
 
