@@ -7,8 +7,10 @@ writes one report per rank (``junit-world<N>-<tag>-rank<R>.xml``) and every rank
 same tests, so each test counts once per session with its worst outcome over the ranks: a
 test that fails on rank 1 only is a failure, however rank 0 saw it. A rank whose report is
 missing (the process died before pytest wrote it) is named and counts as a failure.
-Prints ``make test: P passed, F failed, S skipped``; the exit status is 1 when any test
-failed or a report is missing, else 0 (the test script's own status decides ``make test``;
+Prints the test files that took longest (seconds of test time: a session's file counts its
+slowest rank; single-process files their workers' sum, so more than wall time under xdist),
+for keeping CI within its time, then ``make test: P passed, F failed, S skipped``; the exit
+status is 1 when any test failed or a report is missing, else 0 (the test script's own status decides ``make test``;
 this is a summary that must not hide a rank's failure).
 """
 
@@ -21,7 +23,7 @@ import sys
 import xml.etree.ElementTree as ET
 from typing import Dict, Iterable, List, Tuple
 
-__all__ = ["outcomes", "summarize", "main"]
+__all__ = ["outcomes", "summarize", "file_seconds", "main"]
 
 # worse outcomes win when ranks disagree
 _RANK = {"passed": 0, "skipped": 1, "failed": 2}
@@ -81,11 +83,40 @@ def summarize(paths: Iterable[str]) -> Tuple[Dict[str, int], List[str]]:
     return counts, problems
 
 
+def file_seconds(paths: Iterable[str]) -> Dict[Tuple[str, str], float]:
+    """``{(report tag, test module): seconds}``: each test's time summed over a module, per
+    report tag (``single-megatron-involved``, ``world4-world4-involved``, ...); the ranks of
+    a session run the same tests side by side, so a test counts its slowest rank."""
+    tests: Dict[Tuple[str, str, str], float] = {}
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        match = _SESSION.match(name)
+        tag = match.group(1) if match else name[len("junit-"):-len(".xml")]
+        ranked = match is not None
+        for case in ET.parse(path).getroot().iter("testcase"):
+            key = (tag, case.get("classname", ""), case.get("name", ""))
+            seconds = float(case.get("time") or 0.0)
+            if ranked:
+                tests[key] = max(tests.get(key, 0.0), seconds)
+            else:
+                tests[key] = tests.get(key, 0.0) + seconds
+    out: Dict[Tuple[str, str], float] = {}
+    for (tag, module, _), seconds in tests.items():
+        out[(tag, module)] = out.get((tag, module), 0.0) + seconds
+    return out
+
+
 def main(argv: List[str]) -> int:
     if len(argv) != 1:
         print("usage: python scripts/junit_summary.py DIR", file=sys.stderr)
         return 2
-    counts, problems = summarize(glob.glob(os.path.join(argv[0], "junit-*.xml")))
+    paths = glob.glob(os.path.join(argv[0], "junit-*.xml"))
+    counts, problems = summarize(paths)
+    slowest = sorted(file_seconds(paths).items(), key=lambda kv: -kv[1])[:12]
+    if slowest:
+        print("slowest test files (test seconds, report):")
+        for (tag, module), seconds in slowest:
+            print(f"  {seconds:8.1f}  {module}  [{tag}]")
     for problem in problems:
         print(f"  {problem}")
     print(f"make test: {counts['passed']} passed, {counts['failed']} failed, "

@@ -58,4 +58,23 @@ def test_a_missing_rank_report_is_named_and_fails(tmp_path):
 def test_all_green_exits_zero(tmp_path, capsys):
     _report(tmp_path / "junit-single.xml", {"a": "passed"})
     assert summary.main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out == "make test: 1 passed, 0 failed, 0 skipped\n"
+    assert capsys.readouterr().out.splitlines() == [
+        "slowest test files (test seconds, report):", "       0.0  tests.t  [single]",
+        "make test: 1 passed, 0 failed, 0 skipped"]
+
+
+def test_file_seconds_count_a_sessions_slowest_rank_and_sum_single_reports(tmp_path):
+    def timed(path, times):
+        body = "".join(f"<testcase classname='{m}' name='{n}' time='{t}'/>"
+                       for (m, n), t in times.items())
+        path.write_text(f"<testsuites><testsuite name='pytest'>{body}</testsuite></testsuites>")
+
+    timed(tmp_path / "junit-world2-w2-involved-rank0.xml", {("tests.a", "x"): 3.0,
+                                                           ("tests.a", "y"): 1.0})
+    timed(tmp_path / "junit-world2-w2-involved-rank1.xml", {("tests.a", "x"): 2.0,
+                                                           ("tests.a", "y"): 4.0})
+    timed(tmp_path / "junit-single-megatron-free.xml", {("tests.b", "x"): 2.5,
+                                                       ("tests.b", "y"): 0.5})
+    seconds = summary.file_seconds(str(p) for p in tmp_path.iterdir())
+    assert seconds == {("world2-w2-involved", "tests.a"): 7.0,
+                       ("single-megatron-free", "tests.b"): 3.0}
