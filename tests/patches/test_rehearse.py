@@ -264,8 +264,11 @@ def _rehearse(tmp_path, script, line, nproc, options=()):
     return done, work
 
 
+# 0.16's call shape is rehearsed with its checkpoints crossing (test_rehearse_resume.py's
+# test_checkpoints_cross_both_ways, with check_call_shape_run) and with the production line
+# (test_rehearse_resume_grouped.py, CI's first stage).
 @pytest.mark.rehearsal
-@pytest.mark.parametrize("era", ["0.16", "0.19"])
+@pytest.mark.parametrize("era", ["0.19"])
 def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
     script = checkout.write_checkout(tmp_path / "mlm", era)
     before = script.read_bytes()
@@ -275,12 +278,18 @@ def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
     assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations"
     rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 3 and all(line.endswith("0.0e+00") for line in rows)  # side by side
+    assert "dropped (a rehearsal writes nothing): --save /nonexistent/ckpt" in out
+    check_call_shape_run(out, work, script, before)
+
+
+def check_call_shape_run(out: str, work, script, before: bytes) -> None:
+    """The checkout's line ran with every technique on, the memory table printed, the
+    script patched in memory only, and every rank recorded."""
     assert "FlatMoELayer in 2 of 2 MoE layers" in out and "Ring-DTP: on" in out
     assert "OffloadStreamAdamW: 2 inner optimizer(s)" in out
     for row in ("expert dispatch |", "checkpoint boundaries |", "optimizer step |",
                 "whole run |"):
         assert row in out
-    assert "dropped (a rehearsal writes nothing): --save /nonexistent/ckpt" in out
     assert script.read_bytes() == before  # patched in memory only
     for name in ("stock", "flat"):
         assert len(list((work / name).glob("rank*.json"))) == 2
@@ -332,8 +341,10 @@ def test_rehearsal_of_a_deepseek_style_line_builds_stocks_model(tmp_path):
 # The smoke rehearsal (FLAT_REHEARSALS=smoke, CI's second megatron-core version): the family
 # line that reaches the most code (MLA, dense first layer, MTP, sigmoid group-limited router,
 # overlapped shared expert); the in-process family tests run in full on both versions.
+# GPT-OSS's line (transformer-engine, grouped GEMM) is rehearsed with its checkpoints crossing
+# at EP 2 x expert DP 2 (test_rehearse_resume_grouped.py), with the same checks.
 FAMILY_REHEARSALS = [pytest.param("deepseek_v3", marks=pytest.mark.rehearsal(smoke=True)),
-                     "kimi_k2", "qwen3_moe", "qwen2_moe", "mixtral", "llama4", "gpt_oss"]
+                     "kimi_k2", "qwen3_moe", "qwen2_moe", "mixtral", "llama4"]
 
 
 def _family_line(family: str) -> list:
@@ -357,8 +368,13 @@ def test_rehearsal_of_each_family_line_finds_flat_equal_to_stock(tmp_path, famil
     script = checkout.write_checkout(tmp_path / "mlm", "0.19")
     done, work = _rehearse(tmp_path, script, _family_line(family) + checkout.FLAT
                            + ["--family", family], nproc=2)
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations"
+    check_family_run(done.stdout, work, family, nproc=2)
+
+
+def check_family_run(out: str, work, family: str, nproc: int) -> None:
+    """A family line's rehearsal ran the same model both ways with every technique in it."""
     if family == "gpt_oss":  # the experts the GPU line builds, with their biases
         import json
 
@@ -366,10 +382,7 @@ def test_rehearsal_of_each_family_line_finds_flat_equal_to_stock(tmp_path, famil
         names = [name for _, name, _, _ in rank["parameters"]]
         assert any(n.endswith("experts.linear_fc2.bias0") for n in names), names
         assert any(n.endswith("core_attention.softmax_offset") for n in names), names
-    # GPT-OSS's line: transformer-engine, its spec and the grouped GEMM's check on CPU
-    subs = " (3 CPU substitutions)" if family == "gpt_oss" else ""
-    assert out.splitlines()[-1] == "rehearsal: flat losses equal stock over 3 iterations" + subs
-    counts = re.search(r"parameters: stock ([\d,]+), flat ([\d,]+) \(over 2 rank", out)
+    counts = re.search(rf"parameters: stock ([\d,]+), flat ([\d,]+) \(over {nproc} rank", out)
     assert counts and counts.group(1) == counts.group(2), out
     moe = re.search(r"FlatMoELayer in (\d+) of (\d+) MoE layers", out)
     assert moe and moe.group(1) == moe.group(2) != "0", out
@@ -455,23 +468,18 @@ def _era_of_installed_core() -> str:
     return "0.16" if version.startswith("0.16") else "0.19"
 
 
-@pytest.mark.rehearsal
-def test_a_production_line_rehearses_as_written(tmp_path):
+# The production line is rehearsed with its grouped experts' checkpoints crossing
+# (test_rehearse_resume_grouped.py, both megatron-core versions), with these checks.
+def check_production_run(out: str, work) -> None:
     """The line a GPU job script has (transformer-engine by default, fused kernels, the
     transformer-engine layer spec, grouped GEMM, bf16, CUDA graphs, userbuffer overlap): every
     GPU-only setting is announced with its CPU form, and the runs then equal."""
-    script = checkout.write_checkout(tmp_path / "mlm", _era_of_installed_core())
-    done, work = _rehearse(tmp_path, script, checkout.PRODUCTION + checkout.FLAT, nproc=2)
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr[-3000:]
     block = out[out.index("11 setting(s) of the line run otherwise on CPU"):
                 out.index("stock run ...")]
     for change in SUBSTITUTED:
         assert f"  {change}: " in block, change
     assert len([l for l in block.splitlines() if l.startswith("  [")]) == len(SUBSTITUTED)
     assert "loss tolerance: relative 9.8e-04 (a quarter of bf16's unit roundoff" in out
-    assert out.splitlines()[-1] == (
-        "rehearsal: flat losses equal stock over 3 iterations (11 CPU substitutions)")
     stock_log = (work / "stock.log").read_text()
     assert "--transformer-impl local" in stock_log and "--tp-comm-overlap" not in stock_log
 

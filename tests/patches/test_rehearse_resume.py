@@ -17,7 +17,7 @@ from megatron_flat.rehearse import resume as cpu_resume
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rehearsal_checkout as checkout  # noqa: E402
-from test_rehearse import _rehearse  # noqa: E402
+from test_rehearse import _rehearse, check_call_shape_run  # noqa: E402
 
 DIGEST = {"exp_avg": "a", "exp_avg_sq": "b", "master": "c", "step": "d"}
 
@@ -178,14 +178,17 @@ def _events(work, run):
 
 # The distributed optimizer's crossing is rehearsed on the production line with grouped
 # experts, in the installed megatron-core's call shape (test_rehearse_resume_grouped.py:
-# 0.16's in CI's first stage, 0.19's in its second).
+# 0.16's in CI's first stage, 0.19's in its second). This one is also 0.16's call-shape
+# rehearsal (test_rehearse.check_call_shape_run).
 @pytest.mark.rehearsal
 @pytest.mark.parametrize("era,distributed", [("0.16", False)])
 def test_checkpoints_cross_both_ways(tmp_path, era, distributed):
     line = list(checkout.LINE) + checkout.FLAT
     if not distributed:
         line.remove("--use-distributed-optimizer")
-    done, work = _resume(tmp_path, era, line)
+    script = checkout.write_checkout(tmp_path / "mlm", era)
+    before = script.read_bytes()
+    done, work = _rehearse(tmp_path, script, line, nproc=2, options=("--resume-at", "2"))
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
     assert out.splitlines()[-1] == ("rehearsal: flat losses equal stock over 5 iterations; "
@@ -204,6 +207,7 @@ def test_checkpoints_cross_both_ways(tmp_path, era, distributed):
         assert [s[0]["digest"] for s in saved] == [l[0]["digest"] for l in loaded]
     assert (work / "checkpoints" / "stock" / "iter_0000002").is_dir()
     assert "/nonexistent/ckpt" not in (work / "flat.log").read_text()
+    check_call_shape_run(out, work, script, before)  # 0.16's call shape, rehearsed
 
 
 @pytest.mark.rehearsal

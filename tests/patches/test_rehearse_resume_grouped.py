@@ -19,7 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rehearsal_checkout as checkout  # noqa: E402
-from test_rehearse import _era_of_installed_core, _family_line, _rehearse  # noqa: E402
+from test_rehearse import (_era_of_installed_core, _family_line, _rehearse,  # noqa: E402
+                           check_family_run, check_production_run)
 from test_rehearse_resume import _events  # noqa: E402
 
 VERDICT = ("rehearsal: flat losses equal stock over 5 iterations{subs}; checkpoints cross "
@@ -60,20 +61,25 @@ def _check(done, work, name: str, subs: int) -> None:
         assert [x[0]["digest"] for x in saved] == [x[0]["digest"] for x in loaded]
 
 
-# Both megatron-core versions rehearse the production line (smoke): the issue's line.
+# Both megatron-core versions rehearse the production line (smoke): the issue's line, and the
+# line a GPU job script has (test_rehearse.check_production_run).
 @pytest.mark.rehearsal(smoke=True)
 def test_grouped_gemm_checkpoints_cross_at_ep_equal_to_world(tmp_path):
     script = checkout.write_checkout(tmp_path / "mlm", _era_of_installed_core())
     line, subs = _line("production")
     done, work = _rehearse(tmp_path, script, line, nproc=2, options=("--resume-at", "2"))
     _check(done, work, "production", subs)
+    check_production_run(done.stdout, work)
 
 
 @pytest.mark.rehearsal
 def test_grouped_gemm_checkpoints_cross_at_ep_times_expert_dp(tmp_path):
-    """GPT-OSS's grouped experts with biases at EP 2 × expert DP 2 on 4 ranks: each
-    expert's main replica is expert-DP rank 0's."""
+    """GPT-OSS's line as it is trained (transformer-engine, grouped experts with biases,
+    every technique of --flat-preset paper) at EP 2 × expert DP 2 on 4 ranks: the same model
+    both ways, flat losses equal stock, and each expert's main replica is expert-DP rank
+    0's."""
     script = checkout.write_checkout(tmp_path / "mlm", _era_of_installed_core())
     line, subs = _line("gpt_oss")
     done, work = _rehearse(tmp_path, script, line, nproc=4, options=("--resume-at", "2"))
     _check(done, work, "gpt_oss", subs)
+    check_family_run(done.stdout, work, "gpt_oss", nproc=4)
