@@ -10,8 +10,8 @@ missing (the process died before pytest wrote it) is named and counts as a failu
 Prints the test files that took longest (seconds of test time: a session's file counts its
 slowest rank; single-process files their workers' sum, so more than wall time under xdist),
 for keeping CI within its time, then ``make test: P passed, F failed, S skipped``; the exit
-status is 1 when any test failed or a report is missing, else 0 (the test script's own status decides ``make test``;
-this is a summary that must not hide a rank's failure).
+status is 1 when any test failed or a report is missing, else 0 (the test script's own
+status decides ``make test``; this is a summary that must not hide a rank's failure).
 """
 
 from __future__ import annotations

@@ -265,12 +265,12 @@ def _rehearse(tmp_path, script, line, nproc, options=()):
 
 
 # 0.16's call shape is rehearsed with its checkpoints crossing (test_rehearse_resume.py's
-# test_checkpoints_cross_both_ways, with check_call_shape_run) and with the production line
+# test_checkpoints_cross_both_ways_without_the_distributed_optimizer, with
+# check_call_shape_run) and with the production line
 # (test_rehearse_resume_grouped.py, CI's first stage).
 @pytest.mark.rehearsal
-@pytest.mark.parametrize("era", ["0.19"])
-def test_rehearsal_of_both_call_shapes_finds_flat_equal_to_stock(tmp_path, era):
-    script = checkout.write_checkout(tmp_path / "mlm", era)
+def test_rehearsal_of_the_0_19_call_shape_finds_flat_equal_to_stock(tmp_path):
+    script = checkout.write_checkout(tmp_path / "mlm", "0.19")
     before = script.read_bytes()
     done, work = _rehearse(tmp_path, script, checkout.LINE + checkout.FLAT, nproc=2)
     out = done.stdout
