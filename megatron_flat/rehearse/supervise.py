@@ -41,7 +41,8 @@ STALL_S = 30.0  # the default stall window (``--stall-seconds``)
 ERROR_STALL_S = 5.0  # the window once the log's last lines are a traceback
 KILL_GRACE_S = 5.0
 RANK_GRACE_S = 10.0
-STACK_WAIT_S = 2.0
+STACK_WAIT_S = 5.0  # the most a dump may take on a loaded machine
+STACK_SETTLED_S = 0.3  # a dump file unchanged this long is complete
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 EXIT_STOPPED = 124  # the exit code reported for a run the supervisor ended
 
@@ -221,12 +222,29 @@ def _watch(command: Sequence[str], *, log: Path, env: Dict[str, str], timeout: f
             os.kill(pid, DUMP_SIGNAL)
         except (ProcessLookupError, PermissionError):
             pass
-    deadline = time.monotonic() + STACK_WAIT_S
-    while time.monotonic() < deadline and len(read_stacks(stack_dir)) < len(ranks):
-        time.sleep(0.1)
-    stacks = read_stacks(stack_dir)
+    stacks = _await_stacks(stack_dir, len(ranks))
     _end(proc, tree)
     return Outcome(EXIT_STOPPED, cause, stacks)
+
+
+def _await_stacks(stack_dir: Path, count: int) -> Dict[int, str]:
+    """The ranks' dumps once ``count`` of them are written whole, or what there is after
+    ``STACK_WAIT_S``. faulthandler writes a dump in many small writes, so a file that merely
+    exists may hold a thread header and no frame yet: a dump counts as whole once its file
+    has not changed for ``STACK_SETTLED_S``."""
+    deadline = time.monotonic() + STACK_WAIT_S
+    sizes: Dict[Path, int] = {}
+    settled_since: Optional[float] = None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        current = {path: path.stat().st_size for path in stack_dir.glob("stack-rank*.txt")}
+        whole = sum(1 for size in current.values() if size > 0) >= count
+        if current != sizes or not whole:
+            sizes, settled_since = current, (now if whole else None)
+        elif settled_since is not None and now - settled_since >= STACK_SETTLED_S:
+            break
+        time.sleep(0.05)
+    return read_stacks(stack_dir)
 
 
 def _parent(pid: int) -> Optional[int]:

@@ -113,6 +113,29 @@ def test_the_time_limit_ends_a_run_that_keeps_working(tmp_path):
     assert supervise.where(outcome.stacks).startswith("rank 0 at spin ("), outcome.stacks
 
 
+def test_a_dump_written_in_pieces_is_read_whole(tmp_path):
+    """faulthandler writes a dump in many small writes: a rank's file may hold its thread
+    header and no frame yet when the other rank's dump is complete. The stacks are read once
+    every file has settled, so the report names each rank where it stopped."""
+    import threading
+
+    (tmp_path / "stack-rank0.txt").write_text(
+        'Thread 0x1 (most recent call first):\n  File "a/b/c.py", line 3 in barrier\n')
+    late = tmp_path / "stack-rank1.txt"
+    late.write_text("Thread 0x2 (most recent call first):\n")
+
+    def rest():
+        time.sleep(0.15)
+        with late.open("a") as f:
+            f.write('  File "d/e/f.py", line 7 in wait\n')
+
+    writer = threading.Thread(target=rest)
+    writer.start()
+    stacks = supervise._await_stacks(tmp_path, 2)
+    writer.join()
+    assert supervise.where(stacks) == "rank 0 at barrier (a/b/c.py:3); rank 1 at wait (d/e/f.py:7)"
+
+
 def test_derived_time_limit_grows_with_iterations_and_ranks():
     assert supervise.derived_timeout(3, 2) == 300 + 60 * 3 * 2
     assert supervise.derived_timeout(10, 4) > supervise.derived_timeout(3, 2)
