@@ -55,8 +55,9 @@ def pytest_configure(config):
         "markers", "inline_copies(reason): measures memory (or behaviour) with copies done as "
         "they are issued; FLAT_DELAYED_COPIES=1 runs it without delaying them")
     config.addinivalue_line(
-        "markers", "rehearsal(smoke=False): an end-to-end rehearsal (Megatron-LM runs in "
-        "subprocesses); FLAT_REHEARSALS=smoke keeps only the ones marked smoke=True")
+        "markers", "rehearsal(smoke=False, runs=2): an end-to-end rehearsal (Megatron-LM runs "
+        "in subprocesses: runs of them); FLAT_REHEARSALS=smoke keeps only the ones marked "
+        "smoke=True")
     config.addinivalue_line(
         "markers", "end_to_end(smoke=False): a whole job run in the test's own process (the "
         "demo's sweep); FLAT_REHEARSALS=smoke keeps only the ones marked smoke=True, as for "
@@ -118,7 +119,15 @@ def pytest_collection_modifyitems(config, items):
         (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    # The rehearsals first, those with the most runs first: they take most of the
+    # single-process stage, and pytest-xdist hands tests out in this order, so a long one
+    # last would keep one worker busy after the other ran out of tests.
+    items[:] = sorted(keep, key=lambda item: -_rehearsal_runs(item))
+
+
+def _rehearsal_runs(item) -> int:
+    marker = item.get_closest_marker("rehearsal")
+    return 0 if marker is None else int(marker.kwargs.get("runs", 2))
 
 
 def _native_threads() -> int:

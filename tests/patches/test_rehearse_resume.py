@@ -180,7 +180,7 @@ def _events(work, run):
 # experts, in the installed megatron-core's call shape (test_rehearse_resume_grouped.py:
 # 0.16's in CI's first stage, 0.19's in its second). This one is also 0.16's call-shape
 # rehearsal (test_rehearse.check_call_shape_run).
-@pytest.mark.rehearsal
+@pytest.mark.rehearsal(runs=4)  # stock, flat and a crossing each way
 def test_checkpoints_cross_both_ways_without_the_distributed_optimizer(tmp_path):
     line = list(checkout.LINE) + checkout.FLAT
     line.remove("--use-distributed-optimizer")
@@ -208,7 +208,7 @@ def test_checkpoints_cross_both_ways_without_the_distributed_optimizer(tmp_path)
     check_call_shape_run(out, work, script, before)  # 0.16's call shape, rehearsed
 
 
-@pytest.mark.rehearsal
+@pytest.mark.rehearsal(runs=4)  # stock, flat and a crossing each way
 def test_a_lossy_crossing_is_caught(tmp_path):
     """The flat run's load scales the loaded first moments by 1 + 1e-6: the losses stay
     within tolerance, the optimizer state does not."""

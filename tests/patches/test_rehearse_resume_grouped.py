@@ -63,7 +63,7 @@ def _check(done, work, name: str, subs: int) -> None:
 
 # Both megatron-core versions rehearse the production line (smoke): the issue's line, and the
 # line a GPU job script has (test_rehearse.check_production_run).
-@pytest.mark.rehearsal(smoke=True)
+@pytest.mark.rehearsal(smoke=True, runs=4)  # stock, flat and a crossing each way
 def test_grouped_gemm_checkpoints_cross_at_ep_equal_to_world(tmp_path):
     script = checkout.write_checkout(tmp_path / "mlm", _era_of_installed_core())
     line, subs = _line("production")
@@ -72,7 +72,7 @@ def test_grouped_gemm_checkpoints_cross_at_ep_equal_to_world(tmp_path):
     check_production_run(done.stdout, work)
 
 
-@pytest.mark.rehearsal
+@pytest.mark.rehearsal(runs=4)  # stock, flat and a crossing each way
 def test_grouped_gemm_checkpoints_cross_at_ep_times_expert_dp(tmp_path):
     """GPT-OSS's line as it is trained (transformer-engine, grouped experts with biases,
     every technique of --flat-preset paper) at EP 2 × expert DP 2 on 4 ranks: the same model
