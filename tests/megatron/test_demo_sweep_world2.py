@@ -43,7 +43,7 @@ def test_sweep_measures_and_plans_every_peak(megatron_cpu, tmp_path, cp, tp):
                                  moe_ffn_hidden_size=64, vocab_size=2048, seq_length=128)
     # TP 2: long enough for the layer to bind the flat step, past the optimizer step's
     # fixed buffers (where the tiles can show).
-    lengths = [256, 1024] if tp > 1 else [128, 256]
+    lengths = [256, 512] if tp > 1 else [128, 256]
     args = argparse.Namespace(steps=2, lr=1e-3, timeline="", sweep=lengths, cp=cp, tp=tp)
     assert (demo.layout_for(args).cp, demo.layout_for(args).tp) == (cp, tp)
     # The demo's knobs scaled to this model (its fixed buffers would dwarf it otherwise).
