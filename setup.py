@@ -21,10 +21,11 @@ setup(
         "megatron-core>=0.16.1",
     ],
     extras_require={
-        # pytest-xdist: scripts/test.sh runs the single-process tests on every core.
+        # pytest-xdist: scripts/test.sh runs the single-process tests on every core (3.2: work
+        # stealing).
         # psutil: Megatron-Core's checkpoint writer reports its memory with it (the rehearsal's
         # --resume-at saves torch_dist checkpoints).
-        "test": ["pytest>=7", "pytest-xdist>=3", "psutil"],
+        "test": ["pytest>=7", "pytest-xdist>=3.2", "psutil"],
         # The demo's memory-timeline PNG.
         "demo": ["matplotlib"],
         # GPU-only accelerations, picked up when importable.

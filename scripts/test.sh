@@ -35,7 +35,10 @@ JOBS="${FLAT_TEST_JOBS:-2}"
 CORES="$(nproc 2>/dev/null || echo 2)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / JOBS > 0 ? CORES / JOBS : 1 ))}"
 XDIST=()
-[ "$JOBS" -gt 1 ] && XDIST=(-n "$JOBS")
+# Work stealing: a worker that runs out takes half of another's queue. xdist's default hands
+# out contiguous chunks, which gave one worker every rehearsal (~800 test-s) and left the
+# other idle: the involved stage took 867 s instead of ~600.
+[ "$JOBS" -gt 1 ] && XDIST=(-n "$JOBS" --dist worksteal)
 
 stage() {  # a stage's header, with the seconds since the start (CI's time limit)
   echo "== $* [at ${SECONDS}s]"
@@ -95,23 +98,21 @@ torchrun_pytest() {  # torchrun_pytest N PART TAG FILE... -> torchrun's exit cod
 }
 
 # The ranks of one session leave the cores a third idle (they wait on each other in gloo), so
-# a part's files are dealt to SHARDS sessions that run at once, as many as keep the ranks at
-# most two per core: at world size 2 on 2 cores, two sessions took 64 s where one took 87 s;
-# at world size 4 two sessions were slower than one (120 s against 107 s).
+# a part's tests are dealt to SHARDS sessions that run at once (FLAT_SHARD=i/n: every n-th test,
+# tests/conftest.py), as many as keep the ranks at most two per core: at world size 2 on
+# 2 cores, two sessions took 64 s where one took 87 s; at world size 4 two sessions were slower
+# than one (120 s against 107 s). Tests, not files, are dealt: files dealt whole left one
+# session 453 s and the other 239 s.
 shard_sessions() {  # shard_sessions N PART FILE... -> 0, 5 (no test) or the first failure
-  local n=$1 part=$2 shards i k rc first=5
+  local n=$1 part=$2 shards i rc first=5
   shift 2
-  local files=("$@")
   shards=$(( 2 * CORES / n )); [ "$shards" -gt "$JOBS" ] && shards=$JOBS
-  [ "$shards" -gt "${#files[@]}" ] && shards=${#files[@]}
   [ "$shards" -lt 1 ] && shards=1
   local pids=() tags=()
   for (( i = 0; i < shards; i++ )); do
-    local mine=()
-    for (( k = i; k < ${#files[@]}; k += shards )); do mine+=("${files[$k]}"); done
     tags[i]="world$n-$part$([ "$shards" -gt 1 ] && echo "-$((i + 1))")"
-    printf '%s\n' "${mine[@]}" > "$JUNIT/files-${tags[i]}"
-    torchrun_pytest "$n" "$part" "${tags[i]}" "${mine[@]}" > "$JUNIT/out-${tags[i]}" 2>&1 &
+    FLAT_SHARD="$([ "$shards" -gt 1 ] && echo "$i/$shards")" \
+      torchrun_pytest "$n" "$part" "${tags[i]}" "$@" > "$JUNIT/out-${tags[i]}" 2>&1 &
     pids[i]=$!
   done
   for (( i = 0; i < shards; i++ )); do
@@ -119,10 +120,11 @@ shard_sessions() {  # shard_sessions N PART FILE... -> 0, 5 (no test) or the fir
     [ "$shards" -gt 1 ] && echo "-- session $((i + 1)) of $shards:"
     cat "$JUNIT/out-${tags[i]}"
     [ $rc -eq 5 ] && continue
-    if [ $rc -ne 0 ]; then
+    if [ $rc -ne 0 ] && [ "$first" -ne 5 ] && [ "$first" -ne 0 ]; then
+      echo "FAILED: world-$n megatron-$part session ${tags[i]} (exit $rc); its files alone above"
+    elif [ $rc -ne 0 ]; then
       echo "FAILED: world-$n megatron-$part session ${tags[i]} (exit $rc); each file alone:"
-      mapfile -t mine < "$JUNIT/files-${tags[i]}"
-      for file in "${mine[@]}"; do
+      for file in "$@"; do
         FLAT_JUNIT_DIR="" torchrun_pytest "$n" "$part" "alone-$(basename "$file" .py)" "$file" \
           > "$JUNIT/alone.log" 2>&1
         alone=$?
