@@ -98,21 +98,33 @@ torchrun_pytest() {  # torchrun_pytest N PART TAG FILE... -> torchrun's exit cod
 }
 
 # The ranks of one session leave the cores a third idle (they wait on each other in gloo), so
-# a part's tests are dealt to SHARDS sessions that run at once (FLAT_SHARD=i/n: every n-th test,
-# tests/conftest.py), as many as keep the ranks at most two per core: at world size 2 on
-# 2 cores, two sessions took 64 s where one took 87 s; at world size 4 two sessions were slower
-# than one (120 s against 107 s). Tests, not files, are dealt: files dealt whole left one
-# session 453 s and the other 239 s.
+# a part's files are dealt to SHARDS sessions that run at once, as many as keep the ranks at
+# most two per core: at world size 2 on 2 cores, two sessions took 64 s where one took 87 s;
+# at world size 4 two sessions were slower than one (120 s against 107 s). Files are dealt
+# largest first to the session with the fewest bytes of test code so far (files dealt in turn
+# left one session 453 s and the other 239 s; tests dealt in turn, every file in both
+# sessions, took 448 s and 501 s; dealt by size, 325 s and 328 s).
 shard_sessions() {  # shard_sessions N PART FILE... -> 0, 5 (no test) or the first failure
-  local n=$1 part=$2 shards i rc first=5
+  local n=$1 part=$2 shards i k rc first=5 file size least
   shift 2
   shards=$(( 2 * CORES / n )); [ "$shards" -gt "$JOBS" ] && shards=$JOBS
+  [ "$shards" -gt $# ] && shards=$#
   [ "$shards" -lt 1 ] && shards=1
-  local pids=() tags=()
+  local pids=() tags=() load=()
   for (( i = 0; i < shards; i++ )); do
     tags[i]="world$n-$part$([ "$shards" -gt 1 ] && echo "-$((i + 1))")"
-    FLAT_SHARD="$([ "$shards" -gt 1 ] && echo "$i/$shards")" \
-      torchrun_pytest "$n" "$part" "${tags[i]}" "$@" > "$JUNIT/out-${tags[i]}" 2>&1 &
+    load[i]=0
+    : > "$JUNIT/files-${tags[i]}"
+  done
+  while read -r size file; do
+    least=0
+    for (( k = 1; k < shards; k++ )); do [ "${load[k]}" -lt "${load[least]}" ] && least=$k; done
+    load[least]=$(( load[least] + size ))
+    echo "$file" >> "$JUNIT/files-${tags[least]}"
+  done < <(for file in "$@"; do echo "$(wc -c < "$file") $file"; done | sort -k1,1nr -k2,2)
+  for (( i = 0; i < shards; i++ )); do
+    mapfile -t mine < "$JUNIT/files-${tags[i]}"
+    torchrun_pytest "$n" "$part" "${tags[i]}" "${mine[@]}" > "$JUNIT/out-${tags[i]}" 2>&1 &
     pids[i]=$!
   done
   for (( i = 0; i < shards; i++ )); do
@@ -120,11 +132,10 @@ shard_sessions() {  # shard_sessions N PART FILE... -> 0, 5 (no test) or the fir
     [ "$shards" -gt 1 ] && echo "-- session $((i + 1)) of $shards:"
     cat "$JUNIT/out-${tags[i]}"
     [ $rc -eq 5 ] && continue
-    if [ $rc -ne 0 ] && [ "$first" -ne 5 ] && [ "$first" -ne 0 ]; then
-      echo "FAILED: world-$n megatron-$part session ${tags[i]} (exit $rc); its files alone above"
-    elif [ $rc -ne 0 ]; then
+    if [ $rc -ne 0 ]; then
       echo "FAILED: world-$n megatron-$part session ${tags[i]} (exit $rc); each file alone:"
-      for file in "$@"; do
+      mapfile -t mine < "$JUNIT/files-${tags[i]}"
+      for file in "${mine[@]}"; do
         FLAT_JUNIT_DIR="" torchrun_pytest "$n" "$part" "alone-$(basename "$file" .py)" "$file" \
           > "$JUNIT/alone.log" 2>&1
         alone=$?

@@ -117,33 +117,12 @@ def pytest_collection_modifyitems(config, items):
                 kind[item.path] = _megatron_use().involves_megatron(item.path)
             ok = kind[item.path] == (scope == "involved")
         (keep if ok else drop).append(item)
-    shard = _shard()
-    if shard is not None:  # FLAT_SHARD=i/n: every n-th test from the i-th (0-based)
-        index, count = shard
-        drop += [item for k, item in enumerate(keep) if k % count != index]
-        keep = keep[index::count]
     if drop:
         config.hook.pytest_deselected(items=drop)
     # The rehearsals first, those with the most runs first: they take most of the
     # single-process stage, and pytest-xdist hands tests out in this order, so a long one
     # last would keep one worker busy after the other ran out of tests.
     items[:] = sorted(keep, key=lambda item: -_rehearsal_runs(item))
-
-
-def _shard():
-    """FLAT_SHARD=i/n (scripts/test.sh runs a world size's files in n sessions at once, the
-    i-th keeping every n-th test from the i-th): tests, not files, are dealt, so that a file
-    of long tests does not load one session. None when unset."""
-    value = os.environ.get("FLAT_SHARD")
-    if not value:
-        return None
-    try:
-        index, count = (int(x) for x in value.split("/"))
-    except ValueError:
-        index, count = -1, 0
-    if not 0 <= index < count:
-        raise pytest.UsageError(f"FLAT_SHARD={value!r}: expected i/n with 0 <= i < n")
-    return index, count
 
 
 def _rehearsal_runs(item) -> int:
