@@ -75,8 +75,9 @@ check "delayed-copies tests" $rc
 proven=()  # the stages that passed whole: the mutation suite need not rerun their selections
 [ $rc -eq 0 ] && [ $# -eq 0 ] && proven+=(delayed)
 
-# One torchrun per world size and part runs every multi-rank file of it in one pytest session
-# (files end in _world2.py / _world4.py; a start costs 5-9 s and the Megatron import again).
+# Each world size and part runs its multi-rank files in as few pytest sessions as keep the
+# cores busy (shard_sessions below; files end in _world2.py / _world4.py; a torchrun start
+# costs 5-9 s and the Megatron import again).
 # tests/conftest.py fails a file that leaves a process group or Megatron's parallel state
 # behind, so files cannot lean on each other. When a session fails, each of its files runs
 # again alone to say which one fails by itself (and which only after another).
@@ -105,7 +106,7 @@ torchrun_pytest() {  # torchrun_pytest N PART TAG FILE... -> torchrun's exit cod
 # left one session 453 s and the other 239 s; tests dealt in turn, every file in both
 # sessions, took 448 s and 501 s; dealt by size, 325 s and 328 s).
 shard_sessions() {  # shard_sessions N PART FILE... -> 0, 5 (no test) or the first failure
-  local n=$1 part=$2 shards i k rc first=5 file size least
+  local n=$1 part=$2 shards i k rc first=5 file size least mine
   shift 2
   shards=$(( 2 * CORES / n )); [ "$shards" -gt "$JOBS" ] && shards=$JOBS
   [ "$shards" -gt $# ] && shards=$#
