@@ -185,16 +185,21 @@ def _file_leaves_no_groups(request):
     made still alive (a live gloo group keeps transport threads spinning and would let a later
     file pass or hang on the earlier file's state) and Megatron's parallel state torn down.
     A file that leaks fails here, naming itself; the leak is then cleaned up so the files
-    after it still test their own code."""
+    after it still test their own code. The file's Megatron layouts share one pool of process
+    groups (testing.distributed.layout_group_pool), destroyed before the check."""
+    from megatron_flat.testing.distributed import layout_group_pool
+
     if launched_world() is None:
-        yield
+        with layout_group_pool():
+            yield
         return
     import torch.distributed as dist
 
     from megatron_flat.testing.distributed import destroy_gloo_groups_since, live_groups
 
     before, threads = live_groups(), _native_threads()
-    yield
+    with layout_group_pool():  # the file's layouts share their groups; closed before the check
+        yield
     _release_megatron_models()
     if os.environ.get("FLAT_THREAD_REPORT"):
         with open(os.environ["FLAT_THREAD_REPORT"] + os.environ["RANK"], "a") as f:
