@@ -388,14 +388,14 @@ class PipelinedLLEP:
         (chunk, expert), its token count, then ``flags`` (small integers the group must
         agree on). One all-gather of this rank's row and one copy to the host (the call's
         one wait for the device). Counted with ``index_add_`` (bincount's output size
-        depends on the data: a host sync); flags are written as scalars (no upload)."""
+        depends on the data: a host sync). N and the flags reach the row in one
+        non-blocking upload: written one by one (``row[i] = n``), each would be a blocking
+        copy of a 0-dim host value."""
         p, e = self.ep_size, self.num_experts
         row = torch.zeros(slots * e + 1 + len(flags), dtype=torch.long, device=device)
         row[:k_chunks * e] = count_keys(route_chunk * e + route_expert, k_chunks * e)
-        row[slots * e] = n
-        for j, flag in enumerate(flags):
-            if flag:
-                row[slots * e + 1 + j] = int(flag)
+        tail = torch.tensor([n, *(int(flag) for flag in flags)], dtype=torch.long)
+        row[slots * e:] = upload_together({"n and flags": tail}, device)["n and flags"]
         if p == 1:
             return row.cpu().view(1, -1)
         every = row.new_empty(p * row.numel())
