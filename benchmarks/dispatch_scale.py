@@ -49,6 +49,7 @@ import warnings
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -58,7 +59,7 @@ from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.profiles import routing_profile
 from megatron_flat.dispatch.schedule import routes_from_topk, token_chunks
 from megatron_flat.plan.costs import moe_layer_counts
-from megatron_flat.runtime.ledger import CostLedger
+from megatron_flat.runtime.ledger import CostLedger, sync_mismatch
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.testing.reentrant import Reentrant
 from megatron_flat.testing.standin_group import init_standin_group
@@ -90,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "torch.cuda.set_sync_debug_mode('error') (any sync raises) and the "
                          "forward's syncs cross-checked with the 'warn' mode's warnings")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--check-syncs", action="store_true",
+                    help="on CUDA, exit 1 unless the ledger's flagged syncs equal "
+                         "set_sync_debug_mode's warnings for every profile")
     return ap.parse_args(argv)
 
 
@@ -229,6 +233,14 @@ def main(argv=None) -> list:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.check_syncs:
+        bad = [(r["profile"], sync_mismatch(r)) for r in rows if sync_mismatch(r)]
+        for profile, why in bad:
+            print(f"SYNC MISMATCH {profile}: {why}")
+        if args.device != "cuda":
+            print("--check-syncs: no CUDA counts on this device; nothing compared")
+        elif bad:
+            sys.exit(1)
     return rows
 
 

@@ -94,13 +94,14 @@ run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q 
 run_stage mutants 240 "$PY" scripts/mutants.py --gpu --jobs 1 --timeout 100
 run_stage tier 30 "$PY" benchmarks/gpu_host_tier.py --json "$OUT/host-tier-cuda.json"
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
-run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --json "$OUT/ledger-gpu.json"
+run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --check-syncs \
+  --json "$OUT/ledger-gpu.json"
 run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"
 run_stage optim 150 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --repeats 1 \
   --json "$OUT/optimizer-cuda.json"
 run_stage dispatch-syncs 60 "$PY" benchmarks/dispatch_scale.py --device cuda --ep 64 --experts 384 \
   --topk 8 --tokens 16384 --chunk-tokens 1639 --hidden 256 --ffn 256 --reps 3 \
-  --json "$OUT/dispatch-scale-cuda.json"
+  --check-syncs --json "$OUT/dispatch-scale-cuda.json"
 # Param offload on CUDA: the device model state against depth (4, 8, 16 layers of 8 experts,
 # H 1024, F 4096, bf16), bitwise against the resident stack, and each step's time with the
 # copies on their own streams against the knob off (the bytes moved over that time: the

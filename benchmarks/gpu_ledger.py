@@ -45,7 +45,7 @@ from megatron_flat.testing.moe_reference import dense_moe
 from megatron_flat.dispatch.schedule import routes_from_topk
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.plan.time import overlap_for, predict
-from megatron_flat.runtime.ledger import CostLedger, format_count
+from megatron_flat.runtime.ledger import CostLedger, format_count, sync_mismatch
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.vocab import ring_dtp_cross_entropy
 
@@ -263,6 +263,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--units", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--check-syncs", action="store_true",
+                   help="on CUDA, exit 1 unless every unit's flagged syncs (the ledger) equal "
+                        "set_sync_debug_mode's warnings (a CPU run has nothing to compare)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -281,7 +284,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"shape": shape, "device": str(device), "records": records}, f, indent=1)
+    if args.check_syncs:
+        return check_syncs(records, device)
     return 0
+
+
+def check_syncs(records: list[dict], device: torch.device) -> int:
+    """1 when a unit's ledger disagrees with CUDA's sync-debug mode (each one named)."""
+    if device.type != "cuda":
+        print("--check-syncs: no CUDA counts on this device; nothing compared")
+        return 0
+    bad = [(r["unit"], r["variant"], sync_mismatch(r)) for r in records if sync_mismatch(r)]
+    for unit, variant, why in bad:
+        print(f"SYNC MISMATCH {unit}/{variant}: {why}")
+    print(f"--check-syncs: {len(records) - len(bad)} of {len(records)} units agree")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

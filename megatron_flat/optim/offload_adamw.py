@@ -422,9 +422,13 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
         self._pipeline = StagingPipeline(self.device, self.num_slots, self._plan.largest_numel)
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._views = [self._param_views(i) for i in range(len(params))]
+        # Each copy's non_blocking is what it is on a GPU (pinned host memory or device data),
+        # passed on CPU too, where the pool stands for pinned memory: CPU copies are done at
+        # once either way, and the cost ledger counts a blocking copy as a host sync.
         cuda = self.device.type == "cuda"
-        self._nb_host = {k: cuda and pinned for k, pinned in self._host.pinned.items()}
-        self._nb_param = [cuda and (p.is_cuda or p.is_pinned()) for p in params]
+        self._nb_host = {k: pinned if cuda else k not in self._host.fallbacks
+                         for k, pinned in self._host.pinned.items()}
+        self._nb_param = [not cuda or p.is_cuda or p.is_pinned() for p in params]
         if self._host.fallbacks and not self._warned_fallback:
             self._warned_fallback = True
             warnings.warn(
@@ -652,7 +656,7 @@ class OffloadStreamAdamW(torch.optim.Optimizer):
             active[i] = True
             flat = g.detach().reshape(-1)
             in_place = flat.dtype == torch.float32 and flat.device == self.device
-            grads[i] = (flat, cuda and (g.is_cuda or g.is_pinned()), in_place)
+            grads[i] = (flat, not cuda or g.is_cuda or g.is_pinned(), in_place)
         return active, grads
 
     def _flat_param(self, i: int) -> torch.Tensor:

@@ -43,7 +43,13 @@ __all__ = [
     "counts_header",
     "format_count",
     "is_device_data",
+    "sync_mismatch",
+    "UNFLAGGED_SYNC_KINDS",
 ]
+
+# Host waits that torch makes without reaching warn_or_error_on_sync (docs/cuda-syncs.md, B9):
+# real syncs, but set_sync_debug_mode does not flag them.
+UNFLAGGED_SYNC_KINDS = frozenset({"event_synchronize", "device_synchronize"})
 
 _TAINT = "_megatron_flat_taint"  # attribute on a storage's Python object
 _HOST, _FACTORY, _DEVICE, _HOST_MEMORY = "host", "factory", "device", "host-memory"
@@ -76,8 +82,19 @@ _SHAPE_SYNC = _overloads(
     "unique_dim_consecutive",
     "bincount",
 )
+# Ops that read a device value on the host twice (docs/cuda-syncs.md, B3): repeat_interleave
+# reads the total and checks the repeats; bincount reads the minimum and the maximum.
+_TWICE = frozenset({"repeat_interleave", "bincount"})
 _REPEAT_INTERLEAVE = _overloads(_aten, "repeat_interleave")
-_MASK_INDEX = _overloads(_aten, "index", "index_put", "index_put_", "_index_put_impl_")
+_INDEX_READ = _overloads(_aten, "index")
+_INDEX_PUT = _overloads(_aten, "index_put", "index_put_", "_index_put_impl_")
+_MASK_INDEX = _INDEX_READ | _INDEX_PUT
+# where(condition, self, other): a 0-dim host operand is moved to the device with a blocking
+# copy (TensorCompare.cpp, where_self_out).
+_WHERE = _overloads(_aten, "where")
+# torch 2.13 turns a host boolean mask into indices on the host and copies them from pinned
+# memory without blocking (ATen IndexingUtils.h, expandTensors); before, it blocked.
+_HOST_MASK_NON_BLOCKING = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 _COPIES = _overloads(_aten, "copy_", "_to_copy", "_copy_from")
 # torch.tensor(data) wraps a tensor made from Python data: host data, whatever its input.
 _LIFT = _overloads(_aten, "lift_fresh", "lift_fresh_copy", "lift")
@@ -308,11 +325,21 @@ def is_device_data(t: torch.Tensor) -> bool:
     """Whether ``t`` counts as device data (see the module docstring)."""
     if t.device.type != "cpu":
         return t.device.type != "meta"
+    if not _cpu_run():  # beside a GPU, a CPU tensor is host memory, whatever made it
+        return False
     s = _storage(t)
     if s is None:
         return False
     mark = _taint_of(s)
     return mark is None or mark == _DEVICE
+
+
+def _is_host_side(t: Any) -> bool:
+    """Whether ``t`` is data the host holds: a CPU tensor beside a GPU; on a CPU run, host
+    data (Python data, a host read) or host memory. Factory data may be on the device."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return False
+    return not _cpu_run() or _mark_of(t) in (_HOST, _HOST_MEMORY)
 
 
 def _is_host_memory(t: torch.Tensor) -> bool:
@@ -417,6 +444,12 @@ class Costs:
         )
 
     @property
+    def flagged_syncs(self) -> int:
+        """The syncs ``torch.cuda.set_sync_debug_mode`` flags: all but the host waits torch
+        makes without its hook (an event's or the device's synchronize)."""
+        return self.syncs - sum(self.sync_kinds[k] for k in UNFLAGGED_SYNC_KINDS)
+
+    @property
     def other_collective_bytes(self) -> int:
         """Bytes sent by every collective that is not an all-to-all."""
         return sum(self.collective_bytes.values()) - self.all_to_all_bytes
@@ -440,6 +473,7 @@ class Costs:
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes,
             "syncs": self.syncs,
+            "flagged_syncs": self.flagged_syncs,
             "sync_kinds": dict(self.sync_kinds),
             "ops": self.ops,
             "mem_bytes": self.mem_bytes,
@@ -862,11 +896,13 @@ class CostLedger:
             return
         flops = _FLOPS.get(func)
         f = int(flops(*args, **kwargs)) if flops is not None else 0
-        h2d, d2h, blocking = self._copy_bytes(func, args, kwargs, out)
-        sync = self._sync_kind(func, args, kwargs, leaves, device_in)
-        if sync is None and blocking:
-            sync = "h2d_copy" if h2d else "d2h_copy"
-        implicit = self._implicit_upload_bytes(leaves) if device_in and func not in _COPIES else 0
+        h2d, d2h, copy_sync = self._copy_bytes(func, args, kwargs, out)
+        syncs = self._sync_kinds(func, args, kwargs, device_in)
+        if copy_sync is not None:
+            syncs.append(copy_sync)
+        implicit, implicit_syncs = (self._implicit_uploads(func, args, leaves)
+                                    if device_in and func not in _COPIES else (0, 0))
+        syncs.extend(["h2d_implicit"] * implicit_syncs)
         mem = sum(_nbytes(t) for t in leaves) + sum(
             _nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
         )
@@ -879,10 +915,8 @@ class CostLedger:
             target.h2d_bytes += h2d + implicit
             target.d2h_bytes += d2h
             target.mem_bytes += mem
-            if sync is not None:
-                target.add_sync(sync)
-            if implicit:
-                target.add_sync("h2d_implicit")
+            for kind in syncs:
+                target.add_sync(kind)
         written = self._written(func, args, kwargs)
         if origin is None or h2d:  # an upload's destination is device data
             self._taint_outputs(written, out)
@@ -904,20 +938,29 @@ class CostLedger:
                 _set_taint(s, origin)
 
     @staticmethod
-    def _implicit_upload_bytes(leaves: list) -> int:
-        """Bytes of the host tensors an op with device-data inputs reads, each uploaded on
-        CUDA (an index) or an error there: HOST-marked CPU tensors with dim > 0 on CPU, any
-        CPU tensor with dim > 0 beside CUDA ones on CUDA. 0-dim tensors are scalars."""
+    def _implicit_uploads(func: Any, args: tuple, leaves: list) -> tuple[int, int]:
+        """(bytes, blocking copies) of the host tensors an op with device-data inputs reads,
+        each uploaded on CUDA (an index) or an error there: HOST-marked CPU tensors with
+        dim > 0 on CPU, any CPU tensor with dim > 0 beside CUDA ones on CUDA, each one
+        blocking copy (``index.to(device)``). 0-dim tensors are scalars (see
+        :meth:`_sync_kinds` for the ops that upload those). A host boolean mask of an index
+        op is the exception: its ``nonzero`` runs on the host and the indices travel from
+        pinned memory without blocking (torch >= 2.13, ``expandTensors``)."""
         cuda = any(t.device.type == "cuda" for t in leaves)
+        masks = _index_masks(func, args) if _HOST_MASK_NON_BLOCKING else []
         seen: set = set()
-        total = 0
+        total = blocking = 0
         for t in leaves:
             if t.dim() == 0 or t.device.type != "cpu" or id(t) in seen:
                 continue
             if cuda or _mark_of(t) == _HOST:
                 seen.add(id(t))
-                total += _nbytes(t)
-        return total
+                if any(t is m for m in masks):
+                    total += int(torch.count_nonzero(t)) * t.dim() * 8  # int64 indices
+                else:
+                    total += _nbytes(t)
+                    blocking += 1
+        return total, blocking
 
     @staticmethod
     def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -939,10 +982,14 @@ class CostLedger:
                 _set_taint(s, _DEVICE)
 
     @staticmethod
-    def _copy_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, bool]:
-        """(h2d bytes, d2h bytes, blocking) of a host↔device copy op, else zeros."""
+    def _copy_bytes(func: Any, args: tuple, kwargs: dict,
+                    out: Any) -> tuple[int, int, Optional[str]]:
+        """(h2d bytes, d2h bytes, the sync's kind or None) of a host↔device copy op, else
+        zeros and None. A blocking copy (no ``non_blocking=True``) between host and device
+        is a sync on CUDA, from pinned memory too (``copy_kernel_cuda`` →
+        ``memcpy_and_sync``); of a 0-dim host value it is an ``h2d_scalar``."""
         if func not in _COPIES:
-            return 0, 0, False
+            return 0, 0, None
         if func._overloadpacket is _aten._to_copy:
             src, dst = args[0], out
         elif func._overloadpacket is _aten.copy_:
@@ -950,62 +997,113 @@ class CostLedger:
         else:  # _copy_from(self, dst)
             src, dst = args[0], args[1]
         if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
-            return 0, 0, False
+            return 0, 0, None
         non_blocking = bool(
             kwargs.get("non_blocking", args[2] if len(args) > 2 and func._overloadpacket is _aten.copy_ else False)
         )
+        upload = "h2d_scalar" if src.dim() == 0 else "h2d_copy"
         if src.device.type == "cuda" or dst.device.type == "cuda":
             if src.device.type == dst.device.type:
-                return 0, 0, False
+                return 0, 0, None
             n = _nbytes(src)
-            if src.device.type == "cpu":  # only pinned memory copies without blocking
-                return n, 0, not (non_blocking and src.is_pinned())
-            return 0, n, not non_blocking
+            if src.device.type == "cpu":
+                return n, 0, None if non_blocking else upload
+            return 0, n, None if non_blocking else "d2h_copy"
         src_host, dst_host = _is_host_memory(src), _is_host_memory(dst)
         if src_host == dst_host:
             if (
                 not src_host
                 and func._overloadpacket is _aten.copy_
-                and src.dim() > 0
                 and _mark_of(src) == _HOST
                 and is_device_data(dst)
-            ):  # host data (pageable) into device data: an upload that blocks
-                return _nbytes(src), 0, True
-            return 0, 0, False
+                and not (non_blocking and src.dim() == 0)
+            ):  # host data (pageable) into device data: an upload that blocks (a 0-dim
+                # value too: the CUDA copy of a 0-dim CPU tensor is blocking unless asked)
+                return _nbytes(src), 0, upload
+            return 0, 0, None
         n = _nbytes(src)
-        # CPU code copies synchronously by design (there is no stream to wait for)
-        return (n, 0, False) if src_host else (0, n, False)
+        # As on CUDA: a copy between host memory and the device blocks unless asked not to
+        # (the code states on CPU what it would do on a GPU; CPU copies are done either way).
+        if src_host:
+            return n, 0, None if non_blocking else upload
+        return 0, n, None if non_blocking else "d2h_copy"
 
     @staticmethod
-    def _sync_kind(
-        func: Any, args: tuple, kwargs: dict, leaves: list, device_in: bool
-    ) -> Optional[str]:
+    def _sync_kinds(func: Any, args: tuple, kwargs: dict, device_in: bool) -> list[str]:
+        """The host syncs an op with device-data inputs makes on CUDA (besides a copy's and
+        a host index's upload), one kind per blocking point, read from torch's source
+        (docs/cuda-syncs.md)."""
         if not device_in:
-            return None
+            return []
         name = func._overloadpacket.__name__
         if func in _SCALAR_SYNC:
-            return "item" if name == "_local_scalar_dense" else name
+            return ["item" if name == "_local_scalar_dense" else name]
         if func in _SHAPE_SYNC:
-            return name.lstrip("_")
+            kind = name.lstrip("_")
+            if kind == "bincount" and isinstance(args[0], torch.Tensor) \
+                    and args[0].dtype == torch.uint8:
+                return [kind]  # no minimum to check for uint8
+            return [kind] * (2 if kind in _TWICE else 1)
         if func in _REPEAT_INTERLEAVE:
             # Only a repeats tensor without output_size makes the output size unknown.
             if kwargs.get("output_size") is not None:
-                return None
+                return []
             position = 0 if func._overloadname == "Tensor" else 1
             repeats = args[position] if len(args) > position else kwargs.get("repeats")
             if isinstance(repeats, torch.Tensor) and is_device_data(repeats):
-                return "repeat_interleave"
-            return None
-        if func in _MASK_INDEX:
-            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-            for index in indices or ():
-                if (
-                    isinstance(index, torch.Tensor)
-                    and index.dtype in (torch.bool, torch.uint8)
-                    and is_device_data(index)
-                ):
-                    return "mask_index"
+                return ["repeat_interleave"] * 2
+            return []
+        if func in _WHERE:
+            # where(cond, self, other): each 0-dim host operand goes to the device blocking
+            return ["h2d_scalar" for t in args[1:3] if isinstance(t, torch.Tensor)
+                    and t.dim() == 0 and _is_host_side(t)]
+        if func in _INDEX_PUT:
+            return _index_put_syncs(func, args, kwargs)
+        if func in _INDEX_READ:
+            # each boolean mask on the device is turned into indices with nonzero
+            return ["mask_index" for m in _index_masks(func, args) if is_device_data(m)]
+        return []
+
+
+def _index_masks(func: Any, args: tuple) -> list[torch.Tensor]:
+    """The boolean (or uint8) index tensors of an index op's ``indices`` argument."""
+    if func not in _MASK_INDEX or len(args) < 2:
+        return []
+    return [i for i in args[1] or () if isinstance(i, torch.Tensor)
+            and i.dtype in (torch.bool, torch.uint8)]
+
+
+def _index_put_syncs(func: Any, args: tuple, kwargs: dict) -> list[str]:
+    """``index_put_(self, indices, value, accumulate)`` on CUDA (``_index_put_impl_``,
+    TensorAdvancedIndexing.cpp): one boolean mask on the device and a one-element host value
+    without accumulation become ``masked_fill_`` (no sync: the value is read on the host);
+    else a 0-dim host value is moved to the device with a blocking copy, and each mask on
+    the device is turned into indices with ``nonzero``."""
+    indices = list(args[1] or ()) if len(args) > 1 else list(kwargs.get("indices") or ())
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+    given = [i for i in indices if isinstance(i, torch.Tensor)]
+    masks = [i for i in given if i.dtype in (torch.bool, torch.uint8)]
+    host_value = isinstance(value, torch.Tensor) and _is_host_side(value)
+    if (not accumulate and host_value and value.numel() == 1 and len(given) == 1
+            and len(masks) == 1 and is_device_data(masks[0])):
+        return []
+    kinds = ["h2d_scalar"] if host_value and value.dim() == 0 else []
+    return kinds + ["mask_index" for m in masks if is_device_data(m)]
+
+
+def sync_mismatch(record: dict) -> Optional[str]:
+    """For a ledger's ``as_dict()`` made with ``cuda_sync_check=True`` on CUDA: None when its
+    flagged syncs equal ``set_sync_debug_mode``'s warnings, else a line saying both (and the
+    kinds). None too when the record holds no CUDA count (a CPU run)."""
+    warned = record.get("cuda_sync_warnings")
+    if warned is None:
         return None
+    flagged = record.get("flagged_syncs", record.get("syncs", 0))
+    if flagged == warned:
+        return None
+    return (f"the ledger counted {flagged} flagged syncs, CUDA's sync-debug mode warned "
+            f"{warned} times (kinds {record.get('sync_kinds', {})})")
 
 
 def format_count(n: float) -> str:

@@ -75,15 +75,16 @@ class _CopyQueue:
     """One CPU side stream's copies not yet done (delayed-copies mode)."""
 
     def __init__(self) -> None:
-        self.pending: List[Tuple[int, torch.Tensor, _Source]] = []
+        self.pending: List[Tuple[int, torch.Tensor, _Source, bool]] = []
         self.recorded: List[Tuple[int, torch.Tensor]] = []  # record_stream: kept until done
         self.issued = 0
         self.done = 0
 
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def add(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         _MODE["delayed"] += 1
         self.issued += 1
-        self.pending.append((self.issued, dst, _Source(src)))
+        # the flag goes with the copy: the cost ledger counts a blocking one as a sync
+        self.pending.append((self.issued, dst, _Source(src), non_blocking))
         _BUSY.add(self)  # queued work outlives its Stream object, as on a GPU
         poison(dst)
 
@@ -95,13 +96,13 @@ class _CopyQueue:
     def complete(self, upto: Optional[int] = None) -> None:
         upto = self.issued if upto is None else upto
         while self.pending and self.pending[0][0] <= upto:
-            seq, dst, source = self.pending.pop(0)
+            seq, dst, source, non_blocking = self.pending.pop(0)
             src = source.get()
             if src is None:
                 _MODE["lost"] += 1  # freed before its copy ran: the destination stays poison
             else:
                 with torch.no_grad():
-                    dst.copy_(src)
+                    dst.copy_(src, non_blocking=non_blocking)
             del src
             self.done = seq
         self.recorded = [(seq, t) for seq, t in self.recorded if seq > self.done]
@@ -176,7 +177,7 @@ def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> to
     queue = _DELAYED.current if _MODE["on"] else None
     if queue is None or dst.device.type != "cpu" or src.device.type != "cpu":
         return dst.copy_(src, non_blocking=non_blocking)
-    queue.add(dst, src)
+    queue.add(dst, src, non_blocking)
     return dst
 
 

@@ -113,7 +113,7 @@ def test_mark_host_makes_a_cached_plan_host_data() -> None:
     assert ledger.syncs == 0
 
 
-def test_each_sync_kind_counts_once() -> None:
+def test_each_sync_kind_counts_its_blocking_points() -> None:
     x = torch.randn(8)
     counts = torch.tensor([1, 0, 2])
     counts_dev = counts + torch.zeros_like(x[:3], dtype=torch.long)  # device-derived
@@ -139,12 +139,12 @@ def test_each_sync_kind_counts_once() -> None:
         "mask_index": 1,
         "masked_select": 1,
         "unique2": 1,
-        "bincount": 1,
-        "repeat_interleave": 2,
+        "bincount": 2,  # its minimum and its maximum
+        "repeat_interleave": 4,  # the total and the check that no repeat is negative
         "numpy": 1,
         "equal": 1,
     }
-    assert ledger.syncs == 14
+    assert ledger.syncs == 17
 
 
 def test_cpu_of_device_data_is_a_sync_and_its_result_is_host() -> None:
@@ -185,15 +185,21 @@ def test_pool_copies_count_as_host_device_bytes() -> None:
     pool.release(host)
 
 
-def test_marked_host_memory_copies_count_and_cpu_copies_are_not_syncs() -> None:
+def test_host_memory_copies_block_unless_non_blocking_as_on_cuda() -> None:
     host = torch.empty(8)
     mark_host_memory(host)
     x = torch.randn(8)
     with CostLedger() as ledger:
-        host.copy_(x)  # blocking on CPU by design; on CUDA the flag decides
-        x.copy_(host)
-    assert ledger.d2h_bytes == 32 and ledger.h2d_bytes == 32
-    assert ledger.syncs == 0
+        with ledger.section("blocking"):
+            host.copy_(x)  # memcpy_and_sync on CUDA, pinned or not
+            x.copy_(host)
+        with ledger.section("non-blocking"):
+            host.copy_(x, non_blocking=True)
+            x.copy_(host, non_blocking=True)
+    for name in ("blocking", "non-blocking"):
+        assert ledger.sections[name].d2h_bytes == 32 and ledger.sections[name].h2d_bytes == 32
+    assert ledger.sections["blocking"].sync_kinds == {"d2h_copy": 1, "h2d_copy": 1}
+    assert ledger.sections["non-blocking"].syncs == 0
 
 
 def test_inplace_matmuls_count() -> None:
@@ -396,15 +402,17 @@ def test_indexing_device_data_with_a_host_index_uploads_it() -> None:
         with ledger.section("index_select"):
             x.index_select(0, index)
         with ledger.section("index_put"):
-            x.clone()[index] = 1.0  # the 0-dim value is a scalar on CUDA
+            x.clone()[index] = 1.0  # the index's upload, then the 0-dim value's (below)
         with ledger.section("gather"):
             torch.gather(x, 0, index)
         with ledger.section("searchsorted"):
             torch.searchsorted(torch.sort(x).values, torch.tensor([0.0, 1.0]))
-    for name in ("getitem", "index_select", "index_put", "gather", "searchsorted"):
+    for name in ("getitem", "index_select", "gather", "searchsorted"):
         assert ledger.sections[name].sync_kinds == {"h2d_implicit": 1}, name
+    # with a long index, _index_put_impl_ moves a 0-dim host value with value.to(device)
+    assert ledger.sections["index_put"].sync_kinds == {"h2d_implicit": 1, "h2d_scalar": 1}
     assert ledger.sections["getitem"].h2d_bytes == 24
-    assert ledger.syncs == 5
+    assert ledger.syncs == 6
 
 
 def test_factory_index_and_scalars_are_not_uploads() -> None:
@@ -414,7 +422,8 @@ def test_factory_index_and_scalars_are_not_uploads() -> None:
         x.index_select(0, torch.arange(2) * 2)  # computed from a factory only
         x * torch.tensor(2.0)  # 0-dim: a scalar on CUDA
         y = x.clone()
-        y[3] = 5  # x[i] = n: a lifted 0-dim copy on CPU, a device fill on CUDA
+        y[3:4] = 5  # a slice: fill_ with the host value as a kernel argument
+        y.view(2, 4)[1] = 5  # a row (not 0-dim): fill_ too
     assert ledger.syncs == 0 and ledger.h2d_bytes == 0
 
 
@@ -523,3 +532,19 @@ def test_cuda_made_the_identity_uploads_host_data() -> None:
         assert ledger.sync_kinds == {"h2d_copy": 1} and is_device_data(batch)
     finally:
         torch.Tensor.cuda = original
+
+
+def test_flagged_syncs_leave_out_the_waits_cuda_does_not_flag() -> None:
+    from megatron_flat.runtime.ledger import record_sync, sync_mismatch
+
+    x = torch.randn(4)
+    with CostLedger() as ledger:
+        x.sum().item()
+        record_sync("event_synchronize")  # blocks on a GPU, but set_sync_debug_mode is silent
+        record_sync("stream_synchronize")
+    record = ledger.as_dict()
+    assert record["syncs"] == 3 and record["flagged_syncs"] == 2
+    assert sync_mismatch(record) is None  # a CPU run: nothing to compare
+    assert sync_mismatch({**record, "cuda_sync_warnings": 2}) is None
+    assert "counted 2 flagged syncs, CUDA's sync-debug mode warned 3 times" in sync_mismatch(
+        {**record, "cuda_sync_warnings": 3})
