@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Everything GPU-only, in one run on one GPU (under 10 minutes on an H200):
-#   benchmarks/gpu_check.sh OUTDIR            # on the GPU machine
-#   benchmarks/gpu_check.sh --dry-run OUTDIR  # anywhere: argument handling, the plan of
-#                                             # stages, and the ledger stage at a tiny shape
-# Stages (each bounded by `timeout`, each writing into OUTDIR; a failed stage does not stop
-# the others, the exit status says whether all passed):
+# Everything GPU-only, on one GPU, in three parts of at most 8 minutes each (the sum of their
+# stages' limits), so that a GPU lent for a few minutes at a time runs it in turns:
+#   benchmarks/gpu_check.sh --part 1 OUTDIR   # then --part 2, --part 3, into the same OUTDIR
+#   benchmarks/gpu_check.sh --stages ledger,sco OUTDIR  # named stages only
+#   benchmarks/gpu_check.sh OUTDIR            # every stage (about 21 minutes of limits)
+#   benchmarks/gpu_check.sh --dry-run [--part N] OUTDIR  # anywhere: argument handling, the
+#                                             # plan of stages, the ledger stage at a tiny shape
+# Part 1 holds the stages the first GPU run failed or that every figure rests on (ledger,
+# dispatch-syncs, tests, meter, tier); part 2 races, sco, optim, vocab, replay-te; part 3
+# mutants, param-offload, replay, replay-time.
+# Each stage is bounded by `timeout` and writes into OUTDIR; a failed stage does not stop the
+# others, the exit status says whether all that ran passed. Runs into one OUTDIR add up:
+# stages.tsv keeps each stage's latest result, and the summary covers every stage run so far.
+# Stages:
 #  1. tests   the CUDA-only tests (-m cuda) and the runtime/optim/checkpoint suites on CUDA
 #             (meter peak stats, real streams/events, pinned pool, SCO copy races,
 #             OffloadStreamAdamW on streams, the ledger against set_sync_debug_mode)
@@ -41,23 +49,57 @@
 # megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
 # Uses the machine's python3 (CUDA torch), or $PYTHON.
 set -uo pipefail
-DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-if [ $# -ne 1 ] || [ -z "${1:-}" ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: benchmarks/gpu_check.sh [--dry-run] OUTDIR" >&2
+ALL_STAGES=(tests races mutants tier meter ledger sco optim dispatch-syncs param-offload vocab
+            replay replay-time replay-te)
+PART_1=(ledger dispatch-syncs tests meter tier)
+PART_2=(races sco optim vocab replay-te)
+PART_3=(mutants param-offload replay replay-time)
+usage() {
+  echo "usage: benchmarks/gpu_check.sh [--dry-run] [--part 1|2|3 | --stages NAME,...] OUTDIR" >&2
+  echo "stages: ${ALL_STAGES[*]}" >&2
   exit 2
-fi
+}
+DRY=0
+SELECTED=("${ALL_STAGES[@]}")
+while [ $# -gt 1 ]; do
+  case "$1" in
+    --dry-run) DRY=1; shift ;;
+    --part)
+      case "${2:-}" in
+        1) SELECTED=("${PART_1[@]}") ;; 2) SELECTED=("${PART_2[@]}") ;;
+        3) SELECTED=("${PART_3[@]}") ;; *) echo "--part: 1, 2 or 3" >&2; usage ;;
+      esac
+      shift 2 ;;
+    --stages)
+      IFS=, read -r -a SELECTED <<< "${2:-}"
+      for name in "${SELECTED[@]}"; do
+        [[ " ${ALL_STAGES[*]} " == *" $name "* ]] || { echo "unknown stage: $name" >&2; usage; }
+      done
+      [ ${#SELECTED[@]} -gt 0 ] || usage
+      shift 2 ;;
+    *) usage ;;
+  esac
+done
+if [ $# -ne 1 ] || [ -z "${1:-}" ] || [ "${1#-}" != "$1" ]; then usage; fi
 OUT="$1"
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT" || { echo "cannot create $OUT" >&2; exit 2; }
 OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCHDYNAMO_DISABLE=1
-: > "$OUT/stages.tsv"
+touch "$OUT/stages.tsv"
+# the stages run now replace their earlier results; the others' stay (an earlier part's)
+for name in "${SELECTED[@]}"; do
+  awk -F'\t' -v n="$name" '$1 != n' "$OUT/stages.tsv" > "$OUT/stages.tmp" \
+    && mv "$OUT/stages.tmp" "$OUT/stages.tsv"
+done
 status=0
+
+selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
 
 run_stage() {  # run_stage NAME SECONDS CMD...: bounded, logged, recorded in stages.tsv
   local name="$1" limit="$2"; shift 2
+  selected "$name" || return 0
   echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/log.txt"
   if [ $DRY -eq 1 ] && [ "$name" != "ledger" ]; then
     printf '%s\tplanned\t0\n' "$name" >> "$OUT/stages.tsv"
@@ -119,10 +161,12 @@ run_stage replay-time 60 "$PY" benchmarks/gpu_attention_replay.py --json "$OUT/r
 run_stage replay-te 90 "$PY" -m pytest -q -p no:cacheprovider tests/megatron/test_te_replay_cuda.py \
   --junitxml="$OUT/replay-te.xml"
 
-"$PY" - "$OUT" "$DRY" <<'PY' | tee "$OUT/summary.txt"
+"$PY" - "$OUT" "$DRY" "${ALL_STAGES[*]}" <<'PY' | tee "$OUT/summary.txt"
 import json, os, sys
 out, dry = sys.argv[1], sys.argv[2] == "1"
+order = sys.argv[3].split()
 stages = [line.rstrip("\n").split("\t") for line in open(os.path.join(out, "stages.tsv"))]
+stages.sort(key=lambda row: order.index(row[0]))
 summary = {"dry_run": dry, "stages": {n: {"rc": rc, "seconds": int(s)} for n, rc, s in stages}}
 print("stage     result    seconds")
 for n, rc, s in stages:

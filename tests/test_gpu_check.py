@@ -17,10 +17,53 @@ def run(*args, timeout=300):
 
 
 def test_usage_errors_exit_2():
-    for args in ((), ("--dry-run",), ("a", "b"), ("--bogus",)):
+    for args in ((), ("--dry-run",), ("a", "b"), ("--bogus",), ("--part", "4", "out"),
+                 ("--stages", "ledger,bogus", "out"), ("--part", "out")):
         res = run(*args)
         assert res.returncode == 2, args
-        assert "usage: benchmarks/gpu_check.sh [--dry-run] OUTDIR" in res.stderr
+        assert "usage: benchmarks/gpu_check.sh [--dry-run] [--part 1|2|3 | --stages" \
+            in res.stderr, args
+
+
+def _stage_limits() -> dict:
+    """Each stage's time limit, as the script's run_stage lines give it."""
+    limits = {}
+    for line in SCRIPT.read_text().splitlines():
+        if line.startswith("run_stage "):
+            name, limit = line.split()[1:3]
+            limits[name] = int(limit)
+    return limits
+
+
+def _parts() -> list:
+    parts = {}
+    for line in SCRIPT.read_text().splitlines():
+        if line.startswith("PART_"):
+            name, _, rest = line.partition("=(")
+            parts[name] = rest.rstrip(")").split()
+    return [parts[f"PART_{i}"] for i in (1, 2, 3)]
+
+
+def test_each_part_fits_in_eight_minutes_and_every_stage_is_in_one():
+    limits = _stage_limits()
+    parts = _parts()
+    assert sorted(n for part in parts for n in part) == sorted(limits)
+    for part in parts:
+        assert sum(limits[n] for n in part) <= 8 * 60, part
+    assert parts[0][:2] == ["ledger", "dispatch-syncs"]  # what every figure rests on: first
+
+
+def test_parts_run_into_one_outdir_add_up(tmp_path):
+    out = tmp_path / "out"
+    for part in ("2", "3", "1"):
+        res = run("--dry-run", "--part", part, str(out))
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = run("--dry-run", "--stages", "vocab,tier", str(out))  # a rerun replaces, once
+    assert res.returncode == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["stages"]) == list(_stage_limits())  # every stage, in script order
+    assert [line.split("\t")[0] for line in (out / "stages.tsv").read_text().splitlines()
+            ].count("vocab") == 1
 
 
 def test_dry_run_plans_every_stage_and_runs_the_ledger_on_cpu(tmp_path):
