@@ -41,7 +41,7 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.megatron import compat
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.optim.offload_adamw import check_hyperparameters, check_param
-from megatron_flat.runtime import patching
+from megatron_flat.runtime import memory, patching
 
 __all__ = [
     "MegatronMasterOffloadAdamW",
@@ -359,11 +359,22 @@ def found_non_finite_grads(wrapper: Any) -> bool:
         # kernel per device and dtype.
         torch._amp_foreach_non_finite_check_and_unscale_(
             tensors, local, torch.ones(1, dtype=torch.float32, device=dev))
-        found += local.to(device)
+        if dev == device and not _in_host_memory(tensors):
+            found += local
+        else:
+            # Host gradients (param offload): their flag is host data. Added as a number it
+            # is a kernel argument; local.to(device) would block the host on a GPU.
+            found += local.item()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
                                      group=wrapper.get_grad_stats_parallel_group())
     return bool(found.item() > 0)
+
+
+def _in_host_memory(tensors: List[torch.Tensor]) -> bool:
+    """Whether every tensor lives in a host pool's buffer (what stands for pinned host
+    memory on a CPU run: there the host and the device are one device type)."""
+    return all(memory.is_host_storage(t.untyped_storage()) for t in tensors)
 
 
 def _with_non_finite_check(wrapper: Any) -> None:

@@ -159,3 +159,32 @@ def test_zero_count_covers_the_host_gradients(megatron_cpu, world, case):
                          for g in offload.host_grads(i))
     assert host_zeros > 0  # what the count must include
     assert got == want
+
+
+@pytest.mark.parametrize("world, case", per_world({2: ["ep2"]}))
+def test_an_inf_host_gradient_skips_the_step_everywhere(megatron_cpu, world, case):
+    """An inf in one rank's host main_grad of an offloaded expert: the inf/nan check the
+    offloaded wrappers add (no grad scaler in fp32) reads the host gradients' flag on the
+    host and Megatron reports the step skipped on every rank, no parameter changed. The
+    check copies nothing to the device (a blocking copy on a GPU): the skipped step's only
+    syncs are the reads of the agreed flags, one per wrapped optimizer."""
+    import torch.distributed as dist
+
+    from megatron_flat.runtime.ledger import CostLedger
+
+    tiny = TinyMoE(num_experts=4, topk=2, num_layers=3, global_batch_size=2 * world)
+    layout = Layout(ep=2, recompute="full")
+    with megatron_layout(ep=2):
+        trainer, _, _ = _train(tiny, layout, {},
+                               dataclasses.replace(FLAT_OPT, param_offload=True), steps=1)
+        trainer.forward_backward(1)
+        before = {n: p.data.clone() for n, p in trainer.model.named_parameters()}
+        offload = trainer.ddp.flat_param_offload.offload
+        if dist.get_rank() == 1:
+            offload.host_grads(0)[0].view(-1)[0] = float("inf")
+        with CostLedger() as ledger:
+            ok, grad_norm, _ = trainer.optimizer.step()
+        assert ok is False and grad_norm is None
+        assert [n for n, p in trainer.model.named_parameters()
+                if not torch.equal(p.data, before[n])] == []
+        assert dict(ledger.sync_kinds) == {"item": 2}
