@@ -370,8 +370,11 @@ def _mark_device(t: torch.Tensor) -> None:
 
 def _origin(leaves: list) -> str:
     """Taint of what an op without device-data inputs makes: host data if any input came
-    from the host (Python data, a host read, host memory), else a factory's output."""
-    for t in leaves:
+    from the host (Python data, a host read, host memory), else a factory's output. A 0-dim
+    host value beside tensors with dimensions is a kernel argument (a number), not data that
+    makes the result host-resident: ``buf[mask] = 0`` leaves a factory buffer a factory's."""
+    shaped = [t for t in leaves if t.dim() > 0]
+    for t in shaped or leaves:
         if _mark_of(t) in (_HOST, _HOST_MEMORY):
             return _HOST
     return _FACTORY
@@ -1085,8 +1088,10 @@ def _index_put_syncs(func: Any, args: tuple, kwargs: dict) -> list[str]:
     given = [i for i in indices if isinstance(i, torch.Tensor)]
     masks = [i for i in given if i.dtype in (torch.bool, torch.uint8)]
     host_value = isinstance(value, torch.Tensor) and _is_host_side(value)
+    # the mask on self's device: device data, or factory data (which may be there, as a
+    # mask computed from a factory-made batch is on a GPU)
     if (not accumulate and host_value and value.numel() == 1 and len(given) == 1
-            and len(masks) == 1 and is_device_data(masks[0])):
+            and len(masks) == 1 and not _is_host_side(masks[0])):
         return []
     kinds = ["h2d_scalar"] if host_value and value.dim() == 0 else []
     return kinds + ["mask_index" for m in masks if is_device_data(m)]

@@ -548,3 +548,20 @@ def test_flagged_syncs_leave_out_the_waits_cuda_does_not_flag() -> None:
     assert sync_mismatch({**record, "cuda_sync_warnings": 2}) is None
     assert "counted 2 flagged syncs, CUDA's sync-debug mode warned 3 times" in sync_mismatch(
         {**record, "cuda_sync_warnings": 3})
+
+
+def test_a_number_written_into_a_factory_buffer_leaves_it_a_factorys() -> None:
+    """A 0-dim host value is a kernel argument, not host data: a factory-made buffer it is
+    written into may still be on the device (Megatron's cross-entropy masks a batch's
+    labels with 0), so indexing device data with it uploads nothing."""
+    x = torch.randn(8)
+    with CostLedger() as ledger:
+        index = torch.arange(4)
+        index[index > 2] = 0
+        x[index]
+        from_host = torch.tensor(3) * 2  # a host number stays the host's
+    assert ledger.syncs == 0 and ledger.h2d_bytes == 0
+    assert not is_device_data(index)
+    with CostLedger() as later:
+        x[:1].copy_(from_host.float())  # into device data: its blocking upload
+    assert later.sync_kinds == {"h2d_scalar": 1}

@@ -66,6 +66,8 @@ ROWS = [
     ("mask read", lambda e: e.d[e.m], {"mask_index": 1}),
     ("mask write of a host number", lambda e: _setitem(e.d.clone(), e.m, 5.0), {}),
     ("mask write of a host 0-dim", lambda e: _setitem(e.d.clone(), e.m, e.h0), {}),
+    ("mask write of a number, a factory-made mask",
+     lambda e: _setitem(e.d.clone(), torch.arange(8, device=e.d.device) % 2 == 0, 5.0), {}),
     ("mask write of a device value", lambda e: _setitem(e.d.clone(), e.m, e.d.sum()),
      {"mask_index": 1}),
     ("masked_select", lambda e: torch.masked_select(e.d, e.m), {"masked_select": 1}),
