@@ -154,10 +154,12 @@ def run(tiny, flat, args, rank, label, init=None, quiet=False, model_state=False
     losses = []
 
     def report(step: int, loss: float, seconds: float) -> None:
+        # No wall time: a CPU's step time is per-op overhead (the flat run's chunked ops
+        # multiply it) and says nothing of a GPU's; docs/costs.md has what the ledger
+        # predicts there.
         losses.append(loss)
         if rank == 0 and not quiet:
-            print(f"{label:8s} step {step + 1:3d} | loss {loss:.6f} | step time "
-                  f"{seconds * 1e3:7.1f} ms", flush=True)
+            print(f"{label:8s} step {step + 1:3d} | loss {loss:.6f}", flush=True)
 
     layout = layout_for(args)
     with megatron_layout(layout.tp, layout.ep, layout.pp, seed=tiny.seed, etp=layout.etp,
