@@ -44,6 +44,7 @@ __all__ = [
     "format_count",
     "is_device_data",
     "sync_mismatch",
+    "HOST_MASK_NON_BLOCKING",
     "UNFLAGGED_SYNC_KINDS",
 ]
 
@@ -94,7 +95,8 @@ _MASK_INDEX = _INDEX_READ | _INDEX_PUT
 _WHERE = _overloads(_aten, "where")
 # torch 2.13 turns a host boolean mask into indices on the host and copies them from pinned
 # memory without blocking (ATen IndexingUtils.h, expandTensors); before, it blocked.
-_HOST_MASK_NON_BLOCKING = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+HOST_MASK_NON_BLOCKING = _TORCH >= (2, 13)
 _COPIES = _overloads(_aten, "copy_", "_to_copy", "_copy_from")
 # torch.tensor(data) wraps a tensor made from Python data: host data, whatever its input.
 _LIFT = _overloads(_aten, "lift_fresh", "lift_fresh_copy", "lift")
@@ -950,7 +952,7 @@ class CostLedger:
         op is the exception: its ``nonzero`` runs on the host and the indices travel from
         pinned memory without blocking (torch >= 2.13, ``expandTensors``)."""
         cuda = any(t.device.type == "cuda" for t in leaves)
-        masks = _index_masks(func, args) if _HOST_MASK_NON_BLOCKING else []
+        masks = _index_masks(func, args) if HOST_MASK_NON_BLOCKING else []
         seen: set = set()
         total = blocking = 0
         for t in leaves:
