@@ -59,7 +59,7 @@ from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.dispatch.profiles import routing_profile
 from megatron_flat.dispatch.schedule import routes_from_topk, token_chunks
 from megatron_flat.plan.costs import moe_layer_counts
-from megatron_flat.runtime.ledger import CostLedger, sync_mismatch
+from megatron_flat.runtime.ledger import CostLedger, sync_mismatches
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.testing.reentrant import Reentrant
 from megatron_flat.testing.standin_group import init_standin_group
@@ -234,9 +234,9 @@ def main(argv=None) -> list:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.check_syncs:
-        bad = [(r["profile"], sync_mismatch(r)) for r in rows if sync_mismatch(r)]
-        for profile, why in bad:
-            print(f"SYNC MISMATCH {profile}: {why}")
+        bad = sync_mismatches({r["profile"]: r for r in rows})
+        for line in bad:
+            print(f"SYNC MISMATCH {line}")
         if args.device != "cuda":
             print("--check-syncs: no CUDA counts on this device; nothing compared")
         elif bad:

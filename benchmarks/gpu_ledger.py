@@ -45,7 +45,7 @@ from megatron_flat.testing.moe_reference import dense_moe
 from megatron_flat.dispatch.schedule import routes_from_topk
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.plan.time import overlap_for, predict
-from megatron_flat.runtime.ledger import CostLedger, format_count, sync_mismatch
+from megatron_flat.runtime.ledger import CostLedger, format_count, sync_mismatches
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.vocab import ring_dtp_cross_entropy
 
@@ -294,9 +294,9 @@ def check_syncs(records: list[dict], device: torch.device) -> int:
     if device.type != "cuda":
         print("--check-syncs: no CUDA counts on this device; nothing compared")
         return 0
-    bad = [(r["unit"], r["variant"], sync_mismatch(r)) for r in records if sync_mismatch(r)]
-    for unit, variant, why in bad:
-        print(f"SYNC MISMATCH {unit}/{variant}: {why}")
+    bad = sync_mismatches({f"{r['unit']}/{r['variant']}": r for r in records})
+    for line in bad:
+        print(f"SYNC MISMATCH {line}")
     print(f"--check-syncs: {len(records) - len(bad)} of {len(records)} units agree")
     return 1 if bad else 0
 

@@ -44,6 +44,7 @@ __all__ = [
     "format_count",
     "is_device_data",
     "sync_mismatch",
+    "sync_mismatches",
     "HOST_MASK_NON_BLOCKING",
     "UNFLAGGED_SYNC_KINDS",
 ]
@@ -1070,12 +1071,18 @@ class CostLedger:
         return []
 
 
-def _index_masks(func: Any, args: tuple) -> list[torch.Tensor]:
-    """The boolean (or uint8) index tensors of an index op's ``indices`` argument."""
-    if func not in _MASK_INDEX or len(args) < 2:
+def _index_tensors(func: Any, args: tuple, kwargs: Optional[dict] = None) -> list:
+    """The tensors of an index op's ``indices`` argument (None entries left out)."""
+    if func not in _MASK_INDEX:
         return []
-    return [i for i in args[1] or () if isinstance(i, torch.Tensor)
-            and i.dtype in (torch.bool, torch.uint8)]
+    indices = args[1] if len(args) > 1 else (kwargs or {}).get("indices")
+    return [i for i in indices or () if isinstance(i, torch.Tensor)]
+
+
+def _index_masks(func: Any, args: tuple, kwargs: Optional[dict] = None) -> list[torch.Tensor]:
+    """The boolean (or uint8) index tensors of an index op's ``indices`` argument."""
+    return [i for i in _index_tensors(func, args, kwargs)
+            if i.dtype in (torch.bool, torch.uint8)]
 
 
 def _index_put_syncs(func: Any, args: tuple, kwargs: dict) -> list[str]:
@@ -1084,10 +1091,9 @@ def _index_put_syncs(func: Any, args: tuple, kwargs: dict) -> list[str]:
     without accumulation become ``masked_fill_`` (no sync: the value is read on the host);
     else a 0-dim host value is moved to the device with a blocking copy, and each mask on
     the device is turned into indices with ``nonzero``."""
-    indices = list(args[1] or ()) if len(args) > 1 else list(kwargs.get("indices") or ())
     value = args[2] if len(args) > 2 else kwargs.get("values")
     accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
-    given = [i for i in indices if isinstance(i, torch.Tensor)]
+    given = _index_tensors(func, args, kwargs)
     masks = [i for i in given if i.dtype in (torch.bool, torch.uint8)]
     host_value = isinstance(value, torch.Tensor) and _is_host_side(value)
     # the mask on self's device: device data, or factory data (which may be there, as a
@@ -1111,6 +1117,13 @@ def sync_mismatch(record: dict) -> Optional[str]:
         return None
     return (f"the ledger counted {flagged} flagged syncs, CUDA's sync-debug mode warned "
             f"{warned} times (kinds {record.get('sync_kinds', {})})")
+
+
+def sync_mismatches(records: dict) -> list[str]:
+    """``name: why`` for each of ``records`` (name -> a ledger's ``as_dict()``) whose flagged
+    syncs differ from CUDA's sync-debug warnings (:func:`sync_mismatch`), in order."""
+    return [f"{name}: {why}" for name, record in records.items()
+            if (why := sync_mismatch(record)) is not None]
 
 
 def format_count(n: float) -> str:

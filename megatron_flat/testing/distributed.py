@@ -203,8 +203,9 @@ class LayoutGroupPool:
     def close(self) -> None:
         """Destroy the pooled gloo groups (local; NCCL groups are left, as
         :func:`destroy_gloo_groups_since` does) and forget them all."""
+        live = live_groups()
         for group in self.groups():
-            if group in live_groups() and dist.get_backend(group) == "gloo":
+            if group in live and dist.get_backend(group) == "gloo":
                 dist.destroy_process_group(group)
         self._groups.clear()
 

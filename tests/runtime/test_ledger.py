@@ -535,7 +535,7 @@ def test_cuda_made_the_identity_uploads_host_data() -> None:
 
 
 def test_flagged_syncs_leave_out_the_waits_cuda_does_not_flag() -> None:
-    from megatron_flat.runtime.ledger import record_sync, sync_mismatch
+    from megatron_flat.runtime.ledger import record_sync, sync_mismatch, sync_mismatches
 
     x = torch.randn(4)
     with CostLedger() as ledger:
@@ -548,6 +548,9 @@ def test_flagged_syncs_leave_out_the_waits_cuda_does_not_flag() -> None:
     assert sync_mismatch({**record, "cuda_sync_warnings": 2}) is None
     assert "counted 2 flagged syncs, CUDA's sync-debug mode warned 3 times" in sync_mismatch(
         {**record, "cuda_sync_warnings": 3})
+    lines = sync_mismatches({"agrees": {**record, "cuda_sync_warnings": 2},
+                             "differs": {**record, "cuda_sync_warnings": 3}})
+    assert len(lines) == 1 and lines[0].startswith("differs: the ledger counted 2")
 
 
 def test_a_number_written_into_a_factory_buffer_leaves_it_a_factorys() -> None:
