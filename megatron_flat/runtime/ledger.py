@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from megatron_flat.runtime import memory, patching
+from megatron_flat.runtime import kernels, memory, patching
 
 __all__ = [
     "CostLedger",
@@ -441,6 +441,10 @@ class Costs:
     attention_forward_calls: int = 0
     attention_backward_calls: int = 0
     entries: int = 0
+    # ops on host data only (no kernel on a GPU) and the kernels the rest launch, by class
+    # and size (runtime.kernels): what plan.time turns into seconds per device
+    host_ops: int = 0
+    kernels: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def all_to_all_bytes(self) -> int:
@@ -468,6 +472,13 @@ class Costs:
         self.syncs += 1
         self.sync_kinds[kind] += 1
 
+    def add_kernel(self, key: str, work: int, nbytes: int) -> None:
+        """One launched kernel into the profile (``[count, work, bytes]`` per key)."""
+        row = self.kernels.setdefault(key, [0, 0, 0])
+        row[0] += 1
+        row[1] += int(work)
+        row[2] += int(nbytes)
+
     def as_dict(self) -> dict[str, Any]:
         """Plain-JSON figures (the keys the benchmarks write)."""
         return {
@@ -485,6 +496,8 @@ class Costs:
             "mem_bytes": self.mem_bytes,
             "attention_forward_calls": self.attention_forward_calls,
             "attention_backward_calls": self.attention_backward_calls,
+            "host_ops": self.host_ops,
+            "kernels": {k: list(v) for k, v in sorted(self.kernels.items())},
         }
 
 
@@ -563,6 +576,8 @@ def foreign_kernel(flops: int = 0, mem_bytes: int = 0) -> Iterator[None]:
         target.ops += 1
         target.flops += int(flops)
         target.mem_bytes += int(mem_bytes)
+        target.add_kernel("gemm:0" if flops else
+                          f"mem:{max(0, int(mem_bytes).bit_length() - 1)}", flops, mem_bytes)
     with quietly():
         yield
 
@@ -581,6 +596,7 @@ def _count_python_sync(kind: str, t: torch.Tensor) -> bool:
         target.add_sync(kind)
         target.d2h_bytes += _nbytes(t)
         target.ops += 1
+        target.add_kernel("copy", 0, _nbytes(t))
     return bool(targets)
 
 
@@ -614,6 +630,7 @@ def _count_upload(src: Optional[torch.Tensor], nbytes: int, non_blocking: bool) 
     for target in _open_targets():
         target.ops += 1
         target.h2d_bytes += int(nbytes)
+        target.add_kernel("copy", 0, nbytes)
         if sync:
             target.add_sync("h2d_copy")
 
@@ -913,8 +930,19 @@ class CostLedger:
             _nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
         )
         attn_fwd, attn_bwd = func in _ATTENTION_FORWARD, func in _ATTENTION_BACKWARD
+        # an op on host data only launches nothing on a GPU (host time only)
+        host_only = not device_in and origin == _HOST and not (h2d or d2h)
+        written = self._written(func, args, kwargs)
+        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
+            mem += sum(_nbytes(t) for t in written)  # an in-place update returning nothing
+        key, work, kernel_bytes = ("", 0, 0) if host_only else kernels.profile_key(
+            func, args, kwargs, out, f, mem, copy=bool(h2d or d2h))
         for target in targets:
             target.ops += 1
+            if host_only:
+                target.host_ops += 1
+            else:
+                target.add_kernel(key, work, kernel_bytes)
             target.flops += f
             target.attention_forward_calls += attn_fwd
             target.attention_backward_calls += attn_bwd
@@ -923,7 +951,6 @@ class CostLedger:
             target.mem_bytes += mem
             for kind in syncs:
                 target.add_sync(kind)
-        written = self._written(func, args, kwargs)
         if origin is None or h2d:  # an upload's destination is device data
             self._taint_outputs(written, out)
         else:
