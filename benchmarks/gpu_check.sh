@@ -6,7 +6,7 @@
 #   benchmarks/gpu_check.sh OUTDIR            # every stage (about 21 minutes of limits)
 #   benchmarks/gpu_check.sh --dry-run [--part N] OUTDIR  # anywhere: argument handling, the
 #                                             # plan of stages, the ledger stage at a tiny shape
-# Part 1 holds the stages the first GPU run failed or that every figure rests on (ledger,
+# Part 1 holds the stages the first GPU run failed or that every figure rests on (calibrate, ledger,
 # dispatch-syncs, tests, meter, tier); part 2 races, sco, optim, vocab, replay-te; part 3
 # mutants, param-offload, replay, replay-time.
 # Each stage is bounded by `timeout` and writes into OUTDIR; a failed stage does not stop the
@@ -23,6 +23,9 @@
 #  1d. tier   benchmarks/gpu_host_tier.py: the host tier pins exactly the bytes asked for
 #             (cudaHostRegister) where torch's caching host allocator rounds up
 #  2. meter   benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations
+#  2b. calibrate  benchmarks/gpu_calibrate.py: the step-time model's device constants by
+#             microbenchmark (launch, sync, kernel floor, pinned copies, GEMMs at the units'
+#             shapes, HBM, 16/32-bit atomics), used by the ledger stage's predictions
 #  3. ledger  benchmarks/gpu_ledger.py: per technique, the ledger's counts with the CUDA
 #             sync-debug count beside them, measured time, the step-time model's predicted
 #             time, and a torch.profiler summary of how much copy time ran under compute
@@ -49,9 +52,9 @@
 # megatron-core is optional on the GPU image; wheels in .whl/ are installed when present.
 # Uses the machine's python3 (CUDA torch), or $PYTHON.
 set -uo pipefail
-ALL_STAGES=(tests races mutants tier meter ledger sco optim dispatch-syncs param-offload vocab
-            replay replay-time replay-te)
-PART_1=(ledger dispatch-syncs tests meter tier)
+ALL_STAGES=(tests races mutants tier meter calibrate ledger sco optim dispatch-syncs param-offload
+            vocab replay replay-time replay-te)
+PART_1=(calibrate ledger dispatch-syncs tests meter tier)
 PART_2=(races sco optim vocab replay-te)
 PART_3=(mutants param-offload replay replay-time)
 usage() {
@@ -136,8 +139,11 @@ run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q 
 run_stage mutants 240 "$PY" scripts/mutants.py --gpu --jobs 1 --timeout 100
 run_stage tier 30 "$PY" benchmarks/gpu_host_tier.py --json "$OUT/host-tier-cuda.json"
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"
+run_stage calibrate 30 "$PY" benchmarks/gpu_calibrate.py --device "$DEV" --json "$OUT/calibration.json"
+# the ledger stage predicts with the constants just measured, when the calibrate stage ran
+CAL=(); [ -f "$OUT/calibration.json" ] && CAL=(--calibration "$OUT/calibration.json")
 run_stage ledger 90 "$PY" benchmarks/gpu_ledger.py --device "$DEV" "${TINY[@]}" --check-syncs \
-  --json "$OUT/ledger-gpu.json"
+  "${CAL[@]}" --json "$OUT/ledger-gpu.json"
 run_stage sco 60 "$PY" benchmarks/checkpoint.py --device cuda --json "$OUT/checkpoint-cuda.json"
 run_stage optim 150 "$PY" benchmarks/optimizer.py --hidden 4096 --layers 5 --repeats 1 \
   --json "$OUT/optimizer-cuda.json"
@@ -175,7 +181,8 @@ path = os.path.join(out, "ledger-gpu.json")
 if os.path.exists(path):
     data = json.load(open(path))
     rows = []
-    print("\npredicted (step-time model, H200) vs measured, per unit:")
+    print("\npredicted (step-time model; calibrated constants when the calibrate stage ran) "
+          "vs measured, per unit:")
     print(f"{'unit':10s}{'variant':8s}{'predicted':>11s}{'measured':>11s}{'ratio':>7s}"
           f"{'syncs':>7s}{'cuda':>6s}{'copy under compute':>20s}")
     for r in data["records"]:

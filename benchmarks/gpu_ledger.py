@@ -20,6 +20,16 @@ OffloadStreamAdamW's schedules answer.
 
     python benchmarks/gpu_ledger.py --json OUT/ledger-gpu.json            # on a GPU
     python benchmarks/gpu_ledger.py --device cpu --tiny --json /tmp/x.json  # dry run
+    python benchmarks/gpu_ledger.py --count-only --json OUT.json   # GPU shape's counts, CPU
+    python benchmarks/gpu_ledger.py --recorded docs/gpu-runs/2026-12-04.json --json OUT.json
+
+``--count-only`` counts the GPU shape on CPU without running its matmuls (each returns zeros
+of the shape it would make: the counts depend on shapes, and the units branch on no matmul
+result), in bf16, with the kernels torch picks on CUDA (AdamW: foreach; OffloadStreamAdamW:
+fused). ``--recorded FILE`` re-predicts a recorded run's units (their counts and measured
+seconds, no GPU needed) with today's model: by the device's published constants (or a
+calibrate run's, ``--calibration FILE``) and by constants fitted to the other units only
+(leave-one-out, ``plan.calibration``).
 
 On CPU (``--device cpu``) the counts follow the ledger's device-data rule, the profiler
 summary is skipped and times are CPU times (not comparable with the prediction).
@@ -37,6 +47,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_flat.checkpoint import SelectiveCheckpointOffload
 from megatron_flat.dispatch.experts import GLUExperts
@@ -44,7 +56,9 @@ from megatron_flat.dispatch.llep import DispatchOptions, PipelinedLLEP
 from megatron_flat.testing.moe_reference import dense_moe
 from megatron_flat.dispatch.schedule import routes_from_topk
 from megatron_flat.optim import OffloadStreamAdamW
-from megatron_flat.plan.time import overlap_for, predict
+from megatron_flat.plan.calibration import calibrated_device, leave_one_out, predict_records
+from megatron_flat.plan.time import DEVICES, DeviceModel, device as device_model, overlap_for
+from megatron_flat.plan.time import predict
 from megatron_flat.runtime.ledger import CostLedger, format_count, sync_mismatches
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
 from megatron_flat.vocab import ring_dtp_cross_entropy
@@ -146,6 +160,8 @@ def sco_units(s: dict, device: torch.device, dtype: torch.dtype) -> list[Unit]:
 
 
 def optimizer_units(s: dict, device: torch.device, dtype: torch.dtype) -> list[Unit]:
+    # Each optimizer runs the kernel it picks on CUDA, on either device, so that a count on
+    # CPU is the count of what a GPU runs: torch's AdamW foreach, OffloadStreamAdamW fused.
     rows = 4096 if s["params_m"] >= 16 else 256
     n = max(1, s["params_m"] * (1 << 20) // (rows * rows))
     torch.manual_seed(3)
@@ -158,9 +174,10 @@ def optimizer_units(s: dict, device: torch.device, dtype: torch.dtype) -> list[U
             out.append(p)
         return out
 
-    stock_opt = torch.optim.AdamW(params(), lr=1e-4)
+    stock_opt = torch.optim.AdamW(params(), lr=1e-4, foreach=True)
     flat_params = params()
-    flat_opt = OffloadStreamAdamW(flat_params, lr=1e-4, bucket_numel=s["bucket"], num_slots=2)
+    flat_opt = OffloadStreamAdamW(flat_params, lr=1e-4, bucket_numel=s["bucket"], num_slots=2,
+                                  fused=True)
     buckets = -(-(n * rows * rows) // s["bucket"])
     return [Unit("optimizer", "stock", stock_opt.step),
             Unit("optimizer", "flat", flat_opt.step, buckets)]
@@ -207,7 +224,48 @@ def copy_overlap(run: Callable[[], None], device: torch.device) -> Optional[dict
             "kernel_busy_us": sum(b - a for a, b in merged)}
 
 
-def measure(unit: Unit, device: torch.device, reps: int) -> dict:
+class ShapeOnlyMatmuls(TorchDispatchMode):
+    """Matmuls return zeros of their result's shape without computing it (``--count-only``):
+    the ledger, entered inside this mode, still sees each matmul with its real operands."""
+
+    OPS = frozenset(getattr(torch.ops.aten, n).default
+                    for n in ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm")
+                    if hasattr(torch.ops.aten, n))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func not in self.OPS:
+            return func(*args, **kwargs)
+        meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        out = func(*meta[0], **meta[1])
+        return torch.zeros(out.shape, dtype=out.dtype, device=args[0].device)
+
+
+def count(unit: Unit) -> dict:
+    """``--count-only``: the unit's ledger counts (after a warm-up), matmuls not run."""
+    with ShapeOnlyMatmuls():
+        with CostLedger():
+            unit.run()
+        with CostLedger() as ledger:
+            unit.run()
+    counts = ledger.as_dict()
+    counts.pop("sections", None)
+    return {"unit": unit.name, "variant": unit.variant, "stages": unit.stages,
+            "counts": counts}
+
+
+def device_for_prediction(device: torch.device) -> str:
+    """The device model a run is predicted for: the GPU's own when it is one we model."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for known in DEVICES:
+            if known in name:
+                return known
+    return "H200"
+
+
+def measure(unit: Unit, device: torch.device, reps: int,
+            model: "DeviceModel | str" = "H200") -> dict:
     # Warm-up inside a throwaway ledger: lazily built plans, pools and optimizer state are
     # not counted, and what they made keeps its origin (host or device data) for the count.
     with CostLedger():
@@ -229,7 +287,7 @@ def measure(unit: Unit, device: torch.device, reps: int) -> dict:
     counts = ledger.as_dict()
     counts.pop("sections", None)
     overlap = overlap_for(unit.name, unit.variant, unit.stages)
-    pred = predict(counts, overlap, "H200")
+    pred = predict(counts, overlap, model)
     record = {"unit": unit.name, "variant": unit.variant, "device": str(device),
               "stages": unit.stages, **counts, "peak_device_bytes": meter.peak_device_bytes,
               "peak_host_bytes": meter.peak_host_bytes,
@@ -266,26 +324,97 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--check-syncs", action="store_true",
                    help="on CUDA, exit 1 unless every unit's flagged syncs (the ledger) equal "
                         "set_sync_debug_mode's warnings (a CPU run has nothing to compare)")
+    p.add_argument("--count-only", action="store_true",
+                   help="the GPU shape's counts on this machine, matmuls not run (no times)")
+    p.add_argument("--recorded", metavar="FILE", default=None,
+                   help="re-predict a recorded run's units (docs/gpu-runs/*.json); no GPU")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="device constants measured by benchmarks/gpu_calibrate.py")
     args = p.parse_args(argv)
+    calibration = _load(args.calibration) if args.calibration else None
+    if args.recorded:
+        return recorded(args.recorded, calibration, args.json)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available (use --device cpu --tiny)")
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.count_only:
+        records = [count(unit) for name in args.units
+                   for unit in BUILDERS[name](SHAPES["gpu"], device, torch.bfloat16)]
+        for r in records:
+            c = r["counts"]
+            print(f"{r['unit']}/{r['variant']}: {format_count(c['flops'])} FLOPs, "
+                  f"{c['ops']} ops ({c['host_ops']} on host data), {c['syncs']} syncs")
+        _write(args.json, {"shape": SHAPES["gpu"], "device": str(device), "count_only": True,
+                           "records": records})
+        return 0
     shape = SHAPES["tiny" if args.tiny or device.type == "cpu" else "gpu"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = device_for_prediction(device)
+    if calibration is not None:
+        model = calibrated_device(calibration, model)
     records = []
     for name in args.units:
         for unit in BUILDERS[name](shape, device, dtype):
-            records.append(measure(unit, device, args.reps))
+            records.append(measure(unit, device, args.reps, model))
             print(f"  {unit.name}/{unit.variant}: done", file=sys.stderr, flush=True)
     print(render(records))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"shape": shape, "device": str(device), "records": records}, f, indent=1)
+    _write(args.json, {"shape": shape, "device": str(device), "records": records})
     if args.check_syncs:
         return check_syncs(records, device)
+    return 0
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write(path: Optional[str], payload: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def repredict(run: dict, calibration: Optional[dict] = None) -> list[dict]:
+    """A recorded run's units re-predicted: ``[{unit, variant, measured_s, predicted_s,
+    ratio, predicted_then_s, held_out_s, held_out_ratio}]``. ``predicted_s``: today's model
+    with the run's device constants (published, or ``calibration``'s); ``held_out_s``: with
+    constants fitted to the run's other units only (leave-one-out)."""
+    records = run["records"]
+    base = device_model(run.get("device_model", "H200"))
+    dev = calibrated_device(calibration, base) if calibration else base
+    held = leave_one_out(records, base)
+    rows = []
+    for r, p, h in zip(records, predict_records(records, dev), held):
+        m = float(r["measured_s"])
+        rows.append({"unit": r["unit"], "variant": r["variant"], "measured_s": m,
+                     "predicted_s": p, "ratio": m / p,
+                     "predicted_then_s": r.get("predicted_then_s"),
+                     "held_out_s": h["predicted_s"], "held_out_ratio": h["ratio"],
+                     "held_out_constants": h["constants"]})
+    return rows
+
+
+def recorded(path: str, calibration: Optional[dict], out: Optional[str]) -> int:
+    run = _load(path)
+    rows = repredict(run, calibration)
+    source = "calibrated" if calibration else "published"
+    print(f"{'unit':10s}{'variant':8s}{'measured':>11s}{'then':>11s}{source:>12s}{'ratio':>7s}"
+          f"{'held-out':>11s}{'ratio':>7s}")
+    for r in rows:
+        then = r["predicted_then_s"]
+        print(f"{r['unit']:10s}{r['variant']:8s}{r['measured_s'] * 1e3:>9.2f}ms"
+              f"{'-' if then is None else f'{then * 1e3:.2f}ms':>11s}"
+              f"{r['predicted_s'] * 1e3:>10.2f}ms{r['ratio']:>7.2f}"
+              f"{r['held_out_s'] * 1e3:>9.2f}ms{r['held_out_ratio']:>7.2f}")
+    print(f"predicted for {run.get('device_model', 'H200')} ({source} constants); held-out: "
+          "constants fitted to the other units only; ratio = measured / predicted")
+    _write(out, {"recorded": path, "device_model": run.get("device_model", "H200"),
+                 "constants": source, "units": rows})
     return 0
 
 

@@ -50,7 +50,8 @@ def test_each_part_fits_in_eight_minutes_and_every_stage_is_in_one():
     assert sorted(n for part in parts for n in part) == sorted(limits)
     for part in parts:
         assert sum(limits[n] for n in part) <= 8 * 60, part
-    assert parts[0][:2] == ["ledger", "dispatch-syncs"]  # what every figure rests on: first
+    # what every figure rests on comes first: the device's constants, then the counts
+    assert parts[0][:3] == ["calibrate", "ledger", "dispatch-syncs"]
 
 
 def test_parts_run_into_one_outdir_add_up(tmp_path):
@@ -73,7 +74,8 @@ def test_dry_run_plans_every_stage_and_runs_the_ledger_on_cpu(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dry_run"] is True
     stages = summary["stages"]
-    assert list(stages) == ["tests", "races", "mutants", "tier", "meter", "ledger", "sco", "optim",
+    assert list(stages) == ["tests", "races", "mutants", "tier", "meter", "calibrate", "ledger",
+                            "sco", "optim",
                             "dispatch-syncs", "param-offload", "vocab", "replay", "replay-time",
                             "replay-te"]
     assert stages["ledger"]["rc"] == "0"
@@ -89,4 +91,4 @@ def test_dry_run_plans_every_stage_and_runs_the_ledger_on_cpu(tmp_path):
     assert by[("vocab", "flat")]["peak_device_bytes"] < by[("vocab", "stock")]["peak_device_bytes"]
     for r in ledger["records"]:
         assert r["predicted_s"] > 0 and r["prediction"]["predicted"] is True
-    assert "predicted (step-time model, H200) vs measured" in (out / "summary.txt").read_text()
+    assert "predicted (step-time model; calibrated constants when the calibrate stage ran)" in (out / "summary.txt").read_text()

@@ -12,7 +12,7 @@ step, ...) is predicted from its counts ``c`` on device ``D`` as::
              + c.mem_bytes / (D.hbm_bytes_per_s · D.hbm_efficiency)   everything else
     cpu      = c.host_mem_bytes / D.host_bytes_per_s             work on the host CPU (a CPU
                                                                  AdamW: memory-bound)
-    host     = c.ops · D.launch_s                                launching the kernels
+    host     = c.ops · D.launch_s                                the host's time per op
     compute  = max(gpu + cpu, host)      the GPU starves when launching is slower than running
     comm     = (all-to-all + other collective bytes) / D.link_bytes_per_s
                + collective calls · D.collective_latency_s
@@ -22,6 +22,21 @@ step, ...) is predicted from its counts ``c`` on device ``D`` as::
                                               while the host plans after the sync (host
                                               work between a sync and the next launch:
                                               PipelinedLLEP's plan, seconds of CPU time)
+
+Counts from the ledger carry its kernel profile (``c.kernels``, see
+:mod:`megatron_flat.runtime.kernels`); then ``gpu`` is summed kernel class by kernel class at
+the rates those kernels achieve rather than at peak::
+
+    gemm:T    n · max(D.kernel_floor_s, flops / (D.flops · D.matmul_efficiency · fill(T)),
+                      bytes / (D.hbm_bytes_per_s · D.hbm_efficiency))
+              fill(T) = T / (⌈T / D.sms⌉ · D.sms): the last wave of T output tiles leaves
+              SMs idle (T = 0: unknown shape, full)
+    atomicB   max(n · D.kernel_floor_s, elements / D.atomic_rate(B), bytes at HBM rate)
+    mem:B     n · max(D.kernel_floor_s, bytes / n / (D.hbm_bytes_per_s · D.hbm_efficiency))
+    copy      0 here (the copy engines' time is ``copy``)
+
+(the analytic counts of :mod:`megatron_flat.plan.costs` have no profile and keep the
+aggregate form).
 
 and the unit's :class:`Overlap` (its schedule, written per technique in ``OVERLAPS``) says
 which part of ``comm`` and ``copy`` runs beside compute. With ``S`` pipeline stages (chunks,
@@ -43,7 +58,8 @@ less the units' counts) run serially.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, Iterable, Mapping, Optional
 
 from megatron_flat.plan.model import PlanError
@@ -55,6 +71,7 @@ __all__ = [
     "Overlap",
     "Prediction",
     "device",
+    "kernel_seconds",
     "overlap_for",
     "predict",
     "predict_step",
@@ -72,7 +89,8 @@ class DeviceModel:
     ``hbm_efficiency``: the fraction of HBM bandwidth bandwidth-bound kernels reach;
     ``link_bytes_per_s``: the intra-node interconnect per direction (NVLink), what one
     rank's collective payload crosses; ``pcie_bytes_per_s``: host↔device per direction as
-    achieved with pinned memory; ``launch_s``: host time to launch one kernel;
+    achieved with pinned memory; ``launch_s``: host time per op (eager dispatch and the
+    launch; an op on host data costs it too);
     ``sync_stall_s``: the device's idle time after one host sync (queue drained, host
     round-trip, first kernels relaunched); ``collective_latency_s``: fixed cost of one
     collective call; ``host_bytes_per_s``: host memory bandwidth one GPU's rank gets for work
@@ -92,6 +110,34 @@ class DeviceModel:
     collective_latency_s: float = 15e-6
     # A 2-socket node's ~320 GB/s of achievable host memory bandwidth shared by its 8 ranks.
     host_bytes_per_s: float = 40e9
+    # The kernel profile's constants (plan.time's docstring). sms: published (H100 SXM and
+    # H200: 132); the rest are stated assumptions until a calibrate run measures them
+    # (benchmarks/gpu_calibrate.py): a kernel's minimum time on the device; atomic adds per
+    # second through 16-bit and 32-bit atomics (index_add, scatter_add; 64-bit at half the
+    # 32-bit rate), assumed no slower than a 32-bit accumulate until measured.
+    sms: int = 132
+    kernel_floor_s: float = 3e-6
+    atomic16_per_s: float = 50e9
+    atomic32_per_s: float = 50e9
+
+    def atomic_rate(self, bits: int) -> float:
+        """Atomic adds per second for elements of ``bits`` bits."""
+        if bits <= 16:
+            return self.atomic16_per_s
+        return self.atomic32_per_s * (32 / bits if bits > 32 else 1)
+
+    def replaced(self, **constants: float) -> "DeviceModel":
+        """This device with some constants replaced (a calibrate run's, a fit's);
+        ``PlanError`` names an unknown or non-positive one."""
+        known = {f for f in self.__dataclass_fields__ if f != "name"}
+        bad = [k for k in constants if k not in known]
+        if bad:
+            raise PlanError(f"unknown device constant(s) {', '.join(sorted(bad))}; "
+                            f"known: {', '.join(sorted(known))}")
+        for key, value in constants.items():
+            if not value > 0:
+                raise PlanError(f"device constant {key} must be > 0, got {value!r}")
+        return replace(self, **constants)
 
 
 # H200 SXM (architecture.md §6). The efficiencies and fixed costs are stated assumptions, the
@@ -242,13 +288,44 @@ def _calls(counts: Mapping[str, Any]) -> float:
     return float(calls)
 
 
+def kernel_seconds(profile: Mapping[str, Any], dev: DeviceModel) -> float:
+    """Device time of a ledger kernel profile (``{key: [count, work, bytes]}``) on ``dev``,
+    class by class as the module docstring writes it."""
+    hbm = dev.hbm_bytes_per_s * dev.hbm_efficiency
+    total = 0.0
+    for key, row in profile.items():
+        n, work, nbytes = (float(x) for x in row)
+        if n <= 0:
+            continue
+        cls, _, size = key.partition(":")
+        if cls == "gemm":
+            tiles = int(size or 0)
+            fill = 1.0 if tiles <= 0 else tiles / (math.ceil(tiles / dev.sms) * dev.sms)
+            rate = dev.flops * dev.matmul_efficiency * fill
+            total += n * max(dev.kernel_floor_s, work / n / rate, nbytes / n / hbm)
+        elif cls.startswith("atomic"):
+            bits = int(cls[len("atomic"):] or 32)
+            total += max(n * dev.kernel_floor_s, work / dev.atomic_rate(bits), nbytes / hbm)
+        elif cls == "copy":
+            continue  # the copy engines' time: ``copy`` in predict()
+        elif cls == "mem":
+            total += n * max(dev.kernel_floor_s, nbytes / n / hbm)
+        else:
+            raise PlanError(f"unknown kernel class {key!r} in a kernel profile")
+    return total
+
+
 def predict(counts: Mapping[str, Any], overlap: Optional[Overlap] = None,
             device_model: Any = "H200") -> Prediction:
-    """Predicted time of one unit from its counts (the ledger's keys) and its overlap."""
+    """Predicted time of one unit from its counts (the ledger's keys) and its overlap;
+    with the ledger's kernel profile (``counts["kernels"]``) the GPU time is the profile's."""
     dev = device(device_model) if isinstance(device_model, str) else device_model
     ov = overlap or Overlap()
-    gpu = (_count(counts, "flops") / (dev.flops * dev.matmul_efficiency)
-           + _count(counts, "mem_bytes") / (dev.hbm_bytes_per_s * dev.hbm_efficiency))
+    if counts.get("kernels"):
+        gpu = kernel_seconds(counts["kernels"], dev)
+    else:
+        gpu = (_count(counts, "flops") / (dev.flops * dev.matmul_efficiency)
+               + _count(counts, "mem_bytes") / (dev.hbm_bytes_per_s * dev.hbm_efficiency))
     cpu = _count(counts, "host_mem_bytes") / dev.host_bytes_per_s
     host = _count(counts, "ops") * dev.launch_s
     compute = max(gpu + cpu, host)

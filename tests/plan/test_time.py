@@ -122,3 +122,44 @@ def test_step_is_units_plus_serial_rest() -> None:
     assert rest["flops"] == 2e14 and rest["all_to_all_bytes"] == 0 and rest["syncs"] == 4
     assert math.isclose(out["total_s"], out["units"]["moe"].total_s + predict(rest).total_s)
     assert out["predicted"] is True
+
+
+def test_kernel_profile_charges_each_class_at_its_rate() -> None:
+    """With the ledger's kernel profile, GEMMs pay for the SMs their last wave leaves idle,
+    tiny kernels their minimum time, atomics their rate; copies are the copy term's."""
+    from megatron_flat.plan.time import kernel_seconds
+
+    dev = H200
+    full = dev.flops * dev.matmul_efficiency
+    hbm = dev.hbm_bytes_per_s * dev.hbm_efficiency
+    # 132 tiles fill the SMs; 133 tiles take two waves, the second nearly empty
+    assert math.isclose(kernel_seconds({"gemm:132": [1, 1e12, 0]}, dev), 1e12 / full)
+    assert math.isclose(kernel_seconds({"gemm:133": [1, 1e12, 0]}, dev),
+                        1e12 / (full * 133 / 264))
+    assert math.isclose(kernel_seconds({"gemm:0": [1, 1e12, 0]}, dev), 1e12 / full)
+    # 1,000 tiny kernels cost their floor each; a big one its bytes
+    assert math.isclose(kernel_seconds({"mem:3": [1000, 0, 8000]}, dev),
+                        1000 * dev.kernel_floor_s)
+    assert math.isclose(kernel_seconds({"mem:33": [1, 0, 1e10]}, dev), 1e10 / hbm)
+    assert math.isclose(kernel_seconds({"atomic16": [2, 1e9, 4e9]}, dev),
+                        max(1e9 / dev.atomic16_per_s, 4e9 / hbm))
+    assert kernel_seconds({"copy": [5, 0, 1e12]}, dev) == 0
+    with pytest.raises(PlanError, match="unknown kernel class"):
+        kernel_seconds({"tensorcore:1": [1, 1, 1]}, dev)
+
+
+def test_a_profile_replaces_the_aggregate_gpu_time() -> None:
+    counts = {"flops": 1e15, "mem_bytes": 1e12, "ops": 3,
+              "kernels": {"gemm:0": [1, 1e15, 0], "atomic16": [2, 1e9, 0]}}
+    p = predict(counts)
+    assert math.isclose(p.gpu_s, 1e15 / (989e12 * H200.matmul_efficiency)
+                        + 1e9 / H200.atomic16_per_s)
+
+
+def test_replaced_constants_are_checked() -> None:
+    slow = H200.replaced(matmul_efficiency=0.3)
+    assert slow.matmul_efficiency == 0.3 and slow.name == "H200"
+    with pytest.raises(PlanError, match="unknown device constant"):
+        H200.replaced(warp_speed=1.0)
+    with pytest.raises(PlanError, match="must be > 0"):
+        H200.replaced(launch_s=0)
