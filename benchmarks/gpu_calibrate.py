@@ -4,6 +4,8 @@ Each constant of :class:`megatron_flat.plan.time.DeviceModel` that a datasheet d
 is measured here by one small benchmark, nothing fitted to the units it will predict:
 
   launch_s           host time per eager op: issue 2,000 small in-place adds, no sync
+  api_call_s         host time per CUDA runtime call that launches nothing: 2,000 events
+                     recorded and waited on (torch.cuda.Event, through torch's wrappers)
   sync_stall_s       one small op then ``torch.cuda.synchronize()``, less its launch
   kernel_floor_s     device time per tiny kernel (CUDA events around 2,000 of them; an
                      upper bound when the host issues slower than the GPU runs them)
@@ -79,6 +81,18 @@ def calibrate(device: torch.device, tiny: bool, model: str) -> dict:
     out["launch_s"] = (time.perf_counter() - t0) / n_ops
     _sync(device)
 
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        events = [torch.cuda.Event() for _ in range(n_ops)]
+        t0 = time.perf_counter()
+        for event in events:
+            event.record(stream)
+            stream.wait_event(event)
+        out["api_call_s"] = (time.perf_counter() - t0) / (2 * n_ops)
+        _sync(device)
+    else:
+        out["api_call_s"] = None  # no CUDA runtime on CPU
+
     trips = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -144,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     payload = {"device": name, "device_model": model, "measured": device.type == "cuda",
                "torch": torch.__version__, "constants": constants}
     for key, value in constants.items():
-        if not isinstance(value, dict):
+        if isinstance(value, (int, float)):
             print(f"{key:20s} {value:.4g}")
     for key, value in constants["gemms"].items():
         print(f"  gemm {key:20s} {value['flops_per_s'] / 1e12:8.1f} TFLOP/s "

@@ -31,6 +31,7 @@ __all__ = ["FIT_CONSTANTS", "calibrated_device", "fit_device", "leave_one_out",
 # What a calibrate run measures, by the key it writes, and the DeviceModel constant it sets.
 CALIBRATION_KEYS = {
     "launch_s": "launch_s",
+    "api_call_s": "api_call_s",
     "sync_stall_s": "sync_stall_s",
     "kernel_floor_s": "kernel_floor_s",
     "pcie_bytes_per_s": "pcie_bytes_per_s",

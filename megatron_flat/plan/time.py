@@ -13,6 +13,7 @@ step, ...) is predicted from its counts ``c`` on device ``D`` as::
     cpu      = c.host_mem_bytes / D.host_bytes_per_s             work on the host CPU (a CPU
                                                                  AdamW: memory-bound)
     host     = c.ops · D.launch_s                                the host's time per op
+             + c.stream_calls · D.api_call_s                     events, stream switches
     compute  = max(gpu + cpu, host)      the GPU starves when launching is slower than running
     comm     = (all-to-all + other collective bytes) / D.link_bytes_per_s
                + collective calls · D.collective_latency_s
@@ -29,6 +30,7 @@ the rates those kernels achieve rather than at peak::
 
     gemm:T    n · max(D.kernel_floor_s, flops / (D.flops · D.matmul_efficiency · fill(T)),
                       bytes / (D.hbm_bytes_per_s · D.hbm_efficiency))
+              (gemm32:T, an fp32 result: at D.fp32_flops instead of the bf16 peak)
               fill(T) = T / (⌈T / D.sms⌉ · D.sms): the last wave of T output tiles leaves
               SMs idle (T = 0: unknown shape, full)
     atomicB   max(n · D.kernel_floor_s, elements / D.atomic_rate(B), bytes at HBM rate)
@@ -78,7 +80,7 @@ __all__ = [
 ]
 
 COUNT_KEYS = ("flops", "all_to_all_bytes", "other_collective_bytes", "h2d_bytes", "d2h_bytes",
-              "syncs", "ops", "mem_bytes", "host_mem_bytes", "host_plan_s")
+              "syncs", "ops", "mem_bytes", "host_mem_bytes", "host_plan_s", "stream_calls")
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,11 @@ class DeviceModel:
     # second through 16-bit and 32-bit atomics (index_add, scatter_add; 64-bit at half the
     # 32-bit rate), assumed no slower than a 32-bit accumulate until measured.
     sms: int = 132
+    fp32_flops: float = 67e12  # H100 SXM / H200: FP32 without tensor cores (TF32 off)
     kernel_floor_s: float = 3e-6
+    # a host call into the CUDA runtime that launches nothing (an event recorded or waited
+    # on, a stream switched, a block recorded on a stream), through torch's wrappers
+    api_call_s: float = 3e-6
     atomic16_per_s: float = 50e9
     atomic32_per_s: float = 50e9
 
@@ -298,10 +304,11 @@ def kernel_seconds(profile: Mapping[str, Any], dev: DeviceModel) -> float:
         if n <= 0:
             continue
         cls, _, size = key.partition(":")
-        if cls == "gemm":
+        if cls in ("gemm", "gemm32"):
             tiles = int(size or 0)
             fill = 1.0 if tiles <= 0 else tiles / (math.ceil(tiles / dev.sms) * dev.sms)
-            rate = dev.flops * dev.matmul_efficiency * fill
+            peak = dev.flops if cls == "gemm" else dev.fp32_flops
+            rate = peak * dev.matmul_efficiency * fill
             total += n * max(dev.kernel_floor_s, work / n / rate, nbytes / n / hbm)
         elif cls.startswith("atomic"):
             bits = int(cls[len("atomic"):] or 32)
@@ -327,7 +334,8 @@ def predict(counts: Mapping[str, Any], overlap: Optional[Overlap] = None,
         gpu = (_count(counts, "flops") / (dev.flops * dev.matmul_efficiency)
                + _count(counts, "mem_bytes") / (dev.hbm_bytes_per_s * dev.hbm_efficiency))
     cpu = _count(counts, "host_mem_bytes") / dev.host_bytes_per_s
-    host = _count(counts, "ops") * dev.launch_s
+    host = (_count(counts, "ops") * dev.launch_s
+            + _count(counts, "stream_calls") * dev.api_call_s)
     compute = max(gpu + cpu, host)
     comm = ((_count(counts, "all_to_all_bytes") + _count(counts, "other_collective_bytes"))
             / dev.link_bytes_per_s + _calls(counts) * dev.collective_latency_s)

@@ -10,7 +10,9 @@ size; :mod:`megatron_flat.plan.time` turns it into seconds with each device's co
 Profile keys (each value ``[count, work, bytes]``):
 
 ``gemm:T``     an op with FLOPs (matmuls, attention) whose output covers ``T`` 128 x 128 tiles
-               (batch included); ``work`` is its FLOPs. The tile count is what decides how
+               (batch included); ``work`` is its FLOPs. ``gemm32:T``: the same with an fp32
+               (or fp64) result, which CUDA runs without tensor cores (torch does not allow
+               TF32 for matmuls by default). The tile count is what decides how
                many SMs one launch fills (wave quantization), so equal-FLOP GEMMs of other
                shapes are kept apart. ``gemm:0``: a kernel of unknown shape (a Triton
                kernel the dispatcher does not see), taken as filling the device.
@@ -97,7 +99,7 @@ def profile_key(func: Any, args: tuple, kwargs: dict, out: Any, flops: int, nbyt
     if copy:
         return "copy", 0, nbytes
     if flops:
-        return f"gemm:{_tiles(out)}", int(flops), nbytes
+        return f"{'gemm32' if _full_precision(out) else 'gemm'}:{_tiles(out)}", int(flops), nbytes
     elements = atomic_elements(func, args, kwargs)
     if elements:
         first = args[0] if args else None
@@ -107,6 +109,13 @@ def profile_key(func: Any, args: tuple, kwargs: dict, out: Any, flops: int, nbyt
             touched += 2 * first.numel() * width  # the out-of-place form copies self first
         return f"atomic{8 * width}", elements, touched
     return f"mem:{max(0, int(nbytes).bit_length() - 1)}", 0, nbytes
+
+
+def _full_precision(out: Any) -> bool:
+    """A matmul whose result is fp32 or fp64: CUDA runs it without tensor cores unless TF32
+    is allowed (torch's default for matmuls is not to)."""
+    t = out[0] if isinstance(out, (tuple, list)) and out else out
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64)
 
 
 def _in_place(func: Any) -> bool:

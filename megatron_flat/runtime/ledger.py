@@ -36,6 +36,7 @@ __all__ = [
     "mark_host_memory",
     "record_flops",
     "foreign_kernel",
+    "record_stream_call",
     "record_sync",
     "record_transfer",
     "count",
@@ -445,6 +446,9 @@ class Costs:
     # and size (runtime.kernels): what plan.time turns into seconds per device
     host_ops: int = 0
     kernels: dict[str, list[int]] = field(default_factory=dict)
+    # host calls into the CUDA runtime that launch no kernel (runtime.streams): an event
+    # recorded or waited on, a stream switched, a block recorded on a stream, by kind
+    stream_calls: Counter = field(default_factory=Counter)
 
     @property
     def all_to_all_bytes(self) -> int:
@@ -498,6 +502,7 @@ class Costs:
             "attention_backward_calls": self.attention_backward_calls,
             "host_ops": self.host_ops,
             "kernels": {k: list(v) for k, v in sorted(self.kernels.items())},
+            "stream_calls": dict(self.stream_calls),
         }
 
 
@@ -550,6 +555,15 @@ def record_sync(kind: str) -> None:
     makes."""
     for target in _open_targets():
         target.add_sync(kind)
+
+
+def record_stream_call(kind: str, n: int = 1) -> None:
+    """Count ``n`` host calls into the CUDA runtime that launch no kernel (``event_record``,
+    ``event_wait``, ``set_stream``, ``record_stream``, ``event_query``) in every open ledger
+    here. Called by :mod:`megatron_flat.runtime.streams` on either device: a GPU run makes
+    the same calls, each costing host time between two launches."""
+    for target in _open_targets():
+        target.stream_calls[kind] += n
 
 
 def record_transfer(h2d_bytes: int = 0, d2h_bytes: int = 0) -> None:

@@ -206,6 +206,7 @@ class Event:
 
     def record(self, stream: Optional["Stream"] = None) -> None:
         """Mark the point reached by ``stream`` (default: current stream of the device)."""
+        ledger.record_stream_call("event_record")
         if self._event is None:
             queue = stream._copies() if stream is not None else None
             self._mark = (queue, queue.issued) if queue is not None else None
@@ -216,6 +217,7 @@ class Event:
 
     def wait(self, stream: Optional["Stream"] = None) -> None:
         """Make ``stream``'s later work wait for this event; the host does not block."""
+        ledger.record_stream_call("event_wait")
         if self._event is None:
             self._complete()  # delayed copies: due before the waiting stream's later work
             return
@@ -236,6 +238,7 @@ class Event:
     def query(self) -> bool:
         """True when the recorded work has completed (on CPU: unless delayed copies before
         it are pending)."""
+        ledger.record_stream_call("event_query")
         if self._event is None:
             return self._mark is None or self._mark[0].done >= self._mark[1]
         return bool(self._event.query())
@@ -285,6 +288,9 @@ class Stream:
     def wait_stream(self, other: "Stream") -> None:
         """Make later work on this stream wait for work already queued on ``other``."""
         _check_same_type(self.device, other.device)
+        # torch records an event on ``other`` and makes this stream wait for it
+        ledger.record_stream_call("event_record")
+        ledger.record_stream_call("event_wait")
         if self._stream is not None:
             self._stream.wait_stream(other._stream)
         elif other._queue is not None:
@@ -293,6 +299,7 @@ class Stream:
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``."""
         _check_same_type(self.device, event.device)
+        ledger.record_stream_call("event_wait")
         if self._stream is not None:
             self._stream.wait_event(event.cuda_event)
         else:
@@ -302,7 +309,7 @@ class Stream:
         """Record ``event`` (a new one by default) on this stream and return it."""
         if event is None:
             event = Event(self.device)
-        event.record(self)
+        event.record(self)  # counted by Event.record
         return event
 
     def synchronize(self) -> None:
@@ -359,6 +366,8 @@ def current_stream(device: DeviceLike = None) -> Stream:
 def use_stream(stream: Optional[Stream]) -> Iterator[Optional[Stream]]:
     """Queue work issued in the block to ``stream`` (no-op on CPU or for None; with delayed
     copies on, :func:`copy` calls in the block are queued on the CPU side stream)."""
+    if stream is not None and stream._side:
+        ledger.record_stream_call("set_stream", 2)  # switched to, and back at the end
     if stream is None or stream.cuda_stream is None:
         queue = stream._copies() if stream is not None and _MODE["on"] else None
         previous, _DELAYED.current = _DELAYED.current, queue
@@ -378,6 +387,8 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
     completes. No-op for non-CUDA tensors (pinned host memory used by
     ``non_blocking`` copies is tracked by the host allocator itself).
     """
+    if tensor.device.type == "cuda" or ledger.is_device_data(tensor):
+        ledger.record_stream_call("record_stream")
     if tensor.device.type != "cuda":
         queue = stream._queue if stream.cuda_stream is None else None
         if queue is not None:  # delayed copies: the source outlives its copy, as on a GPU

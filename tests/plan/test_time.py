@@ -163,3 +163,11 @@ def test_replaced_constants_are_checked() -> None:
         H200.replaced(warp_speed=1.0)
     with pytest.raises(PlanError, match="must be > 0"):
         H200.replaced(launch_s=0)
+
+
+def test_an_fp32_matmul_runs_at_the_fp32_rate() -> None:
+    from megatron_flat.plan.time import kernel_seconds
+
+    bf16 = kernel_seconds({"gemm:0": [1, 1e12, 0]}, H200)
+    fp32 = kernel_seconds({"gemm32:0": [1, 1e12, 0]}, H200)
+    assert math.isclose(fp32 / bf16, H200.flops / H200.fp32_flops)

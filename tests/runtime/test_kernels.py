@@ -9,10 +9,13 @@ from megatron_flat.runtime.ledger import CostLedger
 def test_a_matmul_is_a_gemm_keyed_by_its_output_tiles() -> None:
     a, b = torch.randn(300, 64), torch.randn(64, 200)
     with CostLedger() as ledger:
+        a.bfloat16() @ b.bfloat16()
         a @ b
-    # 300 x 200 output: 3 x 2 tiles of 128 x 128
-    assert ledger.totals.kernels == {"gemm:6": [1, 2 * 300 * 64 * 200, (300 * 64 + 64 * 200
-                                                                         + 300 * 200) * 4]}
+    # 300 x 200 output: 3 x 2 tiles of 128 x 128; an fp32 result runs without tensor cores
+    flops = 2 * 300 * 64 * 200
+    nbytes = 300 * 64 + 64 * 200 + 300 * 200
+    assert ledger.totals.kernels["gemm:6"] == [1, flops, 2 * nbytes]
+    assert ledger.totals.kernels["gemm32:6"] == [1, flops, 4 * nbytes]
     assert ledger.totals.host_ops == 0
 
 
@@ -55,3 +58,28 @@ def test_host_data_launches_no_kernel() -> None:
     assert ledger.totals.host_ops == 1
     assert sum(row[0] for row in ledger.totals.kernels.values()) == ledger.totals.ops - 1
     assert ledger.as_dict()["host_ops"] == 1
+
+
+def test_stream_calls_are_counted_as_a_gpu_makes_them() -> None:
+    """Events, waits, stream switches and record_stream are host calls into the CUDA
+    runtime that launch nothing; the ledger counts them on CPU as a GPU run makes them."""
+    from megatron_flat.runtime.streams import Stream, copy, current_stream, record_stream
+    from megatron_flat.runtime.streams import use_stream
+
+    side = Stream(torch.device("cpu"))
+    src = torch.zeros(8) + 1  # device data
+    dst = torch.empty(8)
+    with CostLedger() as ledger:
+        side.wait_stream(current_stream("cpu"))  # an event recorded, then waited on
+        with use_stream(side):  # switched to, and back
+            copy(dst, src)
+        event = side.record_event()
+        event.wait()
+        event.query()
+        record_stream(src, side)
+        with use_stream(current_stream("cpu")):  # the current stream: no switch
+            pass
+    assert dict(ledger.totals.stream_calls) == {
+        "event_record": 2, "event_wait": 2, "set_stream": 2, "event_query": 1,
+        "record_stream": 1}
+    assert ledger.as_dict()["stream_calls"]["event_record"] == 2
