@@ -33,3 +33,28 @@ def test_checkpoint_benchmark_smoke(tmp_path, monkeypatch, benchmark_script) -> 
     # 6 boundaries of 4 KiB: 24 KiB exact, 32 KiB through pin_memory.
     assert rows[(6, "sco")]["host_tier"]["caching_allocator_bytes"] == 32 * 1024
     assert result["summary"]["targets"]["no_reload_on_demand"]
+
+
+def test_what_sco_adds_to_a_layer_on_the_host(tmp_path, monkeypatch, benchmark_script) -> None:
+    """Per offloaded boundary SCO adds 7 ops (the copy down, the copy up, the reload's
+    buffer, ...) and 15 host calls into the CUDA runtime that launch nothing (4 events
+    recorded, 4 waited on, 2 stream switches in and out, 2 record_stream, 1 event query).
+    At a shape whose layers are a few microseconds of GPU work (the first GPU run's 512 KiB
+    boundaries), that host work is what the step waits for: the model's predicted ratio
+    there is well above 1, and the benchmark prints it beside the measured one."""
+    bench = benchmark_script("checkpoint")
+    out = tmp_path / "checkpoint.json"
+    monkeypatch.setattr(sys, "argv", [
+        "checkpoint.py", "--depths", "4", "8", "--seq", "32", "--hidden", "16", "--reps", "1",
+        "--device", "cpu", "--json", str(out)])
+    bench.main()
+    rows = {(r["depth"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    for depth in (4, 8):
+        plain, sco = rows[(depth, "plain")]["ledger"], rows[(depth, "sco")]["ledger"]
+        assert sco["ops"] - plain["ops"] == 7 * depth
+        assert plain["stream_calls"] == {}
+        assert sco["stream_calls"] == {"event_record": 4 * depth, "event_wait": 4 * depth,
+                                       "set_stream": 4 * depth, "record_stream": 2 * depth,
+                                       "event_query": depth}
+        assert rows[(depth, "sco")]["predicted_ratio"] > 1.2
+        assert rows[(depth, "plain")]["predicted_ratio"] == 1.0
