@@ -12,7 +12,7 @@ model would train wrongly).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Union
 
 from megatron_flat.config import FlatConfig
 from megatron_flat.megatron.state import FlatConfigError, installed, set_installed
@@ -44,9 +44,11 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
 
         problems += [f"--flat-dispatch: {reason}" for reason in refused_settings(megatron)]
     if flat.sco:
+        from megatron_flat.megatron.graph_refusals import sco_graph_problems
         from megatron_flat.megatron.sco import recompute_problems
 
         problems += recompute_problems(megatron)
+        problems += sco_graph_problems(megatron)
     if flat.vocab:
         from megatron_flat.megatron.vocab import unsupported_settings
 
@@ -67,7 +69,10 @@ def check_against_megatron(flat: FlatConfig, megatron: Any) -> List[str]:
     if flat.attn_replay:
         from megatron_flat.megatron.replay_wiring import recompute_problems as replay_problems
 
+        from megatron_flat.megatron.graph_refusals import replay_graph_problems
+
         problems += replay_problems(megatron)
+        problems += replay_graph_problems(megatron)
     return problems
 
 

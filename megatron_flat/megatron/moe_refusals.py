@@ -165,7 +165,8 @@ REFUSALS: Tuple[Refusal, ...] = (
         "the flat dispatcher cannot run inside a CUDA graph, as it plans each step on the host "
         "from the routing (one host sync per forward pass, chunk sizes that follow the routing)",
         "capture attention only (--cuda-graph-impl transformer_engine with --cuda-graph-scope "
-        "attn, or --cuda-graph-modules attn from 0.19), or use --flat-dispatch off"),
+        "attn, or --cuda-graph-modules attn from 0.19; not with --flat-attn-replay, nor with "
+        "--flat-sco under core_attn recompute), or use --flat-dispatch off"),
     Refusal(
         "--moe-pad-expert-input-to-capacity",
         _field("moe_pad_expert_input_to_capacity"),
