@@ -148,6 +148,12 @@ MUTANTS: List[Mutant] = [
          "                self.writeback.wait_event(slot.updated)", OPT_RACES,
          gpu_only="only copies are delayed on CPU; the update runs inline, so the write-back "
                   "always reads the updated slot", gpu_tests=OPT_CUDA),
+    drop("pipeline.run-returns-before-writeback", PIPELINE,
+         "        self.writeback.synchronize()", OPT_RACES,
+         gpu_only="on CPU the caller's wait completes the delayed write-backs before run "
+                  "returns, so the host state is complete either way",
+         gpu_tests=("tests/optim/test_offload_adamw.py::"
+                    "test_cuda_host_state_is_complete_when_step_returns",)),
     Mutant("pipeline.caller-ignores-writeback", PIPELINE,
            "        caller.wait_stream(self.writeback)\n        self.writeback.synchronize()\n",
            "        pass  # mutant: caller does not wait for the write-back\n", OPT_RACES),
@@ -340,6 +346,13 @@ MUTANTS += [
     Mutant("params.host-grads-read-before-drains-landed", PARAMS,
            "        self._d2h.synchronize()\n        self._unsynced = False\n",
            "        self._unsynced = False  # mutant: no synchronize\n", PARAMS_EXACT),
+    Mutant("params.first-fetch-ignores-slot-allocation", PARAMS,
+           "        self._h2d.wait_stream(current_stream(self.device))\n"
+           "        self.stats = ParamOffloadStats()\n",
+           "        pass  # mutant: first fetches do not wait for the slots' allocation\n"
+           "        self.stats = ParamOffloadStats()\n", PARAMS_EXACT, gpu_only=_INLINE_COMPUTE,
+           gpu_tests=("tests/params/test_cuda.py::"
+                      "test_first_fetch_waits_for_the_slots_previous_user",)),
     Mutant("params.host-grads-read-without-synchronize", PARAMS,
            "        self.synchronize()\n        if not self._accumulated[layer]:\n",
            "        if not self._accumulated[layer]:  # mutant: no synchronize\n", PARAMS_EXACT),
@@ -366,8 +379,11 @@ NO_MUTANT: Dict[str, str] = {
         "buffers afterwards, so only a GPU allocator reusing that memory could show a "
         "missing wait, and release's tests check that the buffers are gone"),
     "megatron_flat/params/offload.py: ParamOffload.weights_updated": (
-        "after the optimizer, whose host_grads reads already synchronized; the slots are made "
-        "stale whatever is in flight (a late fetch is fetched again behind it)"),
+        "its wait orders the refetch after a stream writer of the host weights (the "
+        "optimizer's write-back, which the current stream waits for); while "
+        "StagingPipeline.run also blocks the host until the write-backs land "
+        "(pipeline.run-returns-before-writeback), no run can tell that wait missing, and the "
+        "slots are made stale whatever is in flight (a late fetch is fetched again)"),
     "megatron_flat/checkpoint/offload.py: SelectiveCheckpointOffload.synchronize": (
         "forwards to SpanMover.synchronize (transfer.synchronize-skips-side-streams)"),
     "megatron_flat/vocab/ring.py: Ring._post": "posts a hop's exchanges; their waits are "

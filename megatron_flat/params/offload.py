@@ -124,6 +124,9 @@ class ParamOffload:
         self._unsynced = False  # a drain issued since the last synchronize
         self._h2d = Stream(self.device)
         self._d2h = Stream(self.device)
+        # The slots are fresh blocks of the current stream's pool: work queued there before
+        # may still use that memory, so the first fetches into them wait for it.
+        self._h2d.wait_stream(current_stream(self.device))
         self.stats = ParamOffloadStats()
         self.prefetch(0)  # the first forward's weights start up at once
 
@@ -308,10 +311,16 @@ class ParamOffload:
 
     def weights_updated(self) -> None:
         """The host weights were rewritten (an optimizer step, a checkpoint load): every slot
-        is stale. Call after :meth:`synchronize`, with no layer in use. The first layer's
-        new weights start up at once, for the next forward."""
+        is stale. Call after :meth:`synchronize`, with no layer in use, once the writes are
+        done on the host or queued before the current stream's next work (a stream writer
+        makes the current stream wait for it). The first layer's new weights start up at
+        once, for the next forward."""
         if any(user is not None for user in self._user):
             raise ParamOffloadError("param offload: weights updated while a layer is in use")
         self.synchronize()
         self._version += 1
+        # A writer on a stream (OffloadStreamAdamW's write-back) has made the current stream
+        # wait for it; the next fetches wait for the current stream, so they read the new
+        # weights whether or not the writer also blocked the host.
+        self._h2d.wait_stream(current_stream(self.device))
         self.prefetch(0)

@@ -502,6 +502,28 @@ def test_cuda_streams_bitwise_equal_to_adamw(num_slots, kernel, dtype) -> None:
     _cuda_steps_bitwise(opt, ref_opt, params, refs, gen, 20, "exp_avg_sq")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_host_state_is_complete_when_step_returns() -> None:
+    """step() returns when its write-backs have landed: the host state is read at once, with
+    no other wait in between (the mutation suite's --gpu run delays every side-stream copy,
+    so a step that returned earlier would show the previous state here)."""
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(1024, 1024, generator=gen).cuda().requires_grad_() for _ in range(4)]
+    refs = [p.detach().clone().requires_grad_() for p in params]
+    grads = [torch.randn(p.shape, generator=gen).cuda() for p in params]
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2, fused=True)
+    for r, grad in zip(refs, grads):
+        r.grad = grad.clone()
+    ref_opt.step()
+    want = [ref_opt.state[r]["exp_avg_sq"].cpu() for r in refs]  # before the step under test
+    opt = OffloadStreamAdamW(params, lr=1e-2, bucket_numel=1 << 20, num_slots=2, fused=True)
+    for p, grad in zip(params, grads):
+        p.grad = grad.clone()
+    opt.step()
+    got = [opt.state[p]["exp_avg_sq"].clone() for p in params]  # host memory, read now
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def _cuda_steps_bitwise(opt, ref_opt, params, refs, gen, steps: int, state: str) -> None:
     """``steps`` steps of both optimizers on the same random CUDA gradients: parameters
     bitwise equal after every step, the ``state`` moment after the last."""

@@ -31,3 +31,26 @@ def test_offloaded_training_on_cuda_is_bitwise_the_resident_one(checkpoint):
     for a, b in zip(resident["weights"], offloaded["weights"]):
         assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
     assert stack.offload.stats.demand_fetches == 0
+
+
+def test_first_fetch_waits_for_the_slots_previous_user():
+    """The slots are fresh blocks of the current stream's pool. Work queued there before may
+    still write that memory (here: a sleep, then a fill of a freed block of the slots' size);
+    the first fetch runs on the copy stream and must wait for it, or the late fill
+    overwrites the fetched weights."""
+    from megatron_flat.params import ParamOffload
+
+    g = torch.Generator().manual_seed(7)
+    layers = [[torch.randn(2048, 2048, generator=g).to(torch.bfloat16)] for _ in range(2)]
+    on_device = [[w.cuda() for w in ws] for ws in layers]
+    torch.cuda.synchronize()
+    stale = torch.empty(2048 * 2048 * 2, dtype=torch.uint8, device="cuda")  # a slot's size
+    torch.cuda._sleep(200_000_000)  # the fill below runs late on the current stream
+    stale.fill_(0xFF)
+    del stale  # its block goes back to the current stream's pool with the fill pending
+    offload = ParamOffload(on_device, device="cuda", tier=host_tiers.HostTier())
+    (weight,) = offload.acquire(0)
+    torch.cuda.synchronize()
+    assert torch.equal(weight.cpu(), layers[0][0])
+    offload.release(0)
+    offload.close()
