@@ -124,6 +124,10 @@ MUTANTS: List[Mutant] = [
     Mutant("transfer.synchronize-skips-side-streams", TRANSFER,
            "            d2h.synchronize()\n            h2d.synchronize()\n",
            "            pass  # mutant: side streams not synchronized\n", SCO_RACES),
+    # -- checkpoint/offload.py: SCO dropped with copies in flight ----------------------------
+    drop("offload.dropped-sco-leaves-copies-in-flight", "megatron_flat/checkpoint/offload.py",
+         "        synchronize_on_drop(self, self._mover.synchronize)",
+         ("tests/checkpoint/test_races.py::test_a_dropped_sco_lets_its_copies_land_first",)),
     # -- checkpoint/offload.py: SCO's reload consumer ---------------------------------------
     Mutant("offload.unpack-without-reload-wait", "megatron_flat/checkpoint/offload.py",
            "        event.wait()\n        with torch.no_grad():\n            return rebuild(",
@@ -348,11 +352,15 @@ MUTANTS += [
            "        self._unsynced = False  # mutant: no synchronize\n", PARAMS_EXACT),
     Mutant("params.first-fetch-ignores-slot-allocation", PARAMS,
            "        self._h2d.wait_stream(current_stream(self.device))\n"
-           "        self.stats = ParamOffloadStats()\n",
+           "        # Dropped without close()",
            "        pass  # mutant: first fetches do not wait for the slots' allocation\n"
-           "        self.stats = ParamOffloadStats()\n", PARAMS_EXACT, gpu_only=_INLINE_COMPUTE,
+           "        # Dropped without close()", PARAMS_EXACT, gpu_only=_INLINE_COMPUTE,
            gpu_tests=("tests/params/test_cuda.py::"
                       "test_first_fetch_waits_for_the_slots_previous_user",)),
+    Mutant("params.dropped-offload-leaves-copies-in-flight", PARAMS,
+           "    h2d.synchronize()\n    d2h.synchronize()\n",
+           "    pass  # mutant: a dropped offload does not wait for its copies\n",
+           ("tests/params/test_offload.py::test_a_dropped_offload_lets_its_copies_land_first",)),
     Mutant("params.host-grads-read-without-synchronize", PARAMS,
            "        self.synchronize()\n        if not self._accumulated[layer]:\n",
            "        if not self._accumulated[layer]:  # mutant: no synchronize\n", PARAMS_EXACT),

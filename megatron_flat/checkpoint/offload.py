@@ -86,6 +86,7 @@ from torch.utils.checkpoint import noop_context_fn
 from megatron_flat.checkpoint.spans import ViewMeta, plan_spans, rebuild, span_bytes
 from megatron_flat.checkpoint.transfer import HostSpan, SpanMover
 from megatron_flat.runtime import Event, HostPool
+from megatron_flat.runtime.streams import synchronize_on_drop
 
 __all__ = ["SCOStats", "SelectiveCheckpointOffload", "default_offload_policy"]
 
@@ -317,6 +318,9 @@ class SelectiveCheckpointOffload:
             offload = functools.partial(_policy_on, self.device)
         self._offloadable = offload
         self._mover = SpanMover(pool)
+        # Dropped (replaced by another SCO, its model freed) with copies in flight: they land
+        # before the pool's pages and the pending host bytes can go.
+        synchronize_on_drop(self, self._mover.synchronize)
         self._counters = _Counters()
         self._lock = threading.RLock()
         # storage of a region's output -> that region (dataflow predecessor links)

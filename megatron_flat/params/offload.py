@@ -28,6 +28,7 @@ A slot still in use by another layer is never overwritten: that order is refused
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -38,7 +39,7 @@ from megatron_flat.params.plan import ParamOffloadPlan, layer_layout
 from megatron_flat.runtime import Event, Stream, current_stream, use_stream
 from megatron_flat.runtime import host_tier as host_tiers
 from megatron_flat.runtime import memory
-from megatron_flat.runtime.streams import copy
+from megatron_flat.runtime.streams import copy, synchronize_on_drop
 
 __all__ = ["ParamOffload", "ParamOffloadError", "ParamOffloadStats"]
 
@@ -61,6 +62,12 @@ class ParamOffloadStats:
     drains: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+
+
+def _wait_both(h2d: Stream, d2h: Stream) -> None:
+    """Every fetch, upload and drain issued so far has landed."""
+    h2d.synchronize()
+    d2h.synchronize()
 
 
 class ParamOffload:
@@ -127,6 +134,11 @@ class ParamOffload:
         # The slots are fresh blocks of the current stream's pool: work queued there before
         # may still use that memory, so the first fetches into them wait for it.
         self._h2d.wait_stream(current_stream(self.device))
+        # Dropped without close() (a model freed mid-run): the copies in flight land before
+        # the slots and the host buffer they use can go.
+        self._on_drop = synchronize_on_drop(self, functools.partial(_wait_both, self._h2d,
+                                                                    self._d2h),
+                                            (self._slots, self._grad_slots, self._host))
         self.stats = ParamOffloadStats()
         self.prefetch(0)  # the first forward's weights start up at once
 
@@ -138,6 +150,7 @@ class ParamOffload:
             return
         self._h2d.synchronize()
         self._d2h.synchronize()
+        self._on_drop.detach()  # waited for above; nothing left for the finalizer
         self._closed = True
         self._weights, self._grads = [], []
         self._slots, self._grad_slots = [], []

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from megatron_flat.runtime import ledger
 
 __all__ = ["Event", "Stream", "copy", "current_stream", "delayed_copies", "delayed_copy_count",
-           "delaying", "lost_copy_count", "poison", "record_stream", "use_stream"]
+           "delaying", "lost_copy_count", "pending_copy_count", "poison", "record_stream",
+           "synchronize_on_drop", "use_stream"]
 
 DeviceLike = Union[str, int, torch.device, None]
 
@@ -154,6 +156,11 @@ def lost_copy_count() -> int:
     """Delayed copies whose source was freed before they ran (no ``record_stream``): their
     destinations stayed poison, as a GPU copy would have read a reused block."""
     return _MODE["lost"]
+
+
+def pending_copy_count() -> int:
+    """Delayed copies queued and not yet done, on every CPU side stream."""
+    return sum(len(queue.pending) for queue in list(_BUSY))
 
 
 def delayed_copy_count() -> int:
@@ -397,3 +404,23 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
     if stream.cuda_stream is None:
         raise ValueError("a CUDA tensor can only be recorded on a CUDA stream")
     tensor.record_stream(stream.cuda_stream)
+
+
+def _synchronize_quietly(wait: Callable[[], None], keep: tuple) -> None:
+    # Teardown, not step work: the wait is not counted by an open cost ledger (a finalizer
+    # runs whenever the collector drops its owner, inside any block).
+    with ledger.quietly():
+        wait()
+    del keep
+
+
+def synchronize_on_drop(owner: object, wait: Callable[[], None],
+                        keep: tuple = ()) -> "weakref.finalize":
+    """When ``owner`` is collected, call ``wait`` (a synchronize of the side streams it
+    issued copies on) and only then let go of ``keep`` (the device slots and host pages those
+    copies read or write): memory a copy in flight still uses is never handed back. The
+    returned finalizer runs it earlier (an explicit close); it does not run at interpreter
+    exit. Until then ``keep`` lives as long as ``owner``."""
+    finalizer = weakref.finalize(owner, _synchronize_quietly, wait, keep)
+    finalizer.atexit = False
+    return finalizer

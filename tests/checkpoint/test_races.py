@@ -47,3 +47,20 @@ def test_reload_must_wait_for_its_offload(stack, monkeypatch):
     assert stack.differs(ref, got)
     with pytest.raises(AssertionError):
         stack.assert_bitwise(ref, got)
+
+
+def test_a_dropped_sco_lets_its_copies_land_first(stack):
+    """An SCO dropped with offloads in flight (replaced, its model freed) waits for them
+    before its pool's pages and pending host bytes can go (on a GPU a late copy would write
+    freed pinned memory); under delayed copies the last forward's offloads are still queued
+    when the graph and the SCO are dropped."""
+    import gc
+
+    blocks, x = stack.make_stack(DEPTH), stack.make_input()
+    with delayed_copies():
+        sco = SelectiveCheckpointOffload(1 << 24, device="cpu")
+        loss = stack.forward(blocks, x.clone().requires_grad_(), sco.checkpoint)
+        assert streams.pending_copy_count() > 0
+        del loss, sco
+        gc.collect()
+        assert streams.pending_copy_count() == 0

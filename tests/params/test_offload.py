@@ -105,3 +105,20 @@ def test_the_host_tier_holds_every_layer_and_the_device_two_slots():
     # a layer's device tensors are the same objects each time, main_grad attached
     assert offload.weights(2)[0] is offload.weights(2)[0]
     assert offload.weights(2)[0].main_grad.dtype == torch.float32
+
+
+def test_a_dropped_offload_lets_its_copies_land_first():
+    """A param offload dropped without close() (a model freed mid-run) waits for its copies
+    in flight before its slots and host buffer can go; under delayed copies the first
+    layer's fetch, started at construction, is still queued when it is dropped."""
+    import gc
+
+    from megatron_flat.runtime.streams import delayed_copies, pending_copy_count
+
+    weights = make_weights(2, hidden=8, ffn=16, experts=2, dtype=torch.float32)
+    with delayed_copies():
+        offload = ParamOffload(weights, tier=host_tiers.HostTier())
+        assert pending_copy_count() > 0
+        del offload
+        gc.collect()
+        assert pending_copy_count() == 0
