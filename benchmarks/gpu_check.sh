@@ -19,7 +19,9 @@
 #  1b. races  the optim and checkpoint suites again with a sleep kernel before every
 #             side-stream copy (FLAT_CUDA_COPY_SLEEP_CYCLES): late copies, missing waits fail
 #  1c. mutants scripts/mutants.py --gpu: the mutants only a GPU can kill (a producer stream
-#             not waited, a record_stream dropped, ...) must fail their CUDA selections
+#             not waited, a record_stream dropped, ...) must fail their CUDA selections, under
+#             late copies or, for a missing wait for the compute stream, late producers
+#             (FLAT_CUDA_PRODUCER_SLEEP_CYCLES: the sleep on the compute stream instead)
 #  1d. tier   benchmarks/gpu_host_tier.py: the host tier pins exactly the bytes asked for
 #             (cudaHostRegister) where torch's caching host allocator rounds up
 #  2. meter   benchmarks/gpu_meter_check.py: MemoryMeter on CUDA against known allocations
@@ -139,7 +141,8 @@ run_stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/runtime tests/o
 run_stage races 120 env FLAT_CUDA_COPY_SLEEP_CYCLES=20000000 "$PY" -m pytest -q -p no:cacheprovider \
   tests/optim tests/checkpoint tests/params --junitxml="$OUT/cuda-races.xml"
 # The GPU-only mutants (scripts/mutants.py --gpu): each wait the CPU model cannot test is
-# removed in a copy of the tree, and its CUDA selection must fail under the late copies.
+# removed in a copy of the tree, and its CUDA selection must fail under late copies (or late
+# producers, for the waits for the compute stream).
 run_stage mutants 240 "$PY" scripts/mutants.py --gpu --jobs 1 --timeout 100
 run_stage tier 30 "$PY" benchmarks/gpu_host_tier.py --json "$OUT/host-tier-cuda.json"
 run_stage meter 40 "$PY" benchmarks/gpu_meter_check.py --json "$OUT/meter-cuda.json"

@@ -49,7 +49,9 @@ class Mutant:
     ``world``: ranks to run it on (1: plain pytest, N: torchrun); ``delayed``: with delayed
     copies; ``gpu_only``: why only a GPU can kill it (not run on CPU); ``timeout``: a shorter
     limit for one whose failure may be a hang (a rank-divergent decision); ``gpu_tests``: for a
-    GPU-only mutant, the CUDA selection ``--gpu`` runs (none: it needs more than one GPU)."""
+    GPU-only mutant, the CUDA selection ``--gpu`` runs (none: it needs more than one GPU);
+    ``late_producer``: a missing wait for the compute stream, which ``--gpu`` shows by making
+    compute-stream work late (a late copy would hide it) instead of the side-stream copies."""
 
     name: str
     path: str
@@ -61,6 +63,7 @@ class Mutant:
     gpu_only: str = ""
     timeout: float = 0.0  # seconds; 0: the suite's --timeout (a rank-divergent one may hang)
     gpu_tests: Tuple[str, ...] = ()  # GPU-only: the CUDA selection that must fail (--gpu)
+    late_producer: bool = False  # --gpu: compute-stream work lands late, not the copies
 
 
 def _drop(line: str) -> str:
@@ -105,7 +108,7 @@ MUTANTS: List[Mutant] = [
            "            if wait:\n                pass  # mutant: no synchronize\n", SPAN_MOVER),
     drop("transfer.offload-ignores-producer", TRANSFER,
          "        d2h.wait_stream(current_stream(src.device))", SCO_RACES,
-         gpu_only=_INLINE_PRODUCER, gpu_tests=SCO_CUDA),
+         gpu_only=_INLINE_PRODUCER, gpu_tests=SCO_CUDA, late_producer=True),
     # Delayed copies hold a source as the caching allocator does: freed before its copy
     # ran (no record_stream), the copy reads nothing and the reload is poison.
     drop("transfer.offload-source-not-recorded", TRANSFER,
@@ -113,7 +116,7 @@ MUTANTS: List[Mutant] = [
     drop("transfer.reload-ignores-consumer", TRANSFER,
          "        h2d.wait_stream(current_stream(span.device))", SCO_RACES,
          gpu_only="the reload buffer is new; on CPU nothing on the current stream can "
-                  "still be using it", gpu_tests=SCO_CUDA),
+                  "still be using it", gpu_tests=SCO_CUDA, late_producer=True),
     drop("transfer.reload-before-offload-landed", TRANSFER,
          "        h2d.wait_event(span.offloaded)", SCO_RACES),
     drop("transfer.reload-buffer-not-recorded", TRANSFER,
@@ -143,7 +146,7 @@ MUTANTS: List[Mutant] = [
     drop("pipeline.streams-ignore-caller", PIPELINE,
          "            stream.wait_stream(caller)", OPT_RACES,
          gpu_only="on CPU the caller's work (the gradients) is complete when step() starts",
-         gpu_tests=OPT_CUDA),
+         gpu_tests=OPT_CUDA, late_producer=True),
     drop("pipeline.upload-into-busy-slot", PIPELINE,
          "                self.upload.wait_event(slot.free)", OPT_RACES),
     drop("pipeline.update-before-upload", PIPELINE,
@@ -333,7 +336,7 @@ _INLINE_COMPUTE = ("the compute stream is inline on CPU: the slot's previous use
 MUTANTS += [
     drop("params.fetch-ignores-slot-user", PARAMS,
          "            self._h2d.wait_event(self._free[slot])  # compute is done with the old layer",
-         PARAMS_EXACT, gpu_only=_INLINE_COMPUTE, gpu_tests=PARAMS_CUDA),
+         PARAMS_EXACT, gpu_only=_INLINE_COMPUTE, gpu_tests=PARAMS_CUDA, late_producer=True),
     drop("params.weights-used-before-fetch-landed", PARAMS,
          "        current_stream(self.device).wait_event(self._fetched[slot])", PARAMS_EXACT),
     drop("params.grad-slot-reused-before-drain", PARAMS,
@@ -341,12 +344,12 @@ MUTANTS += [
          PARAMS_EXACT),
     drop("params.grad-upload-ignores-compute", PARAMS,
          "            self._h2d.wait_stream(compute)", PARAMS_EXACT, gpu_only=_INLINE_COMPUTE,
-         gpu_tests=PARAMS_CUDA),
+         gpu_tests=PARAMS_CUDA, late_producer=True),
     drop("params.grad-used-before-upload-landed", PARAMS,
          "            compute.wait_event(self._h2d.record_event())", PARAMS_EXACT),
     drop("params.drain-before-grad-written", PARAMS,
          "        self._d2h.wait_stream(current_stream(self.device))  # the gradient is written",
-         PARAMS_EXACT, gpu_only=_INLINE_COMPUTE, gpu_tests=PARAMS_CUDA),
+         PARAMS_EXACT, gpu_only=_INLINE_COMPUTE, gpu_tests=PARAMS_CUDA, late_producer=True),
     Mutant("params.host-grads-read-before-drains-landed", PARAMS,
            "        self._d2h.synchronize()\n        self._unsynced = False\n",
            "        self._unsynced = False  # mutant: no synchronize\n", PARAMS_EXACT),
@@ -356,7 +359,8 @@ MUTANTS += [
            "        pass  # mutant: first fetches do not wait for the slots' allocation\n"
            "        # Dropped without close()", PARAMS_EXACT, gpu_only=_INLINE_COMPUTE,
            gpu_tests=("tests/params/test_cuda.py::"
-                      "test_first_fetch_waits_for_the_slots_previous_user",)),
+                      "test_first_fetch_waits_for_the_slots_previous_user",),
+           late_producer=True),
     Mutant("params.dropped-offload-leaves-copies-in-flight", PARAMS,
            "    h2d.synchronize()\n    d2h.synchronize()\n",
            "    pass  # mutant: a dropped offload does not wait for its copies\n",
@@ -572,10 +576,12 @@ def _run(m: Mutant, python: str, timeout: float, mutate: bool,
         env = dict(os.environ, PYTHONPATH=str(tree), TORCHDYNAMO_DISABLE="1",
                    PYTHONWARNINGS="ignore")
         for name in ("FLAT_JUNIT_DIR", "FLAT_JUNIT_TAG", "FLAT_DELAYED_COPIES",
-                     "FLAT_CUDA_COPY_SLEEP_CYCLES"):
+                     "FLAT_CUDA_COPY_SLEEP_CYCLES", "FLAT_CUDA_PRODUCER_SLEEP_CYCLES"):
             env.pop(name, None)  # a mutant's failing run must not count as the suite's
         if gpu:
-            env["FLAT_CUDA_COPY_SLEEP_CYCLES"] = GPU_SLEEP_CYCLES
+            late = ("FLAT_CUDA_PRODUCER_SLEEP_CYCLES" if m.late_producer
+                    else "FLAT_CUDA_COPY_SLEEP_CYCLES")
+            env[late] = GPU_SLEEP_CYCLES
         elif m.delayed:
             env["FLAT_DELAYED_COPIES"] = "1"
         if m.timeout:  # a rank left waiting fails inside gloo, well before the kill

@@ -87,3 +87,37 @@ def test_baselines_a_passed_stage_proved_are_not_rerun(tmp_path):
     # A stage that ran only the megatron-involved files proves only their selections.
     assert mutants._ran_in_part(plain_world, "involved")
     assert not mutants._ran_in_part(delayed, "involved")
+
+
+def test_missing_producer_waits_run_with_late_producers(monkeypatch, tmp_path):
+    """A mutant whose bug is a missing wait for the compute stream runs its CUDA selection
+    with the compute stream late (FLAT_CUDA_PRODUCER_SLEEP_CYCLES), not the copies (a late
+    copy would land after the producer anyway and hide the bug); every other GPU run keeps
+    the late copies. Each such mutant is GPU-only with a CUDA selection."""
+    late = [m for m in mutants.MUTANTS if m.late_producer]
+    assert {m.name for m in late} >= {
+        "transfer.offload-ignores-producer", "transfer.reload-ignores-consumer",
+        "pipeline.streams-ignore-caller", "params.fetch-ignores-slot-user",
+        "params.grad-upload-ignores-compute", "params.drain-before-grad-written"}
+    assert all(m.gpu_only and m.gpu_tests for m in late)
+    seen = {}
+
+    class Done:
+        pid = 0
+
+        def __init__(self, cmd, cwd, env, **kw):
+            seen[kw.get("start_new_session")] = env
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(mutants, "_copy_tree", lambda tree: None)
+    monkeypatch.setattr(mutants.subprocess, "Popen", Done)
+    for m, want, other in ((late[0], "FLAT_CUDA_PRODUCER_SLEEP_CYCLES",
+                            "FLAT_CUDA_COPY_SLEEP_CYCLES"),
+                           (next(m for m in mutants.MUTANTS
+                                 if m.gpu_only and m.gpu_tests and not m.late_producer),
+                            "FLAT_CUDA_COPY_SLEEP_CYCLES", "FLAT_CUDA_PRODUCER_SLEEP_CYCLES")):
+        mutants._run(m, sys.executable, 10, mutate=False, gpu=True)
+        env = seen[True]
+        assert env[want] == mutants.GPU_SLEEP_CYCLES and other not in env, m.name

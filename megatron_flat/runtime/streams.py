@@ -172,6 +172,11 @@ def delayed_copy_count() -> int:
 # On CUDA, FLAT_CUDA_COPY_SLEEP_CYCLES=N queues a sleep kernel of N cycles before every copy
 # on a side stream, so each copy lands late and a missing wait shows (benchmarks/gpu_check.sh).
 _CUDA_SLEEP_CYCLES = int(os.environ.get("FLAT_CUDA_COPY_SLEEP_CYCLES", "0") or 0)
+# FLAT_CUDA_PRODUCER_SLEEP_CYCLES=N queues it on the compute stream instead, each time work
+# returns there from a side stream: the producers (and consumers) the next side-stream copy
+# must wait for land late, which a late copy would hide (scripts/mutants.py --gpu runs the
+# mutants of a missing producer wait so).
+_CUDA_PRODUCER_SLEEP_CYCLES = int(os.environ.get("FLAT_CUDA_PRODUCER_SLEEP_CYCLES", "0") or 0)
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -385,6 +390,11 @@ def use_stream(stream: Optional[Stream]) -> Iterator[Optional[Stream]]:
         return
     with torch.cuda.stream(stream.cuda_stream):
         yield stream
+    if _CUDA_PRODUCER_SLEEP_CYCLES and stream._side:
+        # Late producers: the work the compute stream queues next (the tensor the next copy
+        # reads, the consumer of a slot the next copy writes) lands late, so a side-stream
+        # copy that forgot to wait for it reads or overwrites it too early.
+        torch.cuda._sleep(_CUDA_PRODUCER_SLEEP_CYCLES)
 
 
 def record_stream(tensor: torch.Tensor, stream: Stream) -> None:

@@ -529,7 +529,10 @@ def _cuda_steps_bitwise(opt, ref_opt, params, refs, gen, steps: int, state: str)
     bitwise equal after every step, the ``state`` moment after the last."""
     for _ in range(steps):
         for p, r in zip(params, refs):
-            g = torch.randn(p.shape, generator=gen).to("cuda", p.dtype)
+            # Made by a kernel on the caller's stream (the upload alone would block): under
+            # the mutation suite's late-producer runs it lands late, so a step that does not
+            # wait for its caller reads the gradient before it is written.
+            g = torch.randn(p.shape, generator=gen).to("cuda", p.dtype).mul(2)
             p.grad, r.grad = g, g.float()
         opt.step()
         ref_opt.step()
