@@ -358,7 +358,7 @@ def reference(inp: Inputs) -> dict:
     (``shard``; summed over the ring). Token chunks keep the float64 logits small."""
     x, w = inp.x.detach().double(), inp.w_full.detach().double()
     n, vocab = x.shape[0], w.shape[0]
-    loss, dx = torch.empty(n, dtype=torch.float64), torch.empty_like(x)
+    loss, dx = torch.empty(n, dtype=torch.float64, device=x.device), torch.empty_like(x)
     dw = torch.zeros_like(w)
     step = max(1, 2**22 // vocab)
     for t0 in range(0, n, step):
@@ -382,7 +382,9 @@ def _error(value: Optional[torch.Tensor], ref: torch.Tensor) -> float:
     """Largest error relative to the reference's largest magnitude (worst rank)."""
     if value is None:
         return float("nan")
-    err = float((value.detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+    # on the reference's device: a CUDA run's values against a reference made elsewhere
+    value = value.detach().to(ref.device).double()
+    err = float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
     return _slowest(err)
 
 
