@@ -73,6 +73,7 @@ class _Exit(torch.autograd.Function):
         ctx.offload.acquire(ctx.layer)
         ctx.offload.acquire_grads(ctx.layer)
         ctx.offload.prefetch(ctx.layer - 1)
+        ctx.offload.prefetch_grads(ctx.layer - 1)  # its running sum, while this layer runs
         return (None, None, *grads)
 
 

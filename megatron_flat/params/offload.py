@@ -58,6 +58,7 @@ class ParamOffloadStats:
     fetches: int = 0  # acquisitions - fetches: served by a slot that still held the layer
     demand_fetches: int = 0
     grad_uploads: int = 0
+    grad_uploads_ahead: int = 0  # of them, started by prefetch_grads before the backward
     grad_zeroings: int = 0
     drains: int = 0
     h2d_bytes: int = 0
@@ -127,6 +128,8 @@ class ParamOffload:
         self._user: List[Optional[int]] = [None] * weight_slots
         self._grad_owner: List[Optional[int]] = [None] * grad_slots
         self._grad_free: List[Optional[Event]] = [None] * grad_slots  # its last drain
+        # a running main_grad uploaded ahead into a free gradient slot: (layer, its event)
+        self._grad_staged: List[Optional[tuple]] = [None] * grad_slots
         self._accumulated = [False] * len(layers)
         self._unsynced = False  # a drain issued since the last synchronize
         self._h2d = Stream(self.device)
@@ -255,7 +258,8 @@ class ParamOffload:
 
     # -- gradients -----------------------------------------------------------------------
     def acquire_grads(self, layer: int) -> List[torch.Tensor]:
-        """``layer``'s gradient slot, holding its running ``main_grad`` (module doc)."""
+        """``layer``'s gradient slot, holding its running ``main_grad`` (module doc): the host
+        sum uploaded ahead by :meth:`prefetch_grads` (waited for here) or now."""
         _, gslot = self.plan.slot_of(self._check(layer))
         owner = self._grad_owner[gslot]
         if owner == layer:
@@ -267,24 +271,49 @@ class ParamOffload:
         compute = current_stream(self.device)
         if self._grad_free[gslot] is not None:
             compute.wait_event(self._grad_free[gslot])  # its last drain has read it
-        nbytes = self.plan.layers[layer].grad_bytes
-        target = self._grad_slots[gslot][:nbytes]
         if self._accumulated[layer]:
-            # After the slot's last drain (compute waited for it above). A layer always uses
-            # the same slot and d2h runs in order, so that drain is this layer's own last
-            # one or later: the host sum is complete.
-            self._h2d.wait_stream(compute)
-            with use_stream(self._h2d), torch.no_grad():
-                copy(target, self._host_grads[layer], non_blocking=True)
-            compute.wait_event(self._h2d.record_event())
-            self.stats.grad_uploads += 1
-            self.stats.h2d_bytes += nbytes
+            staged = self._grad_staged[gslot]
+            if staged is None or staged[0] != layer:
+                # Not uploaded ahead: now, after the slot's last drain (compute waited for it
+                # above; a layer always uses the same slot and d2h runs in order, so that
+                # drain is this layer's own last one or later: the host sum is complete).
+                self._h2d.wait_stream(compute)
+                staged = self._upload_grads(layer, gslot)
+            compute.wait_event(staged[1])
         else:
             with torch.no_grad():
-                target.zero_()
+                self._grad_slots[gslot][:self.plan.layers[layer].grad_bytes].zero_()
             self.stats.grad_zeroings += 1
+        self._grad_staged[gslot] = None
         self._grad_owner[gslot] = layer
         return self._grads[layer]
+
+    def prefetch_grads(self, layer: int) -> None:
+        """Start uploading ``layer``'s running ``main_grad`` into its gradient slot ahead of
+        its backward (no-op out of range, before its first drain since :meth:`zero_grad`,
+        or while the slot holds an undrained gradient): the upload then runs beside the
+        backward before it instead of stalling the layer's own."""
+        if not 0 <= layer < self.num_layers or not self._accumulated[layer]:
+            return
+        _, gslot = self.plan.slot_of(layer)
+        staged = self._grad_staged[gslot]
+        if self._grad_owner[gslot] is not None or (staged is not None and staged[0] == layer):
+            return
+        if self._grad_free[gslot] is not None:
+            # The slot's last drain has read it, and (d2h runs in order) this layer's own
+            # last drain, which the host sum needs, has landed.
+            self._h2d.wait_event(self._grad_free[gslot])
+        self._upload_grads(layer, gslot)
+        self.stats.grad_uploads_ahead += 1
+
+    def _upload_grads(self, layer: int, gslot: int) -> tuple:
+        nbytes = self.plan.layers[layer].grad_bytes
+        with use_stream(self._h2d), torch.no_grad():
+            copy(self._grad_slots[gslot][:nbytes], self._host_grads[layer], non_blocking=True)
+        staged = self._grad_staged[gslot] = (layer, self._h2d.record_event())
+        self.stats.grad_uploads += 1
+        self.stats.h2d_bytes += nbytes
+        return staged
 
     def drain(self, layer: int) -> None:
         """Copy ``layer``'s gradient slot down to its host ``main_grad`` (no-op when it holds
@@ -321,6 +350,7 @@ class ParamOffload:
         """Start a new accumulation: every layer's ``main_grad`` reads zero again."""
         self.synchronize()
         self._accumulated = [False] * self.num_layers
+        self._grad_staged = [None] * len(self._grad_staged)  # sums of the last accumulation
 
     def weights_updated(self) -> None:
         """The host weights were rewritten (an optimizer step, a checkpoint load): every slot

@@ -50,6 +50,8 @@ def test_offloaded_training_is_bitwise_the_resident_one(dtype, checkpoint):
     # the last update, layer 0's new weights for a next step
     assert (stats.fetches, stats.demand_fetches, stats.acquisitions) == (29, 0, 40)
     assert (stats.grad_zeroings, stats.grad_uploads, stats.drains) == (10, 10, 20)
+    # the running sums go up while the layer above runs its backward: all but the top one
+    assert stats.grad_uploads_ahead == 8
     if delaying():  # FLAT_DELAYED_COPIES=1: the copies really landed late
         assert delayed_copy_count() - delayed >= stats.fetches + stats.drains
 
