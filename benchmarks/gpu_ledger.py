@@ -23,6 +23,9 @@ OffloadStreamAdamW's schedules answer.
     python benchmarks/gpu_ledger.py --count-only --json OUT.json   # GPU shape's counts, CPU
     python benchmarks/gpu_ledger.py --recorded docs/gpu-runs/2026-12-04.json --json OUT.json
 
+``--recorded`` also reads this script's own ``--json`` output, so a fresh GPU run's units are
+re-predicted the same way (``--recorded OUT/ledger-gpu.json``).
+
 ``--count-only`` counts the GPU shape on CPU without running its matmuls (each returns zeros
 of the shape it would make: the counts depend on shapes, and the units branch on no matmul
 result), in bf16, with the kernels torch picks on CUDA (AdamW: foreach; OffloadStreamAdamW:
@@ -360,7 +363,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             records.append(measure(unit, device, args.reps, model))
             print(f"  {unit.name}/{unit.variant}: done", file=sys.stderr, flush=True)
     print(render(records))
-    _write(args.json, {"shape": shape, "device": str(device), "records": records})
+    _write(args.json, {"shape": shape, "device": str(device),
+                       "device_model": model if isinstance(model, str) else model.name,
+                       "records": records})
     if args.check_syncs:
         return check_syncs(records, device)
     return 0
@@ -384,7 +389,9 @@ def repredict(run: dict, calibration: Optional[dict] = None) -> list[dict]:
     ratio, predicted_then_s, held_out_s, held_out_ratio}]``. ``predicted_s``: today's model
     with the run's device constants (published, or ``calibration``'s); ``held_out_s``: with
     constants fitted to the run's other units only (leave-one-out)."""
-    records = run["records"]
+    # a recorded file keeps each unit's counts apart; this script's own --json output (a
+    # fresh GPU run) has them beside the measured time
+    records = [r if "counts" in r else {**r, "counts": r} for r in run["records"]]
     base = device_model(run.get("device_model", "H200"))
     dev = calibrated_device(calibration, base) if calibration else base
     held = leave_one_out(records, base)

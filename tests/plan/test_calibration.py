@@ -122,3 +122,23 @@ def test_the_calibrate_benchmark_writes_every_constant_it_names(tmp_path) -> Non
     assert set(CALIBRATION_KEYS) <= set(payload["constants"])
     dev = calibrated_device(payload)
     assert dev.launch_s == payload["constants"]["launch_s"]
+
+
+def test_a_fresh_run_of_the_ledger_stage_is_repredicted_the_same_way(tmp_path) -> None:
+    """gpu_ledger.py's own --json output (here a CPU dry run) goes through --recorded as a
+    recorded file does: the next GPU run's units are re-predicted, held out, without
+    converting anything."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_ledger
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "ledger.json"
+    assert gpu_ledger.main(["--device", "cpu", "--tiny", "--units", "optimizer",
+                            "--reps", "1", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["device_model"] == "H200"
+    rows = gpu_ledger.repredict(run)
+    assert [(r["unit"], r["variant"]) for r in rows] == [("optimizer", "stock"),
+                                                         ("optimizer", "flat")]
+    assert all(r["predicted_s"] > 0 and r["held_out_s"] > 0 for r in rows)
