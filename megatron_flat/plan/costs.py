@@ -11,7 +11,7 @@ How counts scale from one layer to the model: every per-route, per-token and per
 term below is written for one layer and one microbatch, then multiplied by the stage's MoE
 layer count (dispatch) or taken once (vocabulary: last stage; optimizer: per step). The
 FLOP and byte formulas are exact for the schedules as written and are checked against the
-ledger's counts on the tiny model (``tests/plan/test_costs_world2.py``); the sync and
+ledger's counts on the tiny model (``tests/runtime/test_ledger_worlds.py``); the sync and
 launch counts per layer are the ledger's counts of the landed code (``SYNCS_*`` /
 ``OPS_*`` below, pinned by the same test), which do not grow with tokens.
 
