@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 
 def test_checkpoint_benchmark_smoke(tmp_path, monkeypatch, benchmark_script) -> None:
     bench = benchmark_script("checkpoint")
@@ -35,6 +37,8 @@ def test_checkpoint_benchmark_smoke(tmp_path, monkeypatch, benchmark_script) -> 
     assert result["summary"]["targets"]["no_reload_on_demand"]
 
 
+@pytest.mark.inline_copies("counts the ops a GPU issues: delayed copies add their own "
+                           "emulation (poison fills) and land at later waits")
 def test_what_sco_adds_to_a_layer_on_the_host(tmp_path, monkeypatch, benchmark_script) -> None:
     """Per offloaded boundary SCO adds 7 ops (the copy down, the copy up, the reload's
     buffer, ...) and 15 host calls into the CUDA runtime that launch nothing (4 events
