@@ -39,26 +39,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATOMIC_OPS", "TILE", "atomic_elements", "profile_key"]
+__all__ = ["ATOMIC_OPS", "TILE", "atomic_elements", "mem_key", "overloads", "profile_key"]
 
 TILE = 128  # the output tile edge the tile count is taken at (Hopper GEMMs: 128 x 128..256)
 
 _aten = torch.ops.aten
 
 
-def _overloads(*names: str) -> frozenset:
+def overloads(packet: Any, *names: str) -> frozenset:
+    """Every overload of each op ``names`` in ``packet`` (``torch.ops.aten``); names this
+    torch lacks are skipped."""
     out = []
     for name in names:
-        packet = getattr(_aten, name, None)
-        if packet is None:
-            continue
-        out.extend(getattr(packet, o) for o in packet.overloads())
+        ops = getattr(packet, name, None)
+        if ops is not None:
+            out.extend(getattr(ops, o) for o in ops.overloads())
     return frozenset(out)
 
 
 # Accumulates by index that CUDA implements with an atomic add per source element.
-_ADD = _overloads("index_add", "index_add_", "scatter_add", "scatter_add_")
-_PUT = _overloads("index_put", "index_put_", "_index_put_impl_", "put", "put_")
+_ADD = overloads(_aten, "index_add", "index_add_", "scatter_add", "scatter_add_")
+_PUT = overloads(_aten, "index_put", "index_put_", "_index_put_impl_", "put", "put_")
 ATOMIC_OPS = _ADD | _PUT
 
 
@@ -79,8 +80,18 @@ def atomic_elements(func: Any, args: tuple, kwargs: dict) -> int:
     return int(source.numel()) if isinstance(source, torch.Tensor) else 0
 
 
+def _first(out: Any) -> Any:
+    """An op's (first) output."""
+    return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
+def mem_key(nbytes: int) -> str:
+    """The profile key of a memory-bound kernel moving ``nbytes``."""
+    return f"mem:{max(0, int(nbytes).bit_length() - 1)}"
+
+
 def _tiles(out: Any) -> int:
-    t = out[0] if isinstance(out, (tuple, list)) and out else out
+    t = _first(out)
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return 1
     if t.dim() == 1:
@@ -108,13 +119,13 @@ def profile_key(func: Any, args: tuple, kwargs: dict, out: Any, flops: int, nbyt
         if not _in_place(func) and isinstance(first, torch.Tensor):
             touched += 2 * first.numel() * width  # the out-of-place form copies self first
         return f"atomic{8 * width}", elements, touched
-    return f"mem:{max(0, int(nbytes).bit_length() - 1)}", 0, nbytes
+    return mem_key(nbytes), 0, nbytes
 
 
 def _full_precision(out: Any) -> bool:
     """A matmul whose result is fp32 or fp64: CUDA runs it without tensor cores unless TF32
     is allowed (torch's default for matmuls is not to)."""
-    t = out[0] if isinstance(out, (tuple, list)) and out else out
+    t = _first(out)
     return isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float64)
 
 

@@ -61,15 +61,7 @@ _aten = torch.ops.aten
 _c10d = torch.ops.c10d
 
 
-def _overloads(packet: Any, *names: str) -> set:
-    out = set()
-    for name in names:
-        p = getattr(packet, name, None)
-        if p is None:
-            continue
-        for overload in p.overloads():
-            out.add(getattr(p, overload))
-    return out
+_overloads = kernels.overloads
 
 
 _SCALAR_SYNC = _overloads(_aten, "_local_scalar_dense", "equal")
@@ -590,8 +582,7 @@ def foreign_kernel(flops: int = 0, mem_bytes: int = 0) -> Iterator[None]:
         target.ops += 1
         target.flops += int(flops)
         target.mem_bytes += int(mem_bytes)
-        target.add_kernel("gemm:0" if flops else
-                          f"mem:{max(0, int(mem_bytes).bit_length() - 1)}", flops, mem_bytes)
+        target.add_kernel("gemm:0" if flops else kernels.mem_key(mem_bytes), flops, mem_bytes)
     with quietly():
         yield
 
@@ -940,15 +931,13 @@ class CostLedger:
         implicit, implicit_syncs = (self._implicit_uploads(func, args, leaves)
                                     if device_in and func not in _COPIES else (0, 0))
         syncs.extend(["h2d_implicit"] * implicit_syncs)
-        mem = sum(_nbytes(t) for t in leaves) + sum(
-            _nbytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-        )
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        written = self._written(func, args, kwargs)
+        # an in-place update that returns nothing (a _foreach_ step) writes its arguments
+        mem = sum(_nbytes(t) for t in leaves) + sum(_nbytes(t) for t in outs or written)
         attn_fwd, attn_bwd = func in _ATTENTION_FORWARD, func in _ATTENTION_BACKWARD
         # an op on host data only launches nothing on a GPU (host time only)
         host_only = not device_in and origin == _HOST and not (h2d or d2h)
-        written = self._written(func, args, kwargs)
-        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
-            mem += sum(_nbytes(t) for t in written)  # an in-place update returning nothing
         key, work, kernel_bytes = ("", 0, 0) if host_only else kernels.profile_key(
             func, args, kwargs, out, f, mem, copy=bool(h2d or d2h))
         for target in targets:

@@ -418,10 +418,10 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
 
 def _synchronize_quietly(wait: Callable[[], None], keep: tuple) -> None:
     # Teardown, not step work: the wait is not counted by an open cost ledger (a finalizer
-    # runs whenever the collector drops its owner, inside any block).
+    # runs whenever the collector drops its owner, inside any block). ``keep`` is only held:
+    # the finalizer lets go of its arguments once this returns.
     with ledger.quietly():
         wait()
-    del keep
 
 
 def synchronize_on_drop(owner: object, wait: Callable[[], None],
