@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_flat.plan.time import DEVICES
+from megatron_flat.plan.time import DEVICES, model_of
 
 GEMMS = [(16384, 2048, 8192), (16384, 8192, 2048), (16384, 2048, 65536), (512, 2048, 2048)]
 TINY_GEMMS = [(256, 64, 128), (64, 64, 64)]
@@ -153,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available (use --device cpu --tiny)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    model = next((k for k in DEVICES if k in name), "H200")
+    model = model_of(name)
     constants = calibrate(device, args.tiny or device.type == "cpu", model)
     payload = {"device": name, "device_model": model, "measured": device.type == "cuda",
                "torch": torch.__version__, "constants": constants}

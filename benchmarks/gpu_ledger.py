@@ -60,7 +60,7 @@ from megatron_flat.testing.moe_reference import dense_moe
 from megatron_flat.dispatch.schedule import routes_from_topk
 from megatron_flat.optim import OffloadStreamAdamW
 from megatron_flat.plan.calibration import calibrated_device, leave_one_out, predict_records
-from megatron_flat.plan.time import DEVICES, DeviceModel, device as device_model, overlap_for
+from megatron_flat.plan.time import DeviceModel, device as device_model, model_of, overlap_for
 from megatron_flat.plan.time import predict
 from megatron_flat.runtime.ledger import CostLedger, format_count, sync_mismatches
 from megatron_flat.runtime.memory import MemoryMeter, format_bytes
@@ -259,12 +259,7 @@ def count(unit: Unit) -> dict:
 
 def device_for_prediction(device: torch.device) -> str:
     """The device model a run is predicted for: the GPU's own when it is one we model."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for known in DEVICES:
-            if known in name:
-                return known
-    return "H200"
+    return model_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else "H200"
 
 
 def measure(unit: Unit, device: torch.device, reps: int,

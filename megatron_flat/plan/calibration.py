@@ -25,21 +25,12 @@ from typing import Any, Mapping, Sequence
 from megatron_flat.plan.model import PlanError
 from megatron_flat.plan.time import DeviceModel, Overlap, device, overlap_for, predict
 
-__all__ = ["FIT_CONSTANTS", "calibrated_device", "fit_device", "leave_one_out",
+__all__ = ["CALIBRATED", "FIT_CONSTANTS", "calibrated_device", "fit_device", "leave_one_out",
            "predict_records", "ratio_within"]
 
-# What a calibrate run measures, by the key it writes, and the DeviceModel constant it sets.
-CALIBRATION_KEYS = {
-    "launch_s": "launch_s",
-    "api_call_s": "api_call_s",
-    "sync_stall_s": "sync_stall_s",
-    "kernel_floor_s": "kernel_floor_s",
-    "pcie_bytes_per_s": "pcie_bytes_per_s",
-    "matmul_efficiency": "matmul_efficiency",
-    "hbm_efficiency": "hbm_efficiency",
-    "atomic16_per_s": "atomic16_per_s",
-    "atomic32_per_s": "atomic32_per_s",
-}
+# The DeviceModel constants a calibrate run measures, under their own names.
+CALIBRATED = ("launch_s", "api_call_s", "sync_stall_s", "kernel_floor_s", "pcie_bytes_per_s",
+              "matmul_efficiency", "hbm_efficiency", "atomic16_per_s", "atomic32_per_s")
 
 # The constants a held-out fit may move: the rates a device reaches below its datasheet
 # (GEMM and memory efficiency, atomics, pinned copies). The host's time per op and a sync's
@@ -56,8 +47,8 @@ def calibrated_device(calibration: Mapping[str, Any], base: Any = None) -> Devic
     name = base or calibration.get("device_model") or "H200"
     dev = device(name) if isinstance(name, str) else name
     measured = calibration.get("constants", calibration)
-    return dev.replaced(**{CALIBRATION_KEYS[k]: float(v) for k, v in measured.items()
-                           if k in CALIBRATION_KEYS and v is not None})
+    return dev.replaced(**{k: float(v) for k, v in measured.items()
+                           if k in CALIBRATED and v is not None})
 
 
 def _overlap(record: Mapping[str, Any]) -> Overlap:

@@ -74,6 +74,7 @@ __all__ = [
     "Prediction",
     "device",
     "kernel_seconds",
+    "model_of",
     "overlap_for",
     "predict",
     "predict_step",
@@ -164,6 +165,12 @@ def device(name: str) -> DeviceModel:
         return DEVICES[name]
     except KeyError:
         raise PlanError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}") from None
+
+
+def model_of(gpu_name: str, default: str = "H200") -> str:
+    """The device model whose name appears in a GPU's own name (``torch.cuda.
+    get_device_name``: "NVIDIA H100 80GB HBM3" is an ``H100``), else ``default``."""
+    return next((known for known in DEVICES if known in gpu_name), default)
 
 
 @dataclass(frozen=True)

@@ -171,3 +171,11 @@ def test_an_fp32_matmul_runs_at_the_fp32_rate() -> None:
     bf16 = kernel_seconds({"gemm:0": [1, 1e12, 0]}, H200)
     fp32 = kernel_seconds({"gemm32:0": [1, 1e12, 0]}, H200)
     assert math.isclose(fp32 / bf16, H200.flops / H200.fp32_flops)
+
+
+def test_a_gpu_is_predicted_as_the_model_its_name_names() -> None:
+    from megatron_flat.plan.time import model_of
+
+    assert model_of("NVIDIA H100 80GB HBM3") == "H100"
+    assert model_of("NVIDIA H200") == "H200"
+    assert model_of("NVIDIA A100-SXM4-80GB") == "H200" and model_of("cpu", "H100") == "H100"
