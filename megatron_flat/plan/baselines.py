@@ -39,6 +39,10 @@ gives them (as torchtitan composes them)::
                                 rounded as above)
            + 8·P_s              m and v (torch's CPU AdamW, pageable)
 
+``fsdp2-cp`` — the PyTorch-native long-context recipe (TRL, torchtitan, ALST): its model
+state and its activations are in ``plan.recipes`` (with ``params_on_host``, the state of
+``fsdp2-offload`` above, its output layer gathered by the chunked loss instead).
+
 A baseline "fits" when its device total is within the usable device memory and its host bytes
 times the node's GPUs within the node's host memory (less the margin), as for megatron-flat.
 ``allowed(name, layout)`` says when the layout cannot run a baseline (the CPU offload needs the
@@ -48,15 +52,17 @@ distributed optimizer).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 
-__all__ = ["BASELINES", "DESCRIPTIONS", "PAPER_BASELINE", "PAPER_LABEL", "ModelState", "allowed",
+__all__ = ["BASELINES", "DESCRIPTIONS", "RECIPE_BASELINES", "PAPER_BASELINE", "PAPER_LABEL", "ModelState", "allowed",
            "check_name", "model_state", "paper_layout", "param_tensors", "pinned_bytes"]
 
-BASELINES = ("megatron", "megatron-cpu-offload", "fsdp2-offload")
+BASELINES = ("megatron", "megatron-cpu-offload", "fsdp2-offload", "fsdp2-cp")
+# The baselines whose activations are not stock Megatron's (``plan.recipes``).
+RECIPE_BASELINES = ("fsdp2-cp",)
 DESCRIPTIONS = {
     "megatron": "stock Megatron-Core: optimizer state on the GPU",
     "megatron-cpu-offload": "Megatron's --optimizer-cpu-offload (HybridDeviceOptimizer): fp32 "
@@ -64,6 +70,9 @@ DESCRIPTIONS = {
     "fsdp2-offload": "FSDP2 with CPU offload: parameters, gradients and optimizer state "
                      "sharded on the host, gathered per layer; full recompute, dense "
                      "cross-entropy, no dispatch chunking",
+    "fsdp2-cp": "the PyTorch long-context recipe (TRL, torchtitan, ALST): FSDP2 with CPU "
+                "offload, context parallelism, each layer's checkpointed input on the host, "
+                "TRL's chunked NLL loss, ALST's tiled MLP; experts unchunked",
 }
 
 ADAM_BYTES_PER_PARAM = 12       # fp32 master + m + v
@@ -150,13 +159,28 @@ class ModelState:
 
 def model_state(name: str, model: ModelSpec, layout: Layout, *, params: Dict[str, int],
                 shard: int, tensors: List[Tuple[int, int, bool]], last_stage: bool,
-                layer_params: int) -> ModelState:
+                layer_params: int, recipe=None) -> ModelState:
     """The model-state terms of baseline ``name`` (formulas in the module docstring).
 
     ``params``: this device's dense and expert parameters; ``shard``: its optimizer shard
-    (P_s); ``tensors``: ``param_tensors`` of the stage; ``layer_params``: P_u.
+    (P_s); ``tensors``: ``param_tensors`` of the stage; ``layer_params``: P_u; ``recipe``:
+    ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``; None: the planner's).
     """
     check_name(name)
+    if name == "fsdp2-cp":
+        from megatron_flat.plan.recipes import FSDP2_CP
+
+        recipe = recipe or FSDP2_CP
+        if recipe.params_on_host:  # the chunked loss gathers the output layer (its term)
+            return replace(model_state("fsdp2-offload", model, layout, params=params,
+                                       shard=shard, tensors=tensors, last_stage=last_stage,
+                                       layer_params=layer_params), vocab_extra=0)
+        b = model.bytes_per_value
+        master = FP32 if recipe.fp32_master else b
+        # sharded parameters and gradients in the master dtype, m and v beside them; the
+        # current and prefetched layer gathered in b, the current one's unsharded gradient
+        return ModelState(master * shard + 2 * b * layer_params,
+                          master * shard + master * layer_params, 2 * master * shard, 0, 0)
     b = model.bytes_per_value
     P = params["dense"] + params["expert"]
     grad_bytes = FP32 if layout.grad_fp32 else b

@@ -748,7 +748,13 @@ def render_table(res: PlanResult) -> str:
     by_row = {row: _cost(base_s, flat_s) for row, (base_s, flat_s) in sums.items()}
     lines[-1] += f"   predicted time cost ({res.device})"
     bc, fc = base.components(), r.components()
+    dense = not res.model.experts
     for name in COMPONENTS + ("total",):
+        if name == "dispatch" and dense:  # a dense model has no MoE layer to dispatch
+            lines.append(f"  {ROW_LABELS[name]:32s}{'none':>14s}{'none':>14s}"
+                         "   dense model: no experts, no dispatch (PipelinedLLEP and param "
+                         "offload do not apply)")
+            continue
         lines.append(f"  {ROW_LABELS[name]:32s}{format_bytes(bc[name]):>14s}"
                      f"{format_bytes(fc[name]):>14s}"
                      + (f"   {by_row[name]}" if name in by_row else ""))
@@ -787,6 +793,8 @@ def render_table(res: PlanResult) -> str:
         pair = times[unit]
         if unit == "parameters" and not any(p.total_s for p in pair.values()):
             continue  # only FSDP2 gathers parameters
+        if unit == "dispatch" and dense:
+            continue  # no MoE layers
         lines.append(f"  {UNIT_LABELS[unit]:36s}{format_seconds(pair['baseline'].total_s):>12s}"
                      f"{format_seconds(pair['flat'].total_s):>12s}   "
                      f"{_cost(pair['baseline'].total_s, pair['flat'].total_s)}, "

@@ -117,6 +117,8 @@ HDO_H2D_BYTES_PER_PARAM = 4
 # FSDP2 with CPU offload, per microbatch: each fp32 parameter shard goes up before each of
 # its three all-gathers (forward, recompute, backward), each fp32 gradient shard comes down.
 FSDP_GATHERS = 3
+# The chunked loss (``plan.recipes``): forward, the chunk's forward again, backward (2×).
+CHUNKED_LOSS_WORK = 4 / 3
 FSDP_H2D_BYTES_PER_PARAM = 4 * FSDP_GATHERS
 FSDP_D2H_BYTES_PER_PARAM = 4
 # OffloadStreamAdamW moves per parameter: up master, m, v (12 B; the fp32 gradient is read
@@ -442,6 +444,11 @@ def _vocab(model: ModelSpec, layout: Layout, report: PeakReport,
                           strips=strips, tiles=tiles, width=width)
     # Every MTP head is one more projection + loss of the same shape.
     counts = _scale(counts, 1 + model.mtp_layers)
+    if report.recipe is not None:
+        # The chunked loss checkpoints each chunk: its forward runs again in the backward,
+        # a third more of the projection's work (forward 1 of its 3).
+        counts = _scale(counts, CHUNKED_LOSS_WORK)
+        return counts, overlap_for("vocab", "stock")
     return counts, overlap_for("vocab", "flat" if on else "stock", layout.tp if on else 1)
 
 
@@ -475,6 +482,12 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
         extra = attn_tile_counts(projection_params=model.attention_params_per_layer() // layout.tp,
                                  tiles=tiles, bytes_per_value=model.bytes_per_value)
         counts.update(_scale(extra, count))
+    if report.recipe is not None and report.boundaries_offloaded:
+        # save_on_cpu: each layer input down in the forward, up in the backward, both on
+        # the compute stream (nothing hides them).
+        moved = report.boundaries_offloaded * report.boundary_bytes
+        counts.update(h2d_bytes=moved, d2h_bytes=moved)
+        return counts, overlap_for("checkpoint-offload", "fsdp2-cp")
     if flat is None or not flat.sco:
         return counts, overlap_for("sco", "stock")
     moved = report.boundaries_offloaded * report.boundary_bytes + replayed * report.replay_bytes
@@ -500,7 +513,7 @@ def _shard(model: ModelSpec, layout: Layout, report: PeakReport) -> Tuple[int, i
     first, count = stage_layers(model, layout)[report.stage]
     first_stage, last_stage = report.stage == 0, report.stage == layout.pp - 1
     p = stage_params(model, layout, first, count, first_stage, last_stage)
-    if layout.distributed_optimizer or report.baseline == "fsdp2-offload":
+    if layout.distributed_optimizer or report.baseline in ("fsdp2-offload", "fsdp2-cp"):
         shard = math.ceil(p["dense"] / layout.dense_dp) + math.ceil(p["expert"] / layout.expert_dp)
     else:
         shard = p["dense"] + p["expert"]
@@ -527,7 +540,7 @@ def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
                  "h2d_bytes": HDO_H2D_BYTES_PER_PARAM * shard, "syncs": tensors,
                  "ops": OPS_ADAM_PER_TENSOR * tensors},
                 overlap_for("optimizer", "megatron-cpu-offload", max(1, tensors)))
-    if off and report.baseline == "fsdp2-offload":
+    if off and _fsdp_on_host(report):
         return ({"host_mem_bytes": HOST_ADAM_BYTES_PER_PARAM * shard},
                 overlap_for("optimizer", "fsdp2-offload"))
     if flat is None or not flat.optimizer_offload:
@@ -594,7 +607,7 @@ def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
         base = overlap_for("parameters", "flat", max(1, _moe_layers(model, layout,
                                                                     report.stage)))
         return {"h2d_bytes": h2d, "d2h_bytes": d2h}, replace(base, beside_flops=beside_flops)
-    if report.baseline != "fsdp2-offload":
+    if report.baseline not in ("fsdp2-offload", "fsdp2-cp"):
         return {}, overlap_for("parameters", "stock")
     first, count = stage_layers(model, layout)[report.stage]
     p = stage_params(model, layout, first, count, report.stage == 0,
@@ -604,12 +617,20 @@ def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
     other = 0.0
     for n, s in ((p["dense"], layout.dense_dp), (p["expert"], layout.expert_dp)):
         other += (FSDP_GATHERS * b + 4) * n * (s - 1) / s
-    counts = {"h2d_bytes": FSDP_H2D_BYTES_PER_PARAM * shard,
-              "d2h_bytes": FSDP_D2H_BYTES_PER_PARAM * shard, "other_collective_bytes": other,
+    host = _fsdp_on_host(report)  # without CPU offload only the collectives remain
+    counts = {"h2d_bytes": FSDP_H2D_BYTES_PER_PARAM * shard if host else 0,
+              "d2h_bytes": FSDP_D2H_BYTES_PER_PARAM * shard if host else 0,
+              "other_collective_bytes": other,
               "collective_calls": {"all_gather_into_tensor": FSDP_GATHERS * max(count, 1),
                                    "reduce_scatter_tensor": max(count, 1)}}
     base = overlap_for("parameters", "fsdp2-offload", max(1, count))
     return counts, replace(base, beside_flops=beside_flops)
+
+
+def _fsdp_on_host(report: PeakReport) -> bool:
+    """Whether ``report``'s baseline is FSDP2 with its model state on the host."""
+    return report.baseline == "fsdp2-offload" or (
+        report.recipe is not None and report.recipe.params_on_host)
 
 
 def unit_costs(model: ModelSpec, layout: Layout, report: PeakReport,

@@ -336,6 +336,7 @@ def _deepseek_flags(groups: int, group_topk: int, scaling: float) -> Tuple[str, 
 # (router_aux_loss_coef 0.001).
 _QWEN3 = ("--qk-layernorm", "--moe-router-load-balancing-type", "aux_loss",
           "--moe-aux-loss-coeff", "0.001")
+_QWEN3_DENSE = ("--qk-layernorm",)
 
 # GPT-OSS beyond its shapes: biases everywhere, sinks, a 128-token window on every other
 # layer, quick-GEGLU; its offset and clamp as Megatron-LM spells them. Rotary bases below
@@ -441,6 +442,39 @@ PRESETS: Dict[str, ModelSpec] = {
                                vocab=151_936, arch_flags=_QWEN3,
                                rotary_base=1_000_000,
                                source="Qwen/Qwen3-30B-A3B config.json"),
+    # Dense models (no experts: the flat plan has no dispatch term), for the published
+    # long-context points the baselines are held to (benchmarks/data/published.json).
+    # Qwen/Qwen3-0.6B config.json: hidden_size 1024, num_hidden_layers 28,
+    # num_attention_heads 16, num_key_value_heads 8, head_dim 128, intermediate_size 3072,
+    # vocab_size 151936, tie_word_embeddings true, q/k RMSNorm. Published: 0.6B.
+    "qwen3-0.6b": ModelSpec(name="qwen3-0.6b", hidden=1024, layers=28, heads=16, kv_heads=8,
+                            head_dim=128, dense_ffn=3072, vocab=151_936, tied_embeddings=True,
+                            arch_flags=_QWEN3_DENSE, rotary_base=1_000_000,
+                            source="Qwen/Qwen3-0.6B config.json"),
+    # Qwen/Qwen3-4B config.json: hidden_size 2560, 36 layers, 32 heads, 8 kv heads, head_dim
+    # 128, intermediate_size 9728, vocab_size 151936, tied. Published: 4.0B.
+    "qwen3-4b": ModelSpec(name="qwen3-4b", hidden=2560, layers=36, heads=32, kv_heads=8,
+                          head_dim=128, dense_ffn=9728, vocab=151_936, tied_embeddings=True,
+                          arch_flags=_QWEN3_DENSE, rotary_base=1_000_000,
+                          source="Qwen/Qwen3-4B config.json"),
+    # Qwen/Qwen3-8B config.json: hidden_size 4096, 36 layers, 32 heads, 8 kv heads, head_dim
+    # 128, intermediate_size 12288, vocab_size 151936, untied. Published: 8.2B.
+    "qwen3-8b": ModelSpec(name="qwen3-8b", hidden=4096, layers=36, heads=32, kv_heads=8,
+                          head_dim=128, dense_ffn=12288, vocab=151_936,
+                          arch_flags=_QWEN3_DENSE, rotary_base=1_000_000,
+                          source="Qwen/Qwen3-8B config.json"),
+    # Qwen/Qwen3-32B config.json: hidden_size 5120, 64 layers, 64 heads, 8 kv heads, head_dim
+    # 128, intermediate_size 25600, vocab_size 151936, untied. Published: 32.8B.
+    "qwen3-32b": ModelSpec(name="qwen3-32b", hidden=5120, layers=64, heads=64, kv_heads=8,
+                           head_dim=128, dense_ffn=25600, vocab=151_936,
+                           arch_flags=_QWEN3_DENSE, rotary_base=1_000_000,
+                           source="Qwen/Qwen3-32B config.json"),
+    # meta-llama/Llama-3.1-8B config.json: hidden_size 4096, 32 layers, 32 heads, 8 kv heads
+    # (head dim 128), intermediate_size 14336, vocab_size 128256, untied, rope_theta 500000
+    # (its llama3 rope scaling is not a peak term). Published: 8.0B.
+    "llama-3.1-8b": ModelSpec(name="llama-3.1-8b", hidden=4096, layers=32, heads=32,
+                              kv_heads=8, head_dim=128, dense_ffn=14336, vocab=128_256,
+                              rotary_base=500_000, source="meta-llama/Llama-3.1-8B config.json"),
 }
 
 # The GPU counts the paper runs its family on (used when --gpus is not given).
@@ -448,7 +482,8 @@ PAPER_GPUS = {"paper-120b": 16, "paper-241b": 32, "paper-667b": 64}
 
 _ALIASES = {"deepseekv3": "deepseek-v3", "qwen3-30b": "qwen3-30b-a3b",
             "qwen2-57b": "qwen2-57b-a14b",
-            "qwen3-235b": "qwen3-235b-a22b", "kimi-k2-instruct": "kimi-k2",
+            "qwen3-235b": "qwen3-235b-a22b", "llama-3.1-8b-instruct": "llama-3.1-8b",
+            "llama3.1-8b": "llama-3.1-8b", "kimi-k2-instruct": "kimi-k2",
             "maverick": "llama-4-maverick", "llama4-maverick": "llama-4-maverick"}
 
 

@@ -45,7 +45,8 @@ from megatron_flat.config import FlatConfig
 from megatron_flat.dispatch.plan import num_chunks
 from megatron_flat.plan import baselines
 from megatron_flat.plan import param_offload as po_term
-from megatron_flat.plan.baselines import ADAM_BYTES_PER_PARAM, ADAM_BYTES_PER_PARAM_FP32  # noqa
+from megatron_flat.plan import recipes
+from megatron_flat.plan.baselines import ADAM_BYTES_PER_PARAM_FP32
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError, check_layout, stage_layers
 
 # Routing skew assumed when none is given: the hottest EP rank receives 1.5x the mean.
@@ -163,6 +164,7 @@ class PeakReport:
     params_host: int = 0        # param offload: the host tier's expert weights + fp32 grads
     params_slots: int = 0       # of weights + grads, param offload's device slots
     params_offloaded: int = 0   # routed-expert parameters param offload keeps on the host
+    recipe: Optional[object] = None  # fsdp2-cp's knobs (``plan.recipes.Fsdp2CP``), else None
 
     @property
     def optimizer(self) -> int:
@@ -818,7 +820,7 @@ def _check_seq(model: ModelSpec, layout: Layout, seq_len: int) -> None:
 
 
 def _stage_report(model, layout, seq_len, flat, skew, stage,
-                  baseline: str = "megatron") -> PeakReport:
+                  baseline: str = "megatron", recipe=None) -> PeakReport:
     stages = stage_layers(model, layout)
     first, count = stages[stage]
     first_stage, last_stage = stage == 0, stage == layout.pp - 1
@@ -922,7 +924,8 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
             tensors=baselines.param_tensors(model, layout, first, count, first_stage,
                                             last_stage),
             last_stage=last_stage,
-            layer_params=baselines.largest_layer_params(model, layout, first, count))
+            layer_params=baselines.largest_layer_params(model, layout, first, count),
+            recipe=recipe)
         weights, grads = state.weights, state.grads
         optimizer_device, optimizer_host = state.optimizer_device, state.optimizer_host
         vocab_extra = state.vocab_extra
@@ -936,6 +939,18 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
                        gather_buffer_kept=buffer_kept) if count else 0
 
     dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"])) + vocab_extra
+    if baseline in baselines.RECIPE_BASELINES and not (flat is not None and flat.any_enabled):
+        # The recipe's own activations (``plan.recipes``): checkpoints on the host, the
+        # chunked loss, the attention's K/V and the MLP as the recipe runs them.
+        rt = recipes.fsdp2_cp_terms(
+            recipe or recipes.FSDP2_CP, model, layout, seq_len=seq_len, n=n, boundary=B,
+            held=held, fixed=fixed, has_dense=has_dense, last_stage=last_stage,
+            reduce_bytes=4 if layout.grad_fp32 else b)
+        boundaries_device, boundaries_host = rt.boundaries_device, rt.boundaries_host
+        host_pinned += rt.boundaries_host
+        offloaded = held if rt.boundaries_host else 0
+        vocab, v["section"] = rt.vocab, rt.vocab
+        other += rt.other_extra if count else 0
     resident = weights + grads + optimizer_device
     total = resident + boundaries_device + max(dispatch + other, vocab)
     if dispatch + other >= vocab:
@@ -977,6 +992,8 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         replay_off=replay_off if flat is not None and flat.attn_replay else None,
         params_host=params_host, params_slots=params_slots,
         params_offloaded=offload_term.expert_params if offload_term is not None else 0,
+        recipe=(recipe or recipes.FSDP2_CP) if baseline == "fsdp2-cp" and
+        not (flat is not None and flat.any_enabled) else None,
     )
 
 
@@ -1074,7 +1091,7 @@ def _held_at_exit(count: int, offloaded: int, B: int, fixed: int) -> int:
 
 def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[FlatConfig] = None,
              *, skew: float = DEFAULT_SKEW, stage: Optional[int] = None,
-             baseline: str = "megatron") -> PeakReport:
+             baseline: str = "megatron", recipe=None) -> PeakReport:
     """Every peak term in bytes per device for ``seq_len`` tokens per sample.
 
     ``flat=None`` (or a FlatConfig with everything off) is the Megatron baseline; each
@@ -1084,8 +1101,12 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[Flat
     first holds the most microbatches in flight and the embedding, the last the vocabulary
     transient; middle stages are dominated by the first). ``stage`` asks for one stage.
     ``baseline`` (with no technique on): which run without megatron-flat the terms describe
-    (``plan.baselines``: ``megatron``, ``megatron-cpu-offload``, ``fsdp2-offload``).
+    (``plan.baselines``: ``megatron``, ``megatron-cpu-offload``, ``fsdp2-offload``,
+    ``fsdp2-cp``). ``recipe``: ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``; None: the
+    planner's, ``recipes.FSDP2_CP``), e.g. ``recipes.TRL_LONG_CONTEXT`` for TRL's runs.
     """
+    if recipe is not None and baseline != "fsdp2-cp":
+        raise PlanError(f"a recipe describes the fsdp2-cp baseline, not {baseline!r}")
     baselines.check_name(baseline)
     why = baselines.allowed(baseline, layout)
     if why:
@@ -1097,7 +1118,8 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[Flat
     if stage is not None:
         if not 0 <= stage < layout.pp:
             raise PlanError(f"stage {stage} is not in 0..{layout.pp - 1}")
-        return _stage_report(model, layout, seq_len, flat, skew, stage, baseline)
+        return _stage_report(model, layout, seq_len, flat, skew, stage, baseline, recipe)
     stages = sorted({0, layout.pp - 1})
-    reports = [_stage_report(model, layout, seq_len, flat, skew, s, baseline) for s in stages]
+    reports = [_stage_report(model, layout, seq_len, flat, skew, s, baseline, recipe)
+               for s in stages]
     return max(reports, key=lambda r: r.total)

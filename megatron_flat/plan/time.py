@@ -231,6 +231,9 @@ OVERLAPS[("optimizer", "megatron-cpu-offload")] = Overlap(
                          "side stream first; each parameter's CPU AdamW waits for its own "
                          "gradient (a host sync), and its copy back runs while the next "
                          "parameter updates")
+OVERLAPS[("checkpoint-offload", "fsdp2-cp")] = Overlap(
+    why="save_on_cpu(pin_memory=True): each layer input's copy down (forward) and up "
+        "(backward) runs on the compute stream, exposed")
 OVERLAPS[("optimizer", "fsdp2-offload")] = Overlap(
     why="FSDP2 with CPU offload: torch's AdamW on the CPU over the sharded host state")
 OVERLAPS[("parameters", "fsdp2-offload")] = Overlap(

@@ -11,6 +11,7 @@ from megatron_flat.plan.baselines import BASELINES, PAPER_LABEL, paper_layout
 from megatron_flat.plan.cli import main
 from megatron_flat.plan.fit import TECHNIQUES, seq_granularity
 from megatron_flat.plan.layouts import (
+    EP_NOT_MONOTONE,
     LAYOUT_KEYS,
     SAME_SPEED,
     candidate_layouts,
@@ -75,7 +76,8 @@ def test_pruning_facts_hold_over_every_layout(exhaustive):
         for wide, rw in reach.items():
             if sizes(wide)[:4] == sizes(lay)[:4] and wide.ep > lay.ep:
                 checked["ep"] += 1
-                assert all(r[run] <= rw[run] for run in r), (lay, wide)
+                assert all(r[run] <= rw[run] for run in r if run not in EP_NOT_MONOTONE), \
+                    (lay, wide)
         if lay.dp > 1:
             folded = lay.with_(cp=lay.cp * lay.dp, dp=1)
             if folded in reach and seq_granularity(folded) == seq_granularity(lay):
@@ -115,9 +117,9 @@ def test_each_baseline_gets_its_own_best_layout():
         assert own.layout != flat
         on_flats = max_context(model, flat, GPU, HOST).baselines[run]
         assert own.reach > on_flats
-    assert search.strongest() == "fsdp2-offload"
+    assert search.strongest() == "fsdp2-cp"
     assert search.ratio() == pytest.approx(search.best_reach("flat")
-                                           / search.best_reach("fsdp2-offload"))
+                                           / search.best_reach("fsdp2-cp"))
     assert search.reach["megatron"] == []  # 12 B/param of Adam state fits no layout
 
 
@@ -284,11 +286,11 @@ def test_text_lists_the_best_layouts_of_every_run(capsys):
     labels = [line.split("  TP")[0].strip() for line in section[2:]
               if line.strip() and not line.startswith("  (")]
     for label in ("megatron-flat", "megatron-flat, fastest at 1M", "megatron-cpu-offload",
-                  "fsdp2-offload"):
+                  "fsdp2-offload", "fsdp2-cp"):
         assert label in labels
     assert "  megatron                      fits no length at any layout" in section
     assert sum("<- this layout" in line for line in section) == 1
-    assert "strongest: fsdp2-offload; flat reaches" in out and "each at its own best layout" \
+    assert "strongest: fsdp2-cp; flat reaches" in out and "each at its own best layout" \
         in out
 
 

@@ -29,6 +29,9 @@ PUBLISHED_PARAMS_B = {
     "qwen3-235b-a22b": 235, "mixtral-8x22b": 141, "llama-4-maverick": 400,
     # Moonshot publishes "1T total parameters"; the config's shapes give 1.026T.
     "kimi-k2": 1000,
+    # Dense: the model cards' counts (Qwen3: 0.6B, 4.0B, 8.2B, 32.8B; Llama 3.1: 8.03B).
+    "qwen3-0.6b": 0.6, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-32b": 32.8,
+    "llama-3.1-8b": 8.03,
 }
 # Within 1 % of the published count, except the paper family (its attention shape is
 # assumed) and Kimi K2 (published rounded to 1T).

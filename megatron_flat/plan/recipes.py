@@ -1,0 +1,168 @@
+"""The recipe baselines: what today's long-context recipes hold beside the model state.
+
+``plan.baselines``' first three baselines differ from stock Megatron in the model state only.
+The two here also change the activations, as the recipes users run at 1M tokens do:
+
+``fsdp2-cp`` — the PyTorch-native recipe (Hugging Face TRL's long-context guide, torchtitan,
+DeepSpeed's ALST): FSDP2 (``fully_shard`` per layer, one layer prefetched) over DP·CP,
+PyTorch's context parallelism around SDPA, each layer checkpointed with its input saved to
+pinned host memory (``save_on_cpu(pin_memory=True)``: both copies on the compute stream),
+TRL's chunked NLL loss (each chunk of tokens checkpointed: its logits live only in its own
+forward and backward), the experts as the recipe runs them (no dispatch chunking).
+Symbols as in ``peaks.py``; ``S`` the tokens of the sequence, ``c`` the loss chunk, ``R`` the
+power-of-two rounding of torch's caching host allocator::
+
+    boundaries  device  1·B + fixed          only the input being recomputed is back
+                host    L_s·m·R(B)           every layer's input, pinned
+    vocab       3·b·N·H                      the final hidden state packed by its valid
+                                             tokens (TRL sorts them first), its gradient
+                                             and the chunk's gradient being added to it
+                + c·(V/TP)·(b + 8)           the chunk's logits, fp32 log-softmax and its
+                                             fp32 gradient
+                + 37·N                       the sort order (int64), loss bookkeeping
+                + (b + g)·(V/TP)·H           the output layer gathered once, and its
+                                             unsharded gradient (g: the reduce dtype's bytes)
+    other       stock's other term, its ring blocks (2·b·N·w_kv) replaced, CP > 1, by
+                what PyTorch CP's backward holds (torch's ``_templated_ring_attention_
+                backward``; w_q = h·d/TP, w_kv = g_l·(d + d_v), g_l = max(g/TP, 1))::
+
+                  b·S·w_kv  [allgather]      the whole K and V, gathered again
+                  (2·b·N·w_kv [alltoall])    or two ring blocks
+                  + 4·N·(w_q + w_kv)         fp32 dQ, dK, dV accumulators
+                  + b·N·(w_q + w_kv)         one step's gradients before they are added
+                  + 8·N·w_kv                 the fp32 dK, dV passed around the ring, two
+
+                + b·N·F_d/TP                 an unfused MLP keeps gate, up, act and their
+                                             product (4·F_d, not Megatron's fused 3·F_d);
+                                             with ALST's tiled MLP, 4·F_d·t for one tile of
+                                             t tokens instead of N
+                + [hf_norms] (8 + b)·N·H     Hugging Face's RMSNorm upcasts: each of the two
+                                             layer norms keeps its fp32 input, the second its
+                                             output too (stock counts the first's)
+                  + (4 + b)·N·(h + g)·d/TP   and with q/k norms (Qwen3) theirs
+
+Model state (``Fsdp2CP.params_on_host``):
+
+    on the host   FSDP2's ``CPUOffloadPolicy``: ``plan.baselines``' ``fsdp2-offload`` terms
+    on the device sharded params, grads and AdamW moments (fp32 master: 4 + 4 + 8 B per
+    P_s; without it b + b + 2·b) + the current and prefetched layer gathered (2·b·P_u) +
+    its unsharded gradient (g·P_u)
+
+``megatron-offload`` — Megatron-Core's own long-context memory configuration: see
+``megatron_offload_terms``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from megatron_flat.plan.model import Layout, ModelSpec, PlanError
+
+__all__ = ["FSDP2_CP", "TRL_LONG_CONTEXT", "Fsdp2CP", "RecipeTerms", "fsdp2_cp_terms"]
+
+FP32 = 4
+# The chunked loss's bookkeeping per token: the int64 order that packs the valid tokens
+# and the CE's own (max, sum-exp, target, loss, masks: ``peaks.CE_BYTES_PER_TOKEN``).
+CHUNKED_LOSS_BYTES_PER_TOKEN = 8 + 29
+KV_METHODS = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class Fsdp2CP:
+    """The knobs of the PyTorch-native recipe.
+
+    ``params_on_host``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and the
+    optimizer on the host; AdamW on the CPU). ``fp32_master``: sharded parameters kept in
+    fp32 with bf16 compute (accelerate's FSDP2 upcasts under ``mixed_precision: bf16``);
+    False: everything in the model dtype. ``loss_chunk``: tokens per checkpointed loss
+    chunk (TRL: 256). ``checkpoint_offload``: each layer's checkpointed input in pinned
+    host memory. ``kv``: PyTorch CP's rotate method, ``"allgather"`` (its default) or
+    ``"alltoall"`` (ring blocks passed on). ``tiled_mlp``: ALST's tiled MLP, tiles of H
+    tokens (its ``ceil(S / H)`` shards). ``hf_norms``: Hugging Face's RMSNorm, which keeps an
+    fp32 copy of its input (a fused norm keeps none).
+    """
+
+    params_on_host: bool = True
+    fp32_master: bool = True
+    loss_chunk: int = 256
+    checkpoint_offload: bool = True
+    kv: str = "alltoall"
+    tiled_mlp: bool = False
+    hf_norms: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv not in KV_METHODS:
+            raise PlanError(f"fsdp2-cp: kv {self.kv!r} is not one of {', '.join(KV_METHODS)}")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 1:
+            raise PlanError(f"fsdp2-cp: loss_chunk must be a positive integer, got "
+                            f"{self.loss_chunk!r}")
+
+
+# The planner's baseline: the recipe at its strongest for reach (model state on the host,
+# ring blocks, ALST's tiled MLP).
+FSDP2_CP = Fsdp2CP(params_on_host=True, kv="alltoall", tiled_mlp=True)
+# TRL's published runs (examples/accelerate_configs/context_parallel_8gpu.yaml): parameters
+# on the device, accelerate's fp32 master, PyTorch CP's default allgather, transformers'
+# modelling code (its RMSNorm).
+TRL_LONG_CONTEXT = Fsdp2CP(params_on_host=False, fp32_master=True, kv="allgather",
+                           hf_norms=True)
+
+
+@dataclass(frozen=True)
+class RecipeTerms:
+    """A recipe's activation terms for one stage (bytes): they replace stock's."""
+
+    boundaries_device: int
+    boundaries_host: int
+    vocab: int
+    other_extra: int
+
+
+def _pow2(nbytes: int) -> int:
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def mlp_tile_tokens(recipe: Fsdp2CP, model: ModelSpec, n: int) -> int:
+    """Tokens of the dense MLP's working set: N, or one tile of H tokens (ALST)."""
+    return min(n, model.hidden) if recipe.tiled_mlp else n
+
+
+def fsdp2_cp_terms(recipe: Fsdp2CP, model: ModelSpec, layout: Layout, *, seq_len: int, n: int,
+                   boundary: int, held: int, fixed: int, has_dense: bool, last_stage: bool,
+                   reduce_bytes: int) -> RecipeTerms:
+    """The activation terms of ``fsdp2-cp`` (module docstring) for one stage.
+
+    ``n``: tokens per CP rank; ``boundary``: one layer input (B, stock's: N_sp·H·b);
+    ``held``: layer inputs the stage keeps (L_s·m); ``fixed``: the last stage's final-norm
+    tensors (stock's); ``reduce_bytes``: g.
+    """
+    b, H, TP = model.bytes_per_value, model.hidden, layout.tp
+    B = boundary
+    if recipe.checkpoint_offload:
+        device = min(held, 1) * B + fixed
+        host = held * _pow2(B)
+    else:
+        device, host = held * B + fixed, 0
+    vocab = 0
+    if last_stage:
+        shard = math.ceil(model.vocab / TP)
+        c = min(recipe.loss_chunk, n)
+        vocab = 3 * b * n * H + c * shard * (b + 8) + CHUNKED_LOSS_BYTES_PER_TOKEN * n \
+            + (b + reduce_bytes) * shard * H
+    extra = 0
+    if layout.cp > 1:
+        w_q = model.heads * model.head_dim // TP
+        w_kv = max(model.kv_heads // TP, 1) * (model.head_dim + model.dv)
+        kv = b * seq_len * layout.micro_batch_size * w_kv if recipe.kv == "allgather" \
+            else 2 * b * n * w_kv
+        extra += kv + (4 + b) * n * (w_q + w_kv) + 8 * n * w_kv - 2 * b * n * w_kv
+    if recipe.hf_norms:
+        extra += (8 + b) * n * H
+        if "--qk-layernorm" in model.arch_flags:
+            extra += (4 + b) * n * (model.heads + model.kv_heads) * model.head_dim // TP
+    if has_dense:
+        t = mlp_tile_tokens(recipe, model, n)
+        # stock's other term counts 3·F_d·N; the unfused MLP 4·F_d over its tile
+        extra += b * model.dense_ffn * (4 * t - 3 * n) // TP
+    return RecipeTerms(device, host, vocab, extra)
+

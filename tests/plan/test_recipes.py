@@ -1,0 +1,132 @@
+"""The recipe baseline fsdp2-cp (plan.recipes): its activation terms against stock's, its
+knobs, and the step-time counts it adds."""
+
+import math
+
+import pytest
+
+from megatron_flat.plan import Layout, estimate, preset
+from megatron_flat.plan.costs import unit_costs
+from megatron_flat.plan.model import PlanError
+from megatron_flat.plan.recipes import FSDP2_CP, TRL_LONG_CONTEXT, Fsdp2CP
+
+from dataclasses import replace
+
+DENSE = preset("qwen3-8b")
+MOE = preset("qwen3-30b-a3b")
+TRL = Layout(tp=1, cp=8, ep=1)
+SEQ = 1 << 20
+
+
+def _pair(model, layout, recipe, seq=SEQ):
+    stock = estimate(model, layout, seq)
+    return stock, estimate(model, layout, seq, baseline="fsdp2-cp", recipe=recipe)
+
+
+def test_checkpoints_on_the_host_leave_one_on_the_device():
+    stock, cp = _pair(DENSE, TRL, TRL_LONG_CONTEXT)
+    B = cp.boundary_bytes
+    assert B == stock.boundary_bytes == (SEQ // 8) * DENSE.hidden * 2
+    fixed = stock.boundaries_device - DENSE.layers * B  # the final norm's tensors
+    assert cp.boundaries_device == B + fixed
+    # Every layer input pinned through torch's caching host allocator (a power of two).
+    assert cp.boundaries_host == DENSE.layers * (1 << (B - 1).bit_length())
+    assert cp.boundaries_offloaded == DENSE.layers
+    without = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp",
+                       recipe=replace(TRL_LONG_CONTEXT, checkpoint_offload=False))
+    assert without.boundaries_device == stock.boundaries_device
+    assert without.boundaries_host == 0
+    assert without.total - cp.total == (DENSE.layers - 1) * B
+
+
+def test_chunked_loss_never_builds_the_logits():
+    stock, cp = _pair(DENSE, TRL, TRL_LONG_CONTEXT)
+    n, H, V, b = SEQ // 8, DENSE.hidden, DENSE.vocab, 2
+    expect = 3 * b * n * H + 256 * V * (b + 8) + 37 * n + (b + 4) * V * H
+    assert cp.vocab == expect
+    assert cp.vocab < stock.vocab / 10  # stock's N x V logits in bf16 and fp32
+    # A bigger chunk holds more logits, linearly.
+    big = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp",
+                   recipe=replace(TRL_LONG_CONTEXT, loss_chunk=512))
+    assert big.vocab - cp.vocab == 256 * V * (b + 8)
+
+
+def test_attention_as_pytorch_cp_holds_it():
+    """allgather holds the whole K and V where alltoall holds two ring blocks; both add the
+    fp32 accumulators of torch's ring backward."""
+    gather = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp",
+                      recipe=replace(TRL_LONG_CONTEXT, kv="allgather", hf_norms=False))
+    ring = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp",
+                    recipe=replace(TRL_LONG_CONTEXT, kv="alltoall", hf_norms=False))
+    n, w_kv = SEQ // 8, DENSE.kv_heads * 2 * DENSE.head_dim
+    assert gather.other - ring.other == 2 * SEQ * w_kv - 2 * 2 * n * w_kv
+    stock = estimate(DENSE, TRL, SEQ)
+    w_q = DENSE.heads * DENSE.head_dim
+    mlp = 2 * DENSE.dense_ffn * n  # unfused: 4 F_d per token, not 3
+    assert ring.other - stock.other == (4 + 2) * n * (w_q + w_kv) + 8 * n * w_kv + mlp
+
+
+def test_hf_norms_and_tiled_mlp():
+    base = replace(TRL_LONG_CONTEXT, hf_norms=False)
+    plain = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=base)
+    norms = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=replace(base, hf_norms=True))
+    n, H = SEQ // 8, DENSE.hidden
+    qk = (4 + 2) * n * (DENSE.heads + DENSE.kv_heads) * DENSE.head_dim  # Qwen3's q/k norms
+    assert norms.other - plain.other == (8 + 2) * n * H + qk
+    tiled = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=replace(base, tiled_mlp=True))
+    assert plain.other - tiled.other == 2 * DENSE.dense_ffn * 4 * (n - H)
+
+
+def test_model_state_on_the_device_or_the_host():
+    on_device = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=TRL_LONG_CONTEXT)
+    on_host = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp",
+                       recipe=replace(TRL_LONG_CONTEXT, params_on_host=True))
+    fsdp = estimate(DENSE, TRL, SEQ, baseline="fsdp2-offload")
+    # FSDP2's CPU offload: the fsdp2-offload state, its output layer gathered by the loss.
+    assert (on_host.weights, on_host.grads, on_host.optimizer_device) == \
+        (fsdp.weights, fsdp.grads, 0)
+    assert on_host.optimizer_host == fsdp.optimizer_host
+    # On the device: 16 B per sharded parameter with the fp32 master, 4·b without it.
+    from megatron_flat.plan.baselines import largest_layer_params
+
+    unit = largest_layer_params(DENSE, TRL, 0, DENSE.layers)
+    state = on_device.weights + on_device.grads + on_device.optimizer_device
+    shard = math.ceil((on_device.params) / 8)
+    assert state == 16 * shard + 2 * 2 * unit + 4 * unit
+    bf16 = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp",
+                    recipe=replace(TRL_LONG_CONTEXT, fp32_master=False))
+    assert bf16.weights + bf16.grads + bf16.optimizer_device == 8 * shard + 2 * 2 * unit \
+        + 2 * unit
+
+
+def test_moe_keeps_stock_dispatch():
+    layout = Layout(tp=1, cp=8, ep=8)
+    stock, cp = _pair(MOE, layout, FSDP2_CP)
+    assert cp.dispatch == stock.dispatch  # the recipe does not chunk dispatch
+
+
+def test_recipe_only_for_fsdp2_cp_and_checked():
+    with pytest.raises(PlanError, match="describes the fsdp2-cp baseline"):
+        estimate(DENSE, TRL, SEQ, baseline="fsdp2-offload", recipe=FSDP2_CP)
+    with pytest.raises(PlanError, match="kv 'ulysses'"):
+        Fsdp2CP(kv="ulysses")
+    with pytest.raises(PlanError, match="loss_chunk"):
+        Fsdp2CP(loss_chunk=0)
+
+
+def test_step_counts_of_the_recipe():
+    """save_on_cpu's copies on the compute stream, the chunked loss's extra forward, FSDP2's
+    collectives without host copies when the state stays on the device."""
+    stock = estimate(DENSE, TRL, SEQ)
+    cp = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=TRL_LONG_CONTEXT)
+    s, c = unit_costs(DENSE, TRL, stock, None), unit_costs(DENSE, TRL, cp, None)
+    moved = DENSE.layers * cp.boundary_bytes
+    assert c["boundaries"][0]["h2d_bytes"] == c["boundaries"][0]["d2h_bytes"] == moved
+    assert c["boundaries"][1].copy_hidden == 0  # both copies on the compute stream
+    assert c["boundaries"][0]["flops"] == s["boundaries"][0]["flops"]
+    assert c["vocab"][0]["flops"] == pytest.approx(s["vocab"][0]["flops"] * 4 / 3)
+    assert c["parameters"][0]["h2d_bytes"] == 0 and c["parameters"][0]["other_collective_bytes"] > 0
+    assert "host_mem_bytes" not in c["optimizer"][0]  # AdamW on the device
+    host = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=FSDP2_CP)
+    h = unit_costs(DENSE, TRL, host, None)
+    assert h["optimizer"][0]["host_mem_bytes"] > 0 and h["parameters"][0]["h2d_bytes"] > 0
