@@ -14,6 +14,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_flat", "megatron_flat.*"]),
+    # The published measurements the planner's baselines are held to.
+    package_data={"megatron_flat.plan": ["published.json"]},
     install_requires=[
         # torch is required but never pinned here: pin it in the environment first
         # (an unpinned resolve on a CPU machine would pull a multi-GB CUDA build).

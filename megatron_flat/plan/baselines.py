@@ -39,6 +39,10 @@ gives them (as torchtitan composes them)::
                                 rounded as above)
            + 8·P_s              m and v (torch's CPU AdamW, pageable)
 
+``megatron-offload`` — Megatron-Core's fine-grained activation offloading with selective
+recompute and ``--optimizer-cpu-offload``: the model state of ``megatron-cpu-offload``, its
+activations in ``plan.recipes``.
+
 ``fsdp2-cp`` — the PyTorch-native long-context recipe (TRL, torchtitan, ALST): its model
 state and its activations are in ``plan.recipes`` (with ``params_on_host``, the state of
 ``fsdp2-offload`` above, its output layer gathered by the chunked loss instead).
@@ -60,9 +64,10 @@ from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 __all__ = ["BASELINES", "DESCRIPTIONS", "RECIPE_BASELINES", "PAPER_BASELINE", "PAPER_LABEL", "ModelState", "allowed",
            "check_name", "model_state", "paper_layout", "param_tensors", "pinned_bytes"]
 
-BASELINES = ("megatron", "megatron-cpu-offload", "fsdp2-offload", "fsdp2-cp")
+BASELINES = ("megatron", "megatron-cpu-offload", "megatron-offload", "fsdp2-offload",
+             "fsdp2-cp")
 # The baselines whose activations are not stock Megatron's (``plan.recipes``).
-RECIPE_BASELINES = ("fsdp2-cp",)
+RECIPE_BASELINES = ("megatron-offload", "fsdp2-cp")
 DESCRIPTIONS = {
     "megatron": "stock Megatron-Core: optimizer state on the GPU",
     "megatron-cpu-offload": "Megatron's --optimizer-cpu-offload (HybridDeviceOptimizer): fp32 "
@@ -70,6 +75,9 @@ DESCRIPTIONS = {
     "fsdp2-offload": "FSDP2 with CPU offload: parameters, gradients and optimizer state "
                      "sharded on the host, gathered per layer; full recompute, dense "
                      "cross-entropy, no dispatch chunking",
+    "megatron-offload": "Megatron-Core's fine-grained activation offloading (every module's "
+                        "saved tensors on the host, selective recompute) with "
+                        "--optimizer-cpu-offload",
     "fsdp2-cp": "the PyTorch long-context recipe (TRL, torchtitan, ALST): FSDP2 with CPU "
                 "offload, context parallelism, each layer's checkpointed input on the host, "
                 "TRL's chunked NLL loss, ALST's tiled MLP; experts unchunked",
@@ -90,7 +98,8 @@ def check_name(name: str) -> str:
 def allowed(name: str, layout: Layout) -> Optional[str]:
     """Why ``layout`` cannot run baseline ``name`` (None: it can)."""
     check_name(name)
-    if name == "megatron-cpu-offload" and not layout.distributed_optimizer:
+    if name in ("megatron-cpu-offload", "megatron-offload") and \
+            not layout.distributed_optimizer:
         return ("--optimizer-cpu-offload needs --use-precision-aware-optimizer, which needs "
                 "the distributed optimizer")
     return None
@@ -187,7 +196,7 @@ def model_state(name: str, model: ModelSpec, layout: Layout, *, params: Dict[str
     if name == "megatron":
         per = ADAM_BYTES_PER_PARAM if b < 4 else ADAM_BYTES_PER_PARAM_FP32
         return ModelState(b * P, grad_bytes * P, per * shard, 0, 0)
-    if name == "megatron-cpu-offload":
+    if name in ("megatron-cpu-offload", "megatron-offload"):
         grads_pinned = pinned_bytes(tensors, layout, FP32)
         host = shard * (ADAM_BYTES_PER_PARAM if b < 4 else ADAM_BYTES_PER_PARAM_FP32)
         return ModelState(b * P, grad_bytes * P, 0, host + grads_pinned, grads_pinned)

@@ -64,6 +64,7 @@ from megatron_flat.plan.layouts import (
     search_layouts,
     unit_times,
 )
+from megatron_flat.plan import published
 from megatron_flat.plan.layouts import step_seconds as _step_seconds
 from megatron_flat.plan.model import PAPER_GPUS, Layout, ModelSpec, PlanError, load_model
 from megatron_flat.plan.peaks import COMPONENTS, DEFAULT_SKEW, PeakReport, estimate, usable
@@ -179,6 +180,24 @@ def step_seconds(times: Dict[str, Dict[str, Prediction]], variant: str, microbat
     (``layouts.step_seconds``: every unit once per microbatch on the worst stage, PP − 1
     more for the pipeline's fill and drain, the optimizer once)."""
     return _step_seconds({u: pair[variant] for u, pair in times.items()}, microbatches, stages)
+
+
+def published_beside(res: "PlanResult") -> List[dict]:
+    """The recorded runs of this model at this length on these GPUs (``plan.published``),
+    each with the planner's ``fsdp2-cp`` prediction of it under its own configuration and
+    megatron-flat's predicted peak and step on the chosen layout (same length, same GPUs)."""
+    out = []
+    flat_step = step_seconds(predict_units(res), "flat", res.microbatches, res.layout.pp)
+    for pub in published.matching(res.model, res.layout.gpus, res.seq_len, res.device):
+        lay = Layout(**pub.point["layout"])
+        predicted = _step_seconds(unit_times(res.model, lay, pub.report, None, res.device), 1)
+        out.append({"id": pub.point["id"], "source": pub.point["source"],
+                    "layout": layout_sizes(lay), "measured_peak_bytes": pub.peak_bytes,
+                    "measured_step_s": pub.point.get("step_s"),
+                    "predicted_peak_bytes": pub.report.total, "predicted_step_s": predicted,
+                    "flat_peak_bytes": res.flat_report.total, "flat_step_s": flat_step,
+                    "flat_fits": res.error is None and res.fits(res.flat_report)})
+    return out
 
 
 def predict_units(res: "PlanResult") -> Dict[str, Dict[str, Prediction]]:
@@ -448,6 +467,7 @@ class PlanResult:
                                    label=PAPER_LABEL) if self.paper else None,
             "strongest_baseline": self.strongest,
             "reach_ratio": search.ratio(),
+            "published": published_beside(self),
         }
         times = predict_units(self)
         out["predicted_time"] = {
@@ -718,6 +738,18 @@ def _baselines_section(res: PlanResult) -> List[str]:
         text = (f"flat reaches {ratio:.2f}x its context, each at its own best layout"
                 if ratio is not None else "no baseline fits at any length")
         lines.append(f"  strongest: {strongest}; {text}")
+    for pub in published_beside(res):
+        step = pub["measured_step_s"]
+        lines.append(f"  published run at this length and GPU count ({pub['id']}, "
+                     f"{layout_text(Layout(**pub['layout']))}; --json: its source):")
+        lines.append(
+            f"    measured {pub['measured_peak_bytes'] / 1e9:.1f} GB"
+            + (f", {step:,} s a step" if step else "")
+            + f"; predicted as fsdp2-cp {pub['predicted_peak_bytes'] / 1e9:.1f} GB, "
+            f"{format_seconds(pub['predicted_step_s'])}; megatron-flat on this layout "
+            f"{pub['flat_peak_bytes'] / 1e9:.1f} GB, {format_seconds(pub['flat_step_s'])} "
+            f"(predicted{'' if pub['flat_fits'] else ', does not fit'}; compare prediction "
+            "with prediction)")
     return lines
 
 

@@ -414,7 +414,7 @@ def _dispatch(model: ModelSpec, layout: Layout, report: PeakReport,
                               routes_computed=sigma_run * k * n_sp,
                               routes_sent=k * n_sp * (ep - 1) / ep, bytes_per_value=b,
                               gated=model.gated, flat=on, chunks=K, saved=saved,
-                              recompute=True,
+                              recompute=not _selective(report),
                               graph_only=on and flat.dispatch_graph_only_recompute,
                               max_chunks=flat.dispatch_max_chunks if on and K > 1 else None)
     if on:
@@ -477,6 +477,13 @@ def _boundaries(model: ModelSpec, layout: Layout, report: PeakReport,
     replayed = count * report.replay_fraction  # layers per microbatch that replay
     skipped = replayed * attention_core_flops(model, layout, report.seq_len, report.tokens)
     counts = {"flops": 4 * forward * count - skipped}
+    if _selective(report):
+        # Megatron's activation offloading: selective recompute (no forward re-run), every
+        # offloaded group down in the forward and up one group ahead in the backward on the
+        # side streams, beside the layers' compute.
+        moved = report.boundaries_offloaded * report.offloaded_per_layer
+        counts.update(flops=3 * forward * count, h2d_bytes=moved, d2h_bytes=moved)
+        return counts, overlap_for("activation-offload", "megatron-offload", max(1, count))
     tiles = attn_tiles(layout, report.tokens, flat)
     if tiles > 1:
         extra = attn_tile_counts(projection_params=model.attention_params_per_layer() // layout.tp,
@@ -534,7 +541,7 @@ def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
     shard, tensors = _shard(model, layout, report)
     mem = ADAM_MEM_BYTES_PER_PARAM * shard
     off = flat is None or not flat.any_enabled
-    if off and report.baseline == "megatron-cpu-offload":
+    if off and report.baseline in ("megatron-cpu-offload", "megatron-offload"):
         return ({"host_mem_bytes": HOST_ADAM_BYTES_PER_PARAM * shard,
                  "d2h_bytes": HDO_D2H_BYTES_PER_PARAM * shard,
                  "h2d_bytes": HDO_H2D_BYTES_PER_PARAM * shard, "syncs": tensors,
@@ -625,6 +632,12 @@ def _parameters(model: ModelSpec, layout: Layout, report: PeakReport,
                                    "reduce_scatter_tensor": max(count, 1)}}
     base = overlap_for("parameters", "fsdp2-offload", max(1, count))
     return counts, replace(base, beside_flops=beside_flops)
+
+
+def _selective(report: PeakReport) -> bool:
+    """Whether ``report``'s run recomputes selectively (``megatron-offload``), not whole
+    layers."""
+    return report.baseline == "megatron-offload" and not report.flat_on
 
 
 def _fsdp_on_host(report: PeakReport) -> bool:

@@ -443,7 +443,7 @@ PRESETS: Dict[str, ModelSpec] = {
                                rotary_base=1_000_000,
                                source="Qwen/Qwen3-30B-A3B config.json"),
     # Dense models (no experts: the flat plan has no dispatch term), for the published
-    # long-context points the baselines are held to (benchmarks/data/published.json).
+    # long-context points the baselines are held to (megatron_flat/plan/published.json).
     # Qwen/Qwen3-0.6B config.json: hidden_size 1024, num_hidden_layers 28,
     # num_attention_heads 16, num_key_value_heads 8, head_dim 128, intermediate_size 3072,
     # vocab_size 151936, tie_word_embeddings true, q/k RMSNorm. Published: 0.6B.

@@ -165,6 +165,12 @@ class PeakReport:
     params_slots: int = 0       # of weights + grads, param offload's device slots
     params_offloaded: int = 0   # routed-expert parameters param offload keeps on the host
     recipe: Optional[object] = None  # fsdp2-cp's knobs (``plan.recipes.Fsdp2CP``), else None
+    offloaded_per_layer: int = 0  # megatron-offload: bytes one layer's groups move (o)
+
+    @property
+    def flat_on(self) -> bool:
+        """Whether any megatron-flat technique is on in this report."""
+        return self.flat is not None and self.flat.any_enabled
 
     @property
     def optimizer(self) -> int:
@@ -939,17 +945,28 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
                        gather_buffer_kept=buffer_kept) if count else 0
 
     dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"])) + vocab_extra
+    offloaded_layer = 0
     if baseline in baselines.RECIPE_BASELINES and not (flat is not None and flat.any_enabled):
-        # The recipe's own activations (``plan.recipes``): checkpoints on the host, the
-        # chunked loss, the attention's K/V and the MLP as the recipe runs them.
-        rt = recipes.fsdp2_cp_terms(
-            recipe or recipes.FSDP2_CP, model, layout, seq_len=seq_len, n=n, boundary=B,
-            held=held, fixed=fixed, has_dense=has_dense, last_stage=last_stage,
-            reduce_bytes=4 if layout.grad_fp32 else b)
+        # The recipe's own activations (``plan.recipes``).
+        if baseline == "fsdp2-cp":  # checkpoints on the host, the chunked loss, CP, the MLP
+            rt = recipes.fsdp2_cp_terms(
+                recipe or recipes.FSDP2_CP, model, layout, seq_len=seq_len, n=n, boundary=B,
+                held=held, fixed=fixed, has_dense=has_dense, last_stage=last_stage,
+                reduce_bytes=4 if layout.grad_fp32 else b)
+            vocab, v["section"] = rt.vocab, rt.vocab
+        else:  # megatron-offload: every module's saved tensors on the host
+            router = n_sp * (ROUTER_BYTES_PER_TOKEN_EXPERT * model.experts + ROUTER_BYTES_PER_ROUTE
+                             * model.topk + ROUTER_BYTES_PER_TOKEN) if has_moe else 0
+            sigma = skew_baseline(model, layout, skew)
+            rt = recipes.megatron_offload_terms(
+                model, layout, n=n, n_sp=n_sp, sigma=sigma, held=held, fixed=fixed,
+                has_moe=has_moe, router_bytes=router)
+            offloaded_layer = recipes.offloaded_per_layer(model, layout, n, n_sp, sigma,
+                                                          has_moe)
         boundaries_device, boundaries_host = rt.boundaries_device, rt.boundaries_host
         host_pinned += rt.boundaries_host
-        offloaded = held if rt.boundaries_host else 0
-        vocab, v["section"] = rt.vocab, rt.vocab
+        # layers whose activations go to the host (megatron-offload keeps one layer's)
+        offloaded = (held if baseline == "fsdp2-cp" else held - 1) if rt.boundaries_host else 0
         other += rt.other_extra if count else 0
     resident = weights + grads + optimizer_device
     total = resident + boundaries_device + max(dispatch + other, vocab)
@@ -994,6 +1011,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         params_offloaded=offload_term.expert_params if offload_term is not None else 0,
         recipe=(recipe or recipes.FSDP2_CP) if baseline == "fsdp2-cp" and
         not (flat is not None and flat.any_enabled) else None,
+        offloaded_per_layer=offloaded_layer,
     )
 
 
@@ -1102,7 +1120,7 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[Flat
     transient; middle stages are dominated by the first). ``stage`` asks for one stage.
     ``baseline`` (with no technique on): which run without megatron-flat the terms describe
     (``plan.baselines``: ``megatron``, ``megatron-cpu-offload``, ``fsdp2-offload``,
-    ``fsdp2-cp``). ``recipe``: ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``; None: the
+    ``megatron-offload``, ``fsdp2-cp``). ``recipe``: ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``; None: the
     planner's, ``recipes.FSDP2_CP``), e.g. ``recipes.TRL_LONG_CONTEXT`` for TRL's runs.
     """
     if recipe is not None and baseline != "fsdp2-cp":

@@ -48,8 +48,39 @@ Model state (``Fsdp2CP.params_on_host``):
     P_s; without it b + b + 2·b) + the current and prefetched layer gathered (2·b·P_u) +
     its unsharded gradient (g·P_u)
 
-``megatron-offload`` — Megatron-Core's own long-context memory configuration: see
-``megatron_offload_terms``.
+``megatron-offload`` — Megatron-Core's own long-context memory configuration (0.16 on):
+fine-grained activation offloading (``--fine-grained-activation-offloading --offload-modules
+attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act``) with selective
+recompute (``--recompute-modules layernorm moe_act mlp``: the offloading is built for it, and
+under full recompute the first forward saves nothing to offload), the optimizer on the host
+(``--optimizer-cpu-offload --optimizer-offload-fraction 1``: ``megatron-cpu-offload``'s model
+state) and CP as the layout gives it. Every tensor autograd saves inside an offload group goes
+to pinned host memory on a side stream; a group is reloaded one group ahead in the backward,
+and the last layer of each group name of the first microbatch to run backward stays on the
+device (``fine_grained_activation_offload.py``: ``post_warmup_callback``). What no group
+covers stays on the device for every layer and microbatch in flight. Per layer, with
+w_qkv, w_o Q/K/V and O's widths per TP rank, σ the routing skew, F1 = 2 gated::
+
+    offloaded  o = b·N_sp·H                  attn_norm: the layer input
+                 + b·N_sp·H                  qkv_linear: the norm output
+                 + b·N·(w_qkv + w_o)         core_attn: Q, K, V (rotated) and O (attn_proj's
+                                             input is O again)
+                 + b·N_sp·H                  mlp_norm: the residual after attention
+                 + [MoE] b·σ·k·N_sp·(H + F1·F)   expert_fc1: the dispatched tokens;
+                                             moe_act: fc1's output
+    kept       r = b·N_sp·H                  the router's (or a dense MLP's recompute) input
+                 + [MoE] router bookkeeping  (``peaks.ROUTER_BYTES_*``)
+                 + 4·N·h/TP + 8·N_sp         log-sum-exp, the norms' rstd
+    boundaries  device  L_s·m·r + o + fixed  the kept layer's groups; the one being consumed
+                                             and the one prefetched fit inside it
+                host    (L_s·m − 1)·R(o)
+    dispatch, other, vocab: stock's. Megatron's cross-entropy (unfused or fused ``native``)
+    builds the logits in every release (its linear cross-entropy is on the dev branch only,
+    Blackwell-only); paged stash (0.18) bounds the stashed expert activations across layers,
+    not the live layer's dispatch transient, so neither lowers a term here.
+
+The step runs no full recompute (3 × the forward's work, not 4) and moves o per layer down and
+up on the side streams beside the layers' compute.
 """
 
 from __future__ import annotations
@@ -58,7 +89,8 @@ import math
 from dataclasses import dataclass
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 
-__all__ = ["FSDP2_CP", "TRL_LONG_CONTEXT", "Fsdp2CP", "RecipeTerms", "fsdp2_cp_terms"]
+__all__ = ["FSDP2_CP", "TRL_LONG_CONTEXT", "Fsdp2CP", "RecipeTerms", "fsdp2_cp_terms",
+           "megatron_offload_terms", "offloaded_per_layer"]
 
 FP32 = 4
 # The chunked loss's bookkeeping per token: the int64 order that packs the valid tokens
@@ -165,4 +197,32 @@ def fsdp2_cp_terms(recipe: Fsdp2CP, model: ModelSpec, layout: Layout, *, seq_len
         # stock's other term counts 3·F_d·N; the unfused MLP 4·F_d over its tile
         extra += b * model.dense_ffn * (4 * t - 3 * n) // TP
     return RecipeTerms(device, host, vocab, extra)
+
+
+def offloaded_per_layer(model: ModelSpec, layout: Layout, n: int, n_sp: int, sigma: float,
+                        moe: bool) -> int:
+    """``megatron-offload``'s o: bytes one layer's offload groups move to the host."""
+    b, H, TP = model.bytes_per_value, model.hidden, layout.tp
+    g_local = max(model.kv_heads // TP, 1) * TP
+    w_qkv = (model.heads * model.head_dim + g_local * (model.head_dim + model.dv)) // TP
+    w_o = model.heads * model.dv // TP
+    out = 3 * b * n_sp * H + b * n * (w_qkv + w_o)
+    if moe:
+        f1 = 2 if model.gated else 1
+        out += int(b * sigma * model.topk * n_sp * (H + f1 * model.expert_ffn))
+    return out
+
+
+def megatron_offload_terms(model: ModelSpec, layout: Layout, *, n: int, n_sp: int,
+                           sigma: float, held: int, fixed: int, has_moe: bool,
+                           router_bytes: int) -> RecipeTerms:
+    """The activation terms of ``megatron-offload`` (module docstring) for one stage:
+    ``sigma`` the routing skew, ``held`` L_s·m, ``router_bytes`` the router's bookkeeping
+    per layer (0 without MoE layers)."""
+    b, H = model.bytes_per_value, model.hidden
+    o = offloaded_per_layer(model, layout, n, n_sp, sigma, has_moe)
+    r = b * n_sp * H + router_bytes + 4 * n * model.heads // layout.tp + 8 * n_sp
+    device = held * r + (o if held else 0) + fixed
+    host = max(held - 1, 0) * _pow2(o)
+    return RecipeTerms(device, host, 0, 0)
 

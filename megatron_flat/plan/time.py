@@ -231,6 +231,11 @@ OVERLAPS[("optimizer", "megatron-cpu-offload")] = Overlap(
                          "side stream first; each parameter's CPU AdamW waits for its own "
                          "gradient (a host sync), and its copy back runs while the next "
                          "parameter updates")
+OVERLAPS[("activation-offload", "megatron-offload")] = Overlap(
+    copy_hidden=1.0,
+    why="Megatron's fine-grained activation offloading: each group's copy down runs on its "
+        "d2h stream during the forward, its reload on the h2d stream one group ahead in the "
+        "backward")
 OVERLAPS[("checkpoint-offload", "fsdp2-cp")] = Overlap(
     why="save_on_cpu(pin_memory=True): each layer input's copy down (forward) and up "
         "(backward) runs on the compute stream, exposed")

@@ -80,7 +80,7 @@ def test_reach_of_every_baseline_is_exact():
     budget = int(141 * GIB * 0.9)
     host = int((2 << 40) * 0.9) // 8
     g = reach.granularity
-    for name in ("megatron-cpu-offload", "fsdp2-offload", "fsdp2-cp"):
+    for name in ("megatron-cpu-offload", "megatron-offload", "fsdp2-offload", "fsdp2-cp"):
         n = reach.baselines[name]
         assert n > 0
         inside = estimate(MODEL, LAYOUT, n, baseline=name)

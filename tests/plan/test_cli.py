@@ -10,7 +10,8 @@ from megatron_flat.plan.costs import ATTN_TILE_TOKENS
 
 PAPER = ["--seq", "1M", "--gpu-mem", "141GiB", "--host-mem", "2TiB"]
 STOCK = ["--baseline", "megatron"]
-BASELINES = ("megatron", "megatron-cpu-offload", "fsdp2-offload", "fsdp2-cp")
+BASELINES = ("megatron", "megatron-cpu-offload", "megatron-offload", "fsdp2-offload",
+             "fsdp2-cp")
 KEYS = {"dispatch", "vocab", "boundaries", "optimizer", "other", "total"}
 
 
@@ -257,7 +258,7 @@ def test_reach_against_every_baseline_and_the_strongest(capsys, name):
     assert data["reach_ratio"] > 1
     assert data["max_context"]["baseline"] == reach
     # Offloading baselines hold host memory: fp32 master and moments at least.
-    for offload in ("megatron-cpu-offload", "fsdp2-offload", "fsdp2-cp"):
+    for offload in ("megatron-cpu-offload", "megatron-offload", "fsdp2-offload", "fsdp2-cp"):
         assert base[offload]["host_bytes"] > 0
         assert base[offload]["host_pinned_bytes"] <= base[offload]["host_bytes"]
 

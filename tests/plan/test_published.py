@@ -1,19 +1,15 @@
 """The fsdp2-cp baseline against published measurements it was not fitted to
-(benchmarks/data/published.json): peak within ±20 % and step within 1.5× where the row's
+(megatron_flat/plan/published.json): peak within ±20 % and step within 1.5× where the row's
 configuration is published or inferred; a row the planner cannot meet stays a stated miss."""
-
-import json
-import os
 
 import pytest
 
 from megatron_flat.plan import Layout, estimate, preset
 from megatron_flat.plan.layouts import step_seconds, unit_times
+from megatron_flat.plan.published import load
 from megatron_flat.plan.recipes import Fsdp2CP
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data",
-                    "published.json")
-POINTS = json.load(open(DATA))["points"]
+POINTS = load()
 PEAK_BOUND = 0.20
 STEP_BOUND = 1.5
 
@@ -53,3 +49,32 @@ def test_unpublished_state_is_argued_by_the_arithmetic():
                       recipe=Fsdp2CP(**on_device))
     assert report.optimizer > point["peak_gb"] * 1e9
     assert point["recipe"]["params_on_host"] and "61 GB" in point["assumed"]
+
+
+def test_plan_sets_flat_beside_the_published_run(capsys):
+    """At a published point's model, length and GPUs, ``plan`` reports the run as measured,
+    as fsdp2-cp predicts it, and megatron-flat's predicted peak and step there."""
+    import json
+
+    from megatron_flat.plan.cli import main
+
+    argv = ["--model", "qwen3-30b-a3b", "--seq", "1M", "--gpus", "8", "--gpu-mem", "80GB",
+            "--host-mem", "2TiB", "--device", "H100"]
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    [pub] = data["published"]
+    point = next(p for p in POINTS if p["id"] == pub["id"])
+    report, step = _predict(point)
+    assert pub["measured_peak_bytes"] == int(point["peak_gb"] * 1e9)
+    assert pub["measured_step_s"] == point["step_s"] and pub["source"] == point["source"]
+    assert pub["predicted_peak_bytes"] == report.total
+    assert pub["predicted_step_s"] == pytest.approx(step)
+    assert pub["flat_peak_bytes"] == data["flat"]["total"]
+    assert pub["flat_step_s"] == pytest.approx(data["predicted_time"]["step_s"]["flat"])
+    assert pub["flat_fits"] and pub["flat_step_s"] < pub["predicted_step_s"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "published run at this length and GPU count (trl-qwen3-30b-a3b-1m" in out
+    # Elsewhere (another length) there is none.
+    assert main(argv[:2] + ["--seq", "512K"] + argv[4:] + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["published"] == []

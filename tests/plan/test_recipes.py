@@ -130,3 +130,66 @@ def test_step_counts_of_the_recipe():
     host = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=FSDP2_CP)
     h = unit_costs(DENSE, TRL, host, None)
     assert h["optimizer"][0]["host_mem_bytes"] > 0 and h["parameters"][0]["h2d_bytes"] > 0
+
+
+# ------------------------------------------------------------------ megatron-offload
+
+MEGA = Layout(tp=4, cp=2, ep=8)
+
+
+def test_megatron_offload_keeps_what_no_group_covers():
+    """Per layer and microbatch the router's input, its bookkeeping, the LSE and the norms'
+    rstd stay; one layer's groups stay whole (the last of the first backward microbatch);
+    the other layers' groups are on the host, each pinned rounded to a power of two."""
+    from megatron_flat.plan.peaks import (
+        ROUTER_BYTES_PER_ROUTE,
+        ROUTER_BYTES_PER_TOKEN,
+        ROUTER_BYTES_PER_TOKEN_EXPERT,
+        skew_baseline,
+    )
+    from megatron_flat.plan.recipes import offloaded_per_layer
+
+    stock = estimate(MOE, MEGA, SEQ, baseline="megatron-cpu-offload")
+    off = estimate(MOE, MEGA, SEQ, baseline="megatron-offload")
+    n = SEQ // MEGA.cp
+    n_sp, H, b = n // MEGA.tp, MOE.hidden, 2
+    sigma = skew_baseline(MOE, MEGA, 1.5)
+    o = offloaded_per_layer(MOE, MEGA, n, n_sp, sigma, True)
+    w_qkv = (MOE.heads * MOE.head_dim + MOE.kv_heads * 2 * MOE.head_dim) // MEGA.tp
+    w_o = MOE.heads * MOE.head_dim // MEGA.tp
+    assert o == 3 * b * n_sp * H + b * n * (w_qkv + w_o) \
+        + int(b * sigma * MOE.topk * n_sp * (H + 2 * MOE.expert_ffn))
+    router = n_sp * (ROUTER_BYTES_PER_TOKEN_EXPERT * MOE.experts
+                     + ROUTER_BYTES_PER_ROUTE * MOE.topk + ROUTER_BYTES_PER_TOKEN)
+    r = b * n_sp * H + router + 4 * n * MOE.heads // MEGA.tp + 8 * n_sp
+    L = MOE.layers
+    fixed = stock.boundaries_device - L * stock.boundary_bytes
+    assert off.boundaries_device == L * r + o + fixed
+    assert off.boundaries_host == (L - 1) * (1 << (o - 1).bit_length())
+    assert off.offloaded_per_layer == o and off.boundaries_offloaded == L - 1
+    # The model state is --optimizer-cpu-offload's; dispatch, other and vocab are stock's.
+    for term in ("weights", "grads", "optimizer_device", "dispatch", "other", "vocab"):
+        assert getattr(off, term) == getattr(stock, term), term
+    assert off.optimizer_host == stock.optimizer_host
+    # What stays per layer outweighs full recompute's one layer input.
+    assert r > stock.boundary_bytes
+
+
+def test_megatron_offload_needs_the_distributed_optimizer():
+    from megatron_flat.plan.model import PlanError
+
+    with pytest.raises(PlanError, match="distributed optimizer"):
+        estimate(MOE, replace(MEGA, distributed_optimizer=False), SEQ,
+                 baseline="megatron-offload")
+
+
+def test_megatron_offload_step_runs_no_full_recompute():
+    stock = estimate(MOE, MEGA, SEQ, baseline="megatron-cpu-offload")
+    off = estimate(MOE, MEGA, SEQ, baseline="megatron-offload")
+    s, c = unit_costs(MOE, MEGA, stock, None), unit_costs(MOE, MEGA, off, None)
+    assert c["boundaries"][0]["flops"] == pytest.approx(s["boundaries"][0]["flops"] * 3 / 4)
+    moved = (MOE.layers - 1) * off.offloaded_per_layer
+    assert c["boundaries"][0]["h2d_bytes"] == c["boundaries"][0]["d2h_bytes"] == moved
+    assert c["boundaries"][1].copy_hidden == 1.0  # side streams
+    assert c["dispatch"][0]["flops"] < s["dispatch"][0]["flops"]  # experts run once forward
+    assert c["optimizer"] == s["optimizer"]  # HybridDeviceOptimizer either way
