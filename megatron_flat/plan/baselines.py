@@ -185,6 +185,12 @@ def model_state(name: str, model: ModelSpec, layout: Layout, *, params: Dict[str
                                        shard=shard, tensors=tensors, last_stage=last_stage,
                                        layer_params=layer_params), vocab_extra=0)
         b = model.bytes_per_value
+        if recipe.optimizer_on_host:
+            # ZeRO-3 with offload_optimizer: cpu. Its flat gradient-partition buffer is on
+            # the host then (stage3.py allocates it on the optimizer's device), so only the
+            # current layer's gradient, before its reduce-scatter, is on the GPU.
+            return ModelState(b * shard + 2 * b * layer_params, b * layer_params,
+                              0, 4 * FP32 * shard, 0)
         master = FP32 if recipe.fp32_master else b
         # sharded parameters and gradients in the master dtype, m and v beside them; the
         # current and prefetched layer gathered in b, the current one's unsharded gradient

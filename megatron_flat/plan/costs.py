@@ -550,6 +550,13 @@ def _optimizer(model: ModelSpec, layout: Layout, report: PeakReport,
     if off and _fsdp_on_host(report):
         return ({"host_mem_bytes": HOST_ADAM_BYTES_PER_PARAM * shard},
                 overlap_for("optimizer", "fsdp2-offload"))
+    if off and report.recipe is not None and report.recipe.optimizer_on_host:
+        # ZeRO-3's offloaded optimizer: each gradient shard down, CPU AdamW, the new
+        # low-precision shard up.
+        return ({"host_mem_bytes": HOST_ADAM_BYTES_PER_PARAM * shard,
+                 "d2h_bytes": model.bytes_per_value * shard,
+                 "h2d_bytes": model.bytes_per_value * shard},
+                overlap_for("optimizer", "fsdp2-offload"))
     if flat is None or not flat.optimizer_offload:
         tensors = 12 * max(count, 1)
         return ({"mem_bytes": mem, "ops": OPS_ADAM_PER_TENSOR * tensors},

@@ -469,6 +469,13 @@ PRESETS: Dict[str, ModelSpec] = {
                            head_dim=128, dense_ffn=25600, vocab=151_936,
                            arch_flags=_QWEN3_DENSE, rotary_base=1_000_000,
                            source="Qwen/Qwen3-32B config.json"),
+    # meta-llama/Llama-3.1-70B config.json: hidden_size 8192, 80 layers, 64 heads, 8 kv heads
+    # (head dim 128), intermediate_size 28672, vocab_size 128256, untied, rope_theta 500000.
+    # Published: 70.6B.
+    "llama-3.1-70b": ModelSpec(name="llama-3.1-70b", hidden=8192, layers=80, heads=64,
+                               kv_heads=8, head_dim=128, dense_ffn=28672, vocab=128_256,
+                               rotary_base=500_000,
+                               source="meta-llama/Llama-3.1-70B config.json"),
     # meta-llama/Llama-3.1-8B config.json: hidden_size 4096, 32 layers, 32 heads, 8 kv heads
     # (head dim 128), intermediate_size 14336, vocab_size 128256, untied, rope_theta 500000
     # (its llama3 rope scaling is not a peak term). Published: 8.0B.

@@ -39,10 +39,11 @@ class Published:
         return int(self.point["peak_gb"] * GB)
 
 
-def load() -> List[dict]:
-    """Every recorded point (``published.json``'s ``points``)."""
+def load(kind: str = "points") -> List[dict]:
+    """Every recorded point of ``kind``: ``"points"`` (measured peak and step at a length)
+    or ``"reach_points"`` (lengths a recipe trained at)."""
     with open(PATH, encoding="utf-8") as f:
-        return json.load(f)["points"]
+        return json.load(f)[kind]
 
 
 def matching(model: ModelSpec, gpus: int, seq_len: int, device: str) -> List[Published]:

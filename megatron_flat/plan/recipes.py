@@ -32,6 +32,12 @@ power-of-two rounding of torch's caching host allocator::
                   + b·N·(w_q + w_kv)         one step's gradients before they are added
                   + 8·N·w_kv                 the fp32 dK, dV passed around the ring, two
 
+                or, with Ulysses (DeepSpeed's ALST; ``kv="ulysses"``, CP dividing the heads
+                per TP rank; K/V heads replicated up to CP where fewer, w_kv' their width)::
+
+                  b·N·(w_q + w_kv')          the all-to-all's second copy of Q, K, V
+                  + b·N·(w_kv' − w_kv)       the replicated K/V heads (0 when CP divides g_l)
+
                 + b·N·F_d/TP                 an unfused MLP keeps gate, up, act and their
                                              product (4·F_d, not Megatron's fused 3·F_d);
                                              with ALST's tiled MLP, 4·F_d·t for one tile of
@@ -41,9 +47,13 @@ power-of-two rounding of torch's caching host allocator::
                                              output too (stock counts the first's)
                   + (4 + b)·N·(h + g)·d/TP   and with q/k norms (Qwen3) theirs
 
-Model state (``Fsdp2CP.params_on_host``):
+Model state (``Fsdp2CP.params_on_host``, ``optimizer_on_host``):
 
     on the host   FSDP2's ``CPUOffloadPolicy``: ``plan.baselines``' ``fsdp2-offload`` terms
+    optimizer     ZeRO-3 with the optimizer offloaded: b·P_s on the device (sharded params)
+    on host       + 2·b·P_u gathered + b·P_u (the layer's gradient before its reduce-scatter;
+                  DeepSpeed keeps the gradient partitions on the optimizer's device, the
+                  host); 16·P_s on the host (fp32 master, its gradient, m, v)
     on the device sharded params, grads and AdamW moments (fp32 master: 4 + 4 + 8 B per
     P_s; without it b + b + 2·b) + the current and prefetched layer gathered (2·b·P_u) +
     its unsharded gradient (g·P_u)
@@ -89,14 +99,15 @@ import math
 from dataclasses import dataclass
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 
-__all__ = ["FSDP2_CP", "TRL_LONG_CONTEXT", "Fsdp2CP", "RecipeTerms", "fsdp2_cp_terms",
+__all__ = ["FSDP2_CP", "TRL_LONG_CONTEXT", "Fsdp2CP", "RecipeTerms", "attention_method",
+           "fsdp2_cp_terms", "ulysses_fits",
            "megatron_offload_terms", "offloaded_per_layer"]
 
 FP32 = 4
 # The chunked loss's bookkeeping per token: the int64 order that packs the valid tokens
 # and the CE's own (max, sum-exp, target, loss, masks: ``peaks.CE_BYTES_PER_TOKEN``).
 CHUNKED_LOSS_BYTES_PER_TOKEN = 8 + 29
-KV_METHODS = ("allgather", "alltoall")
+KV_METHODS = ("allgather", "alltoall", "ulysses", "auto")
 
 
 @dataclass(frozen=True)
@@ -104,35 +115,47 @@ class Fsdp2CP:
     """The knobs of the PyTorch-native recipe.
 
     ``params_on_host``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and the
-    optimizer on the host; AdamW on the CPU). ``fp32_master``: sharded parameters kept in
+    optimizer on the host; AdamW on the CPU). ``optimizer_on_host`` (without
+    ``params_on_host``): DeepSpeed ZeRO-3 with ``offload_optimizer: cpu`` as ALST runs it,
+    parameters sharded on the device in the model dtype, the gradient partitions, the fp32
+    master and the moments on the host. ``fp32_master``: sharded parameters kept in
     fp32 with bf16 compute (accelerate's FSDP2 upcasts under ``mixed_precision: bf16``);
     False: everything in the model dtype. ``loss_chunk``: tokens per checkpointed loss
     chunk (TRL: 256). ``checkpoint_offload``: each layer's checkpointed input in pinned
-    host memory. ``kv``: PyTorch CP's rotate method, ``"allgather"`` (its default) or
-    ``"alltoall"`` (ring blocks passed on). ``tiled_mlp``: ALST's tiled MLP, tiles of H
+    host memory. ``kv``: how attention spans the CP ranks: PyTorch CP's rotate method,
+    ``"allgather"`` (its default) or ``"alltoall"`` (ring blocks passed on); ``"ulysses"``
+    (heads exchanged by all-to-all, ALST's; CP must divide the heads per TP rank); ``"auto"``:
+    Ulysses where the heads allow it, else ``"alltoall"``. ``tiled_mlp``: ALST's tiled MLP, tiles of H
     tokens (its ``ceil(S / H)`` shards). ``hf_norms``: Hugging Face's RMSNorm, which keeps an
-    fp32 copy of its input (a fused norm keeps none).
+    fp32 copy of its input (a fused norm keeps none). ``pinned_checkpoints``: the offloaded
+    layer inputs are pinned (``save_on_cpu(pin_memory=True)``, rounded to a power of two by
+    torch's caching host allocator); False: pageable copies (ALST's ``.to("cpu")``).
     """
 
     params_on_host: bool = True
+    optimizer_on_host: bool = False
     fp32_master: bool = True
     loss_chunk: int = 256
     checkpoint_offload: bool = True
     kv: str = "alltoall"
     tiled_mlp: bool = False
     hf_norms: bool = False
+    pinned_checkpoints: bool = True
 
     def __post_init__(self) -> None:
         if self.kv not in KV_METHODS:
             raise PlanError(f"fsdp2-cp: kv {self.kv!r} is not one of {', '.join(KV_METHODS)}")
+        if self.params_on_host and self.optimizer_on_host:
+            raise PlanError("fsdp2-cp: params_on_host already puts the optimizer on the host; "
+                            "optimizer_on_host is ZeRO-3's offload without it")
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 1:
             raise PlanError(f"fsdp2-cp: loss_chunk must be a positive integer, got "
                             f"{self.loss_chunk!r}")
 
 
 # The planner's baseline: the recipe at its strongest for reach (model state on the host,
-# ring blocks, ALST's tiled MLP).
-FSDP2_CP = Fsdp2CP(params_on_host=True, kv="alltoall", tiled_mlp=True)
+# Ulysses where the heads allow it and ring blocks elsewhere, ALST's tiled MLP).
+FSDP2_CP = Fsdp2CP(params_on_host=True, kv="auto", tiled_mlp=True)
 # TRL's published runs (examples/accelerate_configs/context_parallel_8gpu.yaml): parameters
 # on the device, accelerate's fp32 master, PyTorch CP's default allgather, transformers'
 # modelling code (its RMSNorm).
@@ -159,6 +182,26 @@ def mlp_tile_tokens(recipe: Fsdp2CP, model: ModelSpec, n: int) -> int:
     return min(n, model.hidden) if recipe.tiled_mlp else n
 
 
+def ulysses_fits(model: ModelSpec, layout: Layout) -> bool:
+    """Whether Ulysses can split this layout's heads over CP: CP divides the query heads per
+    TP rank, and the K/V heads per TP rank divide CP or are divided by it."""
+    h_l, g_l, cp = model.heads // layout.tp, max(model.kv_heads // layout.tp, 1), layout.cp
+    return h_l % cp == 0 and (g_l % cp == 0 or cp % g_l == 0)
+
+
+def attention_method(recipe: Fsdp2CP, model: ModelSpec, layout: Layout) -> str:
+    """The recipe's attention over CP on ``layout``: ``recipe.kv`` resolved (``"auto"``:
+    Ulysses where the heads allow it, else ``"alltoall"``); ``PlanError`` when Ulysses is
+    asked for and the heads do not split."""
+    if recipe.kv == "auto":
+        return "ulysses" if ulysses_fits(model, layout) else "alltoall"
+    if recipe.kv == "ulysses" and not ulysses_fits(model, layout):
+        raise PlanError(f"fsdp2-cp: Ulysses cannot split {model.heads // layout.tp} query "
+                        f"heads and {max(model.kv_heads // layout.tp, 1)} K/V heads per TP "
+                        f"rank over CP {layout.cp}")
+    return recipe.kv
+
+
 def fsdp2_cp_terms(recipe: Fsdp2CP, model: ModelSpec, layout: Layout, *, seq_len: int, n: int,
                    boundary: int, held: int, fixed: int, has_dense: bool, last_stage: bool,
                    reduce_bytes: int) -> RecipeTerms:
@@ -172,7 +215,7 @@ def fsdp2_cp_terms(recipe: Fsdp2CP, model: ModelSpec, layout: Layout, *, seq_len
     B = boundary
     if recipe.checkpoint_offload:
         device = min(held, 1) * B + fixed
-        host = held * _pow2(B)
+        host = held * (_pow2(B) if recipe.pinned_checkpoints else B)
     else:
         device, host = held * B + fixed, 0
     vocab = 0
@@ -184,10 +227,17 @@ def fsdp2_cp_terms(recipe: Fsdp2CP, model: ModelSpec, layout: Layout, *, seq_len
     extra = 0
     if layout.cp > 1:
         w_q = model.heads * model.head_dim // TP
-        w_kv = max(model.kv_heads // TP, 1) * (model.head_dim + model.dv)
-        kv = b * seq_len * layout.micro_batch_size * w_kv if recipe.kv == "allgather" \
-            else 2 * b * n * w_kv
-        extra += kv + (4 + b) * n * (w_q + w_kv) + 8 * n * w_kv - 2 * b * n * w_kv
+        g_l = max(model.kv_heads // TP, 1)
+        w_kv = g_l * (model.head_dim + model.dv)
+        ring = 2 * b * n * w_kv  # stock's other term counts two ring blocks
+        method = attention_method(recipe, model, layout)
+        if method == "ulysses":
+            w_kv_a2a = max(g_l, layout.cp) * (model.head_dim + model.dv)
+            extra += b * n * (w_q + w_kv_a2a) + b * n * (w_kv_a2a - w_kv) - ring
+        else:
+            kv = b * seq_len * layout.micro_batch_size * w_kv if method == "allgather" \
+                else ring
+            extra += kv + (4 + b) * n * (w_q + w_kv) + 8 * n * w_kv - ring
     if recipe.hf_norms:
         extra += (8 + b) * n * H
         if "--qk-layernorm" in model.arch_flags:

@@ -31,7 +31,7 @@ PUBLISHED_PARAMS_B = {
     "kimi-k2": 1000,
     # Dense: the model cards' counts (Qwen3: 0.6B, 4.0B, 8.2B, 32.8B; Llama 3.1: 8.03B).
     "qwen3-0.6b": 0.6, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-32b": 32.8,
-    "llama-3.1-8b": 8.03,
+    "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6,
 }
 # Within 1 % of the published count, except the paper family (its attention shape is
 # assumed) and Kimi K2 (published rounded to 1T).

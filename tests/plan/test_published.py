@@ -78,3 +78,19 @@ def test_plan_sets_flat_beside_the_published_run(capsys):
     # Elsewhere (another length) there is none.
     assert main(argv[:2] + ["--seq", "512K"] + argv[4:] + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["published"] == []
+
+
+REACH_POINTS = load("reach_points")
+
+
+@pytest.mark.parametrize("point", REACH_POINTS, ids=[p["id"] for p in REACH_POINTS])
+def test_published_length_is_predicted_to_fit(point):
+    """A length a published recipe trained at must fit the planner's fsdp2-cp under that
+    recipe's configuration: its peak within the GPU, its host bytes within the node's."""
+    model, layout = preset(point["model"]), Layout(**point["layout"])
+    assert layout.gpus == point["gpus"] and point["source"]
+    seq = point["max_length"] // (2 * layout.cp) * (2 * layout.cp)
+    report = estimate(model, layout, seq, baseline="fsdp2-cp",
+                      recipe=Fsdp2CP(**point["recipe"]))
+    assert report.total <= point["gpu_gb"] * 1e9, report.binding
+    assert report.host_per_node <= point["host_tb_per_node"] * 1e12

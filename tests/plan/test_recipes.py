@@ -108,8 +108,10 @@ def test_moe_keeps_stock_dispatch():
 def test_recipe_only_for_fsdp2_cp_and_checked():
     with pytest.raises(PlanError, match="describes the fsdp2-cp baseline"):
         estimate(DENSE, TRL, SEQ, baseline="fsdp2-offload", recipe=FSDP2_CP)
-    with pytest.raises(PlanError, match="kv 'ulysses'"):
-        Fsdp2CP(kv="ulysses")
+    with pytest.raises(PlanError, match="kv 'ring'"):
+        Fsdp2CP(kv="ring")
+    with pytest.raises(PlanError, match="optimizer_on_host"):
+        Fsdp2CP(params_on_host=True, optimizer_on_host=True)
     with pytest.raises(PlanError, match="loss_chunk"):
         Fsdp2CP(loss_chunk=0)
 
@@ -193,3 +195,49 @@ def test_megatron_offload_step_runs_no_full_recompute():
     assert c["boundaries"][1].copy_hidden == 1.0  # side streams
     assert c["dispatch"][0]["flops"] < s["dispatch"][0]["flops"]  # experts run once forward
     assert c["optimizer"] == s["optimizer"]  # HybridDeviceOptimizer either way
+
+
+def test_ulysses_exchanges_heads_where_they_split():
+    from megatron_flat.plan.recipes import attention_method, ulysses_fits
+
+    plain = replace(TRL_LONG_CONTEXT, hf_norms=False)
+    uly = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=replace(plain, kv="ulysses"))
+    ring = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=replace(plain, kv="alltoall"))
+    stock = estimate(DENSE, TRL, SEQ)
+    n, w_kv = SEQ // 8, DENSE.kv_heads * 2 * DENSE.head_dim
+    w_q = DENSE.heads * DENSE.head_dim
+    mlp = 2 * DENSE.dense_ffn * n
+    # 8 K/V heads over CP 8: no replication; the all-to-all's second copy, no ring blocks.
+    assert uly.other - stock.other == 2 * n * (w_q + w_kv) - 2 * 2 * n * w_kv + mlp
+    assert uly.other < ring.other
+    # K/V heads fewer than CP are replicated up to CP (Qwen3-30B-A3B: 4 over CP 8).
+    cp8 = Layout(tp=1, cp=8, ep=8)
+    assert ulysses_fits(MOE, cp8) and attention_method(FSDP2_CP, MOE, cp8) == "ulysses"
+    a = estimate(MOE, cp8, SEQ, baseline="fsdp2-cp", recipe=replace(plain, kv="ulysses"))
+    s = estimate(MOE, cp8, SEQ)
+    w_kv, w_kv8 = 4 * 256, 8 * 256
+    w_q = MOE.heads * MOE.head_dim
+    assert a.other - s.other == 2 * n * (w_q + w_kv8) + 2 * n * (w_kv8 - w_kv) - 2 * 2 * n * w_kv
+    # 32 query heads do not split over CP 64: auto falls back to ring blocks, asked refuses.
+    wide = Layout(tp=1, cp=64, ep=1)
+    assert not ulysses_fits(DENSE, wide) and attention_method(FSDP2_CP, DENSE, wide) == "alltoall"
+    with pytest.raises(PlanError, match="Ulysses cannot split 32 query heads"):
+        estimate(DENSE, wide, SEQ, baseline="fsdp2-cp", recipe=replace(plain, kv="ulysses"))
+
+
+def test_zero3_optimizer_offload_state_and_pageable_checkpoints():
+    """ALST's DeepSpeed ZeRO-3 with offload_optimizer: sharded parameters on the GPU, the
+    gradient partitions (on the optimizer's device), master and moments on the host; its
+    checkpoints copied to pageable memory (no power-of-two rounding)."""
+    from megatron_flat.plan.baselines import largest_layer_params
+
+    alst = replace(TRL_LONG_CONTEXT, params_on_host=False, optimizer_on_host=True,
+                   pinned_checkpoints=False)
+    r = estimate(DENSE, TRL, SEQ, baseline="fsdp2-cp", recipe=alst)
+    unit = largest_layer_params(DENSE, TRL, 0, DENSE.layers)
+    shard = math.ceil(r.params / 8)
+    assert (r.weights, r.grads, r.optimizer_device) == (2 * shard + 4 * unit, 2 * unit, 0)
+    assert r.optimizer_host == 16 * shard
+    assert r.boundaries_host == DENSE.layers * r.boundary_bytes
+    c = unit_costs(DENSE, TRL, r, None)["optimizer"][0]
+    assert c["host_mem_bytes"] > 0 and c["d2h_bytes"] == c["h2d_bytes"] == 2 * shard
