@@ -28,9 +28,9 @@ search near a second without changing its result:
 * EP narrower than one that fell short is skipped: within one TP·CP·PP·DP, narrowing EP only
   adds experts to each GPU (weights, gradients, optimizer shard and FSDP2's gathered layer
   grow as E/EP) while the routing skew the peaks assume is capped from EP 2 on;
-  not for ``fsdp2-cp`` (``EP_NOT_MONOTONE``), whose model state is on the host and whose
-  activations are small enough that EP 1's balanced routing and missing all-to-all buffers
-  outweigh the gathered layer's extra experts;
+  for ``fsdp2-cp`` (``EP_NOT_MONOTONE``) from EP 2 down only: its model state is on the host
+  and its activations are small enough that EP 1's balanced routing and missing all-to-all
+  buffers can outweigh the gathered layer's extra experts, so EP 1 is always evaluated;
 * DP > 1 is skipped when the same layout with that DP folded into CP fell short: the GPUs
   hold the same parameter shards (dense over DP·CP, experts over TP·CP·DP/EP) and CP only
   divides the tokens each holds.
@@ -72,7 +72,8 @@ TOP = 3  # layouts listed per run
 # the pipeline's), so smaller differences do not tell layouts apart, while reach is headroom.
 SAME_SPEED = 0.01
 RUNS = ("flat",) + BASELINES
-# Runs for which a narrower EP can reach further (the module docstring): never pruned by EP.
+# Runs for which EP 1 can reach further than a wider EP (the module docstring): EP 1 is never
+# pruned for them.
 EP_NOT_MONOTONE = frozenset({"fsdp2-cp"})
 
 
@@ -368,7 +369,10 @@ def _top_by_reach(layouts: List[Layout], runs: Tuple[str, ...], predicates, top:
                 ranked = tops[run]
                 full = len(ranked) >= top
                 threshold = ranked[-1].reach if full else 0
-                if run not in alive or (full and short[run].below(folded, threshold)):
+                # EP 1 is evaluated for every run the facts do not cover (balanced routing,
+                # no all-to-all), even after a wider EP fell short.
+                gone = run not in alive and not (run in EP_NOT_MONOTONE and layout.ep == 1)
+                if gone or (full and short[run].below(folded, threshold)):
                     short[run].pruned.add(layout)
                     continue
                 reach = short[run].reach.get(layout)
@@ -379,8 +383,7 @@ def _top_by_reach(layouts: List[Layout], runs: Tuple[str, ...], predicates, top:
                         # at the first length it could have settles the rest.
                         probe = -(-threshold // g) * g
                         if probe > limit or not preds[run](probe):
-                            if run not in EP_NOT_MONOTONE:
-                                alive.discard(run)
+                            alive.discard(run)
                             short[run].pruned.add(layout)
                             continue
                         known_fits = probe
@@ -388,8 +391,7 @@ def _top_by_reach(layouts: List[Layout], runs: Tuple[str, ...], predicates, top:
                     bisections += 1
                     short[run].reach[layout] = reach
                 if not reach or (full and reach < threshold):
-                    if run not in EP_NOT_MONOTONE:
-                        alive.discard(run)
+                    alive.discard(run)
                     continue
                 ranked.append(Ranked(layout, reach))
                 ranked.sort(key=_rank_key)

@@ -75,9 +75,12 @@ def test_plan_sets_flat_beside_the_published_run(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "published run at this length and GPU count (trl-qwen3-30b-a3b-1m" in out
-    # Elsewhere (another length) there is none.
-    assert main(argv[:2] + ["--seq", "512K"] + argv[4:] + ["--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["published"] == []
+    # Elsewhere (another length, GPU count or kind) there is none.
+    from megatron_flat.plan.published import matching
+
+    model = preset("qwen3-30b-a3b")
+    assert matching(model, 8, 1 << 20, "h100") and not matching(model, 8, 1 << 19, "H100")
+    assert not matching(model, 16, 1 << 20, "H100") and not matching(model, 8, 1 << 20, "H200")
 
 
 REACH_POINTS = load("reach_points")
