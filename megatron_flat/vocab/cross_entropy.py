@@ -471,7 +471,7 @@ def ring_dtp_cross_entropy(
     key = None
     if plan_key is not None and not debug_checks:
         key = (id(group) if ring is not None else None, ignore_index, plan_key)
-    cached = _PLANS.get(key) if key is not None else None
+    cached = _cached(key, group) if key is not None else None
     if cached is not None:
         if error is not None:
             raise ValueError(f"ring_dtp_cross_entropy: {error}")
@@ -493,7 +493,7 @@ def ring_dtp_cross_entropy(
         planning.raise_for_peer_errors(table)
         plan = make_plan(table, rank, ignore_index)
         if key is not None:
-            _remember(key, row, plan)
+            _remember(key, group, row, plan)
     shape = labels.shape
     flat_labels, flat_active = labels.reshape(-1), active.reshape(-1)
     loss, top1 = RingDTPCrossEntropy.apply(
@@ -512,16 +512,28 @@ def ring_dtp_cross_entropy(
     return loss.view(shape)
 
 
-# Plans by (group, ignore_index, plan_key), with this rank's row of shapes and settings.
-# Every rank of a ring makes the same calls with the same plan_key, so the caches of all
-# ranks hold the same keys: all ranks find a plan, or none does and all gather.
-_PLANS: "OrderedDict[tuple, tuple[torch.Tensor, RingPlan]]" = OrderedDict()
+# Plans by (id(group), ignore_index, plan_key), with the group itself and this rank's row of
+# shapes and settings. Every rank of a ring makes the same calls with the same plan_key, so
+# the caches of all ranks hold the same keys: all ranks find a plan, or none does and all
+# gather. The entry holds its group so that the id cannot be reused while it is cached: a
+# group destroyed and another created at the same address on one rank only (each process
+# frees and allocates on its own) would otherwise find the old plan there and skip the
+# gather its peers wait in.
+_PLANS: "OrderedDict[tuple, tuple[object, torch.Tensor, RingPlan]]" = OrderedDict()
 _PLANS_KEPT = 64
 
 
-def _remember(key: tuple, row: torch.Tensor, plan: RingPlan) -> None:
+def _cached(key: tuple, group) -> Optional[tuple]:
+    """``(row, plan)`` kept under ``key`` for this very ``group``, else None."""
+    entry = _PLANS.get(key)
+    if entry is None or entry[0] is not group:
+        return None
+    return entry[1], entry[2]
+
+
+def _remember(key: tuple, group, row: torch.Tensor, plan: RingPlan) -> None:
     mark_host(row)  # a host-side table: comparing it later waits for no device
-    _PLANS[key] = (row, plan)
+    _PLANS[key] = (group, row, plan)
     _PLANS.move_to_end(key)
     while len(_PLANS) > _PLANS_KEPT:
         _PLANS.popitem(last=False)

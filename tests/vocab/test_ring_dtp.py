@@ -215,3 +215,24 @@ def test_peak_is_a_few_strips_never_the_logits(dtype) -> None:
     assert meter.sections["backward"].peak_device_bytes <= 1.25 * strip + grads + small
     # The fp32 logits alone (n x v) would be 8 strips here.
     assert meter.peak_device_bytes - grads < 2 * strip
+
+
+def test_a_plan_is_kept_for_its_own_group_only():
+    """A plan cached under one group's id is not found for another group at the same id (a
+    group freed and another allocated at its address on one rank only would otherwise skip
+    the gather its peers wait in: a hang); the entry holds its group, so while it is cached
+    no other group can take that id."""
+    import importlib
+
+    ce = importlib.import_module("megatron_flat.vocab.cross_entropy")
+    old, new = object(), object()
+    key = (id(new), -100, "k")
+    row = torch.zeros(3, dtype=torch.int64)
+    ce._remember(key, old, row, "plan")  # a stale entry at the new group's id
+    try:
+        assert ce._cached(key, new) is None
+        assert ce._cached(key, old)[1] == "plan"
+        ce._remember(key, new, row, "fresh")
+        assert ce._cached(key, new)[1] == "fresh" and ce._PLANS[key][0] is new
+    finally:
+        ce._PLANS.pop(key, None)
