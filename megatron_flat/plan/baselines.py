@@ -61,8 +61,9 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 
-__all__ = ["BASELINES", "DESCRIPTIONS", "RECIPE_BASELINES", "PAPER_BASELINE", "PAPER_LABEL", "ModelState", "allowed",
-           "check_name", "model_state", "paper_layout", "param_tensors", "pinned_bytes"]
+__all__ = ["BASELINES", "DESCRIPTIONS", "RECIPE_BASELINES", "PAPER_BASELINE", "PAPER_LABEL",
+           "ModelState", "allowed", "caching_host_bytes", "check_name", "model_state",
+           "paper_layout", "param_tensors", "pinned_bytes"]
 
 BASELINES = ("megatron", "megatron-cpu-offload", "megatron-offload", "fsdp2-offload",
              "fsdp2-cp")
@@ -105,7 +106,10 @@ def allowed(name: str, layout: Layout) -> Optional[str]:
     return None
 
 
-def _pow2(nbytes: int) -> int:
+def caching_host_bytes(nbytes: int) -> int:
+    """What a pinned allocation of ``nbytes`` takes from torch's caching host allocator: the
+    request rounded up to a power of two (the rule of ``runtime.host_tier``'s
+    ``caching_allocator_bytes``, kept here so that planning imports no torch)."""
     return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
@@ -150,7 +154,7 @@ def pinned_bytes(tensors: List[Tuple[int, int, bool]], layout: Layout, per_eleme
     total = 0
     for numel, n, expert in tensors:
         share = layout.expert_dp if expert else layout.dense_dp
-        total += n * copies * _pow2(per_element * math.ceil(numel / share))
+        total += n * copies * caching_host_bytes(per_element * math.ceil(numel / share))
     return total
 
 
@@ -173,13 +177,12 @@ def model_state(name: str, model: ModelSpec, layout: Layout, *, params: Dict[str
 
     ``params``: this device's dense and expert parameters; ``shard``: its optimizer shard
     (P_s); ``tensors``: ``param_tensors`` of the stage; ``layer_params``: P_u; ``recipe``:
-    ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``; None: the planner's).
+    ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``), which that baseline needs.
     """
     check_name(name)
     if name == "fsdp2-cp":
-        from megatron_flat.plan.recipes import FSDP2_CP
-
-        recipe = recipe or FSDP2_CP
+        if recipe is None:
+            raise PlanError("fsdp2-cp's model state needs its recipe (plan.recipes.Fsdp2CP)")
         if recipe.params_on_host:  # the chunked loss gathers the output layer (its term)
             return replace(model_state("fsdp2-offload", model, layout, params=params,
                                        shard=shard, tensors=tensors, last_stage=last_stage,

@@ -186,9 +186,12 @@ def published_beside(res: "PlanResult") -> List[dict]:
     """The recorded runs of this model at this length on these GPUs (``plan.published``),
     each with the planner's ``fsdp2-cp`` prediction of it under its own configuration and
     megatron-flat's predicted peak and step on the chosen layout (same length, same GPUs)."""
+    runs = published.matching(res.model, res.layout.gpus, res.seq_len, res.device)
+    if not runs:  # most plans: no recorded run to time flat against
+        return []
     out = []
     flat_step = step_seconds(predict_units(res), "flat", res.microbatches, res.layout.pp)
-    for pub in published.matching(res.model, res.layout.gpus, res.seq_len, res.device):
+    for pub in runs:
         lay = Layout(**pub.point["layout"])
         predicted = _step_seconds(unit_times(res.model, lay, pub.report, None, res.device), 1)
         out.append({"id": pub.point["id"], "source": pub.point["source"],

@@ -830,6 +830,9 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
     stages = stage_layers(model, layout)
     first, count = stages[stage]
     first_stage, last_stage = stage == 0, stage == layout.pp - 1
+    flat_on = flat is not None and flat.any_enabled
+    if baseline == "fsdp2-cp" and recipe is None:
+        recipe = recipes.FSDP2_CP  # the planner's (``estimate`` allows a recipe only here)
     b, H = model.bytes_per_value, model.hidden
     n = seq_len * layout.micro_batch_size // layout.cp
     n_sp = n // layout.tp if layout.sp else n
@@ -922,7 +925,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         # the host tier pins exactly this
         host_pinned = boundaries_host + optimizer_host + params_host
     else:
-        if baseline != "megatron" and flat is not None and flat.any_enabled:
+        if baseline != "megatron" and flat_on:
             raise PlanError(f"baseline {baseline!r} is what runs without megatron-flat: "
                             "give it no FlatConfig")
         state = baselines.model_state(
@@ -946,11 +949,11 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
 
     dispatch, vocab = int(math.ceil(d["value"])), int(math.ceil(v["value"])) + vocab_extra
     offloaded_layer = 0
-    if baseline in baselines.RECIPE_BASELINES and not (flat is not None and flat.any_enabled):
+    if baseline in baselines.RECIPE_BASELINES and not flat_on:
         # The recipe's own activations (``plan.recipes``).
         if baseline == "fsdp2-cp":  # checkpoints on the host, the chunked loss, CP, the MLP
             rt = recipes.fsdp2_cp_terms(
-                recipe or recipes.FSDP2_CP, model, layout, seq_len=seq_len, n=n, boundary=B,
+                recipe, model, layout, seq_len=seq_len, n=n, boundary=B,
                 held=held, fixed=fixed, has_dense=has_dense, last_stage=last_stage,
                 reduce_bytes=4 if layout.grad_fp32 else b)
             vocab, v["section"] = rt.vocab, rt.vocab
@@ -1009,8 +1012,7 @@ def _stage_report(model, layout, seq_len, flat, skew, stage,
         replay_off=replay_off if flat is not None and flat.attn_replay else None,
         params_host=params_host, params_slots=params_slots,
         params_offloaded=offload_term.expert_params if offload_term is not None else 0,
-        recipe=(recipe or recipes.FSDP2_CP) if baseline == "fsdp2-cp" and
-        not (flat is not None and flat.any_enabled) else None,
+        recipe=None if flat_on else recipe,
         offloaded_per_layer=offloaded_layer,
     )
 
@@ -1120,8 +1122,9 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, flat: Optional[Flat
     transient; middle stages are dominated by the first). ``stage`` asks for one stage.
     ``baseline`` (with no technique on): which run without megatron-flat the terms describe
     (``plan.baselines``: ``megatron``, ``megatron-cpu-offload``, ``fsdp2-offload``,
-    ``megatron-offload``, ``fsdp2-cp``). ``recipe``: ``fsdp2-cp``'s knobs (``plan.recipes.Fsdp2CP``; None: the
-    planner's, ``recipes.FSDP2_CP``), e.g. ``recipes.TRL_LONG_CONTEXT`` for TRL's runs.
+    ``megatron-offload``, ``fsdp2-cp``). ``recipe``: ``fsdp2-cp``'s knobs
+    (``plan.recipes.Fsdp2CP``; None: the planner's, ``recipes.FSDP2_CP``), e.g.
+    ``recipes.TRL_LONG_CONTEXT`` for TRL's runs.
     """
     if recipe is not None and baseline != "fsdp2-cp":
         raise PlanError(f"a recipe describes the fsdp2-cp baseline, not {baseline!r}")

@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from megatron_flat.plan.baselines import caching_host_bytes
 from megatron_flat.plan.model import Layout, ModelSpec, PlanError
 
 __all__ = ["FSDP2_CP", "TRL_LONG_CONTEXT", "Fsdp2CP", "RecipeTerms", "attention_method",
@@ -125,11 +126,12 @@ class Fsdp2CP:
     host memory. ``kv``: how attention spans the CP ranks: PyTorch CP's rotate method,
     ``"allgather"`` (its default) or ``"alltoall"`` (ring blocks passed on); ``"ulysses"``
     (heads exchanged by all-to-all, ALST's; CP must divide the heads per TP rank); ``"auto"``:
-    Ulysses where the heads allow it, else ``"alltoall"``. ``tiled_mlp``: ALST's tiled MLP, tiles of H
-    tokens (its ``ceil(S / H)`` shards). ``hf_norms``: Hugging Face's RMSNorm, which keeps an
-    fp32 copy of its input (a fused norm keeps none). ``pinned_checkpoints``: the offloaded
-    layer inputs are pinned (``save_on_cpu(pin_memory=True)``, rounded to a power of two by
-    torch's caching host allocator); False: pageable copies (ALST's ``.to("cpu")``).
+    Ulysses where the heads allow it, else ``"alltoall"``. ``tiled_mlp``: ALST's tiled MLP,
+    tiles of H tokens (its ``ceil(S / H)`` shards). ``hf_norms``: Hugging Face's RMSNorm,
+    which keeps an fp32 copy of its input (a fused norm keeps none). ``pinned_checkpoints``:
+    the offloaded layer inputs are pinned (``save_on_cpu(pin_memory=True)``, rounded to a
+    power of two by torch's caching host allocator); False: pageable copies (ALST's
+    ``.to("cpu")``).
     """
 
     params_on_host: bool = True
@@ -173,10 +175,6 @@ class RecipeTerms:
     other_extra: int
 
 
-def _pow2(nbytes: int) -> int:
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
-
-
 def mlp_tile_tokens(recipe: Fsdp2CP, model: ModelSpec, n: int) -> int:
     """Tokens of the dense MLP's working set: N, or one tile of H tokens (ALST)."""
     return min(n, model.hidden) if recipe.tiled_mlp else n
@@ -215,7 +213,7 @@ def fsdp2_cp_terms(recipe: Fsdp2CP, model: ModelSpec, layout: Layout, *, seq_len
     B = boundary
     if recipe.checkpoint_offload:
         device = min(held, 1) * B + fixed
-        host = held * (_pow2(B) if recipe.pinned_checkpoints else B)
+        host = held * (caching_host_bytes(B) if recipe.pinned_checkpoints else B)
     else:
         device, host = held * B + fixed, 0
     vocab = 0
@@ -273,6 +271,6 @@ def megatron_offload_terms(model: ModelSpec, layout: Layout, *, n: int, n_sp: in
     o = offloaded_per_layer(model, layout, n, n_sp, sigma, has_moe)
     r = b * n_sp * H + router_bytes + 4 * n * model.heads // layout.tp + 8 * n_sp
     device = held * r + (o if held else 0) + fixed
-    host = max(held - 1, 0) * _pow2(o)
+    host = max(held - 1, 0) * caching_host_bytes(o)
     return RecipeTerms(device, host, 0, 0)
 
